@@ -1,0 +1,1 @@
+"""Run configuration: attrs schemas (:mod:`.schema`) and YAML loading (:mod:`.loader`)."""

@@ -1,0 +1,339 @@
+"""YAML files with ``defaults:`` inheritance, dotted overrides, and strict structuring.
+
+Every problem is a :class:`~nrl_core.errors.ConfigError` with one line naming the file (and
+line) or the full key path, what was expected, and a close match when there is one.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+)
+
+from nrl_core.config.schema import ALGORITHM_CONFIGS, ComponentSection, RunConfig
+from nrl_core.errors import ConfigError
+from nrl_core.registry import Registry
+
+DEFAULTS_KEY = "defaults"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loader that also reads ``1e-5`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"""),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read one YAML mapping; bad YAML is reported with file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = parse_yaml(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"bad YAML in {where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"bad YAML in {path}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, not a {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge mappings recursively; values of ``override`` win, lists are replaced whole."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config file and the files its ``defaults:`` names (a path or a list of paths,
+    relative to the file; later ones win, and the file's own keys win over all of them)."""
+    path = Path(path).resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise ConfigError(f"defaults form a cycle: {cycle}")
+    data = read_yaml(path)
+    defaults = data.pop(DEFAULTS_KEY, None)
+    if defaults is None:
+        return data
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"{path}: 'defaults' must be a file path or a list of file paths")
+    merged: dict[str, Any] = {}
+    for entry in defaults:
+        merged = deep_merge(merged, load_config_file(path.parent / entry, (*_chain, path)))
+    return deep_merge(merged, data)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML scalars (``1e-5``, ``true``,
+    ``[1, 2]``, ``null``)."""
+    result = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        try:
+            value = parse_yaml(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # an unparseable value stays a string; type checks report it if wrong
+        node = result
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {prefix} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+# -- structuring -----------------------------------------------------------------------------
+
+
+def _strict_scalar(expected: type):
+    def structure(value: Any, _: Any) -> Any:
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+            return value
+        raise TypeError(f"expected {expected.__name__}, got {_describe_value(value)}")
+
+    return structure
+
+
+def _describe_value(value: Any) -> str:
+    kind = {dict: "a section", list: "a list", type(None): "null"}.get(type(value))
+    return kind or f"{type(value).__name__} {value!r}"
+
+
+def _is_optional_attrs(tp: Any) -> type | None:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and attrs.has(args[0]):
+            return args[0]
+    return None
+
+
+class ConfigConverter:
+    """Structures plain dicts into the attrs config classes, using a registry to find the
+    config classes of components (``policy.dtensor`` -> the dtensor plugin's class)."""
+
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.registry = registry or Registry()
+        conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+        for scalar in (int, float, bool, str):
+            conv.register_structure_hook(scalar, _strict_scalar(scalar))
+        conv.register_structure_hook(typing.Any, lambda value, _: value)
+        conv.register_structure_hook_func(
+            lambda t: isinstance(t, type) and issubclass(t, ComponentSection),
+            self._structure_section,
+        )
+        conv.register_unstructure_hook_func(
+            lambda t: isinstance(t, type) and issubclass(t, ComponentSection),
+            self._unstructure_section,
+        )
+        self._plain = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+        self._plain.register_structure_hook_func(
+            lambda t: True, lambda value, t: conv.structure(value, t)
+        )
+        self.converter = conv
+
+    def _structure_section(self, value: Any, cls: type[ComponentSection]) -> ComponentSection:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a section, got {_describe_value(value)}")
+        field_names = {f.name for f in attrs.fields(cls)} - {"options"}
+        plain = {k: v for k, v in value.items() if k in field_names}
+        component_keys = [k for k in value if k not in field_names]
+        errors: list[Exception] = []
+        options: dict[str, Any] = {}
+        for key in component_keys:
+            spec = self.registry.find(cls.component_kind, key)
+            if spec is None:
+                errors.append(_UnknownKey(key, sorted(field_names) + self.registry.names(
+                    cls.component_kind), cls.component_kind))
+                continue
+            try:
+                options[key] = self._structure_options(spec, value[key])
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), _note(key, cls)]
+                errors.append(exc)
+        try:
+            section = cattrs.gen.make_dict_structure_fn(
+                cls, self.converter, _cattrs_forbid_extra_keys=True,
+                _cattrs_detailed_validation=True,
+            )(plain, cls)
+        except ClassValidationError as exc:
+            errors.extend(exc.exceptions)
+            section = None
+        if errors:
+            raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
+        assert section is not None
+        section.options = options
+        self._add_selected_options(section)
+        return section
+
+    def _add_selected_options(self, section: ComponentSection) -> None:
+        """Give the selected component its default options, so ``config show`` lists them."""
+        spec = self.registry.find(section.component_kind, section.selected)
+        if spec is not None and section.selected not in section.options:
+            section.options[section.selected] = self._structure_options(spec, {})
+
+    def _complete(self, config: Any) -> None:
+        # Sections missing from the data come from attrs defaults, bypassing the hook above.
+        if isinstance(config, ComponentSection):
+            self._add_selected_options(config)
+        if attrs.has(type(config)):
+            for field in attrs.fields(type(config)):
+                value = getattr(config, field.name)
+                if attrs.has(type(value)):
+                    self._complete(value)
+
+    def _structure_options(self, spec, value: Any) -> Any:
+        config_cls = spec.load_config_class()
+        if config_cls is None:
+            if value in ({}, None):
+                return None
+            raise TypeError(f"{spec.kind} {spec.name!r} takes no options")
+        if value is None:
+            value = {}
+        return self.converter.structure(value, config_cls)
+
+    def _unstructure_section(self, section: ComponentSection) -> dict[str, Any]:
+        base_fields = {f.name for f in attrs.fields(ComponentSection)}
+        names = [f.name for f in attrs.fields(type(section)) if f.name not in base_fields]
+        out = {name: self.converter.unstructure(getattr(section, name))
+               for name in [*names, "actor_env"]}
+        for name, opts in section.options.items():
+            out[name] = {} if opts is None else self.converter.unstructure(opts)
+        return out
+
+    def structure(self, data: Mapping[str, Any], cls: type) -> Any:
+        try:
+            config = self.converter.structure(dict(data), cls)
+        except ClassValidationError as exc:
+            messages = list(_format_errors(exc, ""))
+            raise ConfigError(messages[0] + (f" (and {len(messages) - 1} more problems)"
+                                             if len(messages) > 1 else "")) from None
+        except Exception as exc:  # a component's config class failing to load, for example
+            raise ConfigError(str(exc)) from None
+        self._complete(config)
+        return config
+
+    def unstructure(self, config: Any) -> dict[str, Any]:
+        return self.converter.unstructure(config)
+
+
+class _UnknownKey(Exception):
+    def __init__(self, key: str, known: list[str], kind: str | None = None) -> None:
+        super().__init__(key)
+        self.key, self.known, self.kind = key, known, kind
+
+
+def _note(name: str, cls: type) -> AttributeValidationNote:
+    return AttributeValidationNote(f"Structuring {cls.__name__} @ {name}", name, Any)
+
+
+def _format_errors(exc: BaseException, path: str):
+    """Yield one readable line per leaf error of a cattrs validation error tree."""
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        for sub in exc.exceptions:
+            sub_path = path
+            for note in getattr(sub, "__notes__", []):
+                if isinstance(note, AttributeValidationNote):
+                    sub_path = f"{path}.{note.name}" if path else note.name
+                elif hasattr(note, "index"):
+                    sub_path = f"{path}[{note.index}]"
+            yield from _format_errors(sub, sub_path)
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        for key in sorted(exc.extra_fields):
+            yield _unknown_key_message(path, key, known, None)
+    elif isinstance(exc, _UnknownKey):
+        yield _unknown_key_message(path, exc.key, exc.known, exc.kind)
+    else:
+        message = str(exc) or type(exc).__name__
+        if isinstance(exc, KeyError):
+            message = f"missing required key {exc.args[0]!r}"
+        yield f"{path or 'config'}: {message}"
+
+
+def _unknown_key_message(path: str, key: str, known: list[str], kind: str | None) -> str:
+    full = f"{path}.{key}" if path else key
+    message = f"unknown key {full}"
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        alt = f"{path}.{close[0]}" if path else close[0]
+        message += f"; did you mean {alt}?"
+    elif kind:
+        message += f" (not an option here, and no {kind} named {key!r} is registered)"
+    return message
+
+
+# -- the whole pipeline ----------------------------------------------------------------------
+
+
+def resolve_config(algorithm: str, config_file: str | Path | None = None,
+                   overrides: Sequence[str] = (), registry: Registry | None = None,
+                   defaults: Mapping[str, Any] | None = None) -> RunConfig:
+    """Build the run config of ``algorithm``: class defaults < ``defaults`` (the algorithm's
+    embedded recipe) < ``config_file`` (with its ``defaults:`` chain) < ``overrides``."""
+    try:
+        cls = ALGORITHM_CONFIGS[algorithm]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of "
+                          f"{', '.join(ALGORITHM_CONFIGS)}") from None
+    data: dict[str, Any] = dict(defaults or {})
+    if config_file is not None:
+        data = deep_merge(data, load_config_file(config_file))
+    data = apply_overrides(data, overrides)
+    return ConfigConverter(registry).structure(data, cls)
+
+
+def dump_config(config: Any, registry: Registry | None = None) -> str:
+    """The config as YAML, in field order, ready to be read back by :func:`resolve_config`."""
+    data = ConfigConverter(registry).unstructure(config)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,241 @@
+"""The run configuration: attrs classes, one per section, each field documented.
+
+Component sections (``policy``, ``generation``, ``env``, ``loss``, ``cluster``, ``data``) also
+hold the options of registered components under the component's name: ``policy.dtensor``,
+``generation.vllm``, ``env.math``. Those sub-sections are structured with the config class the
+component registered, and land in the section's ``options`` dict (see
+:meth:`ComponentSection.options_for`).
+
+Field documentation lives in ``metadata["doc"]`` so that the configuration reference can be
+generated from these classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from nrl_core.registry import ComponentKind
+
+
+def option(default: Any, doc: str, **kwargs: Any) -> Any:
+    """An attrs field with a default and its documentation."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return attrs.field(factory=lambda: type(value)(value), metadata={"doc": doc}, **kwargs)
+    if attrs.has(type(default)):
+        return attrs.field(factory=lambda: attrs.evolve(default), metadata={"doc": doc}, **kwargs)
+    return attrs.field(default=default, metadata={"doc": doc}, **kwargs)
+
+
+@attrs.define
+class ComponentSection:
+    """Base of sections that select a registered component by name."""
+
+    component_kind: ClassVar[ComponentKind]
+    selector: ClassVar[str]
+    """The field holding the selected component's name."""
+
+    options: dict[str, Any] = attrs.field(factory=dict, metadata={"doc": (
+        "Options of registered components, keyed by component name (filled from sub-sections "
+        "such as `policy.dtensor`); structured with each component's config class.")})
+    actor_env: str | None = option(None, (
+        "Where this component's actors run: unset for the plugin's own virtualenv, `system` "
+        "for the driver's interpreter, or a path to a Python interpreter."))
+
+    @property
+    def selected(self) -> str:
+        return getattr(self, self.selector)
+
+    def options_for(self, name: str | None = None) -> Any:
+        """The options object of component ``name`` (default: the selected one), or ``None``."""
+        return self.options.get(name or self.selected)
+
+
+@attrs.define
+class OptimizerConfig:
+    name: str = option("adamw", "Optimizer: `adamw` (torch.optim.AdamW) or `sgd`.")
+    lr: float = option(1e-5, "Peak learning rate.")
+    weight_decay: float = option(0.0, "Decoupled weight decay.")
+    betas: list[float] = option([0.9, 0.999], "Adam betas.")
+    eps: float = option(1e-8, "Adam epsilon.")
+    warmup_steps: int = option(0, "Linear warm-up steps from 0 to `lr`; constant afterwards.")
+
+
+@attrs.define
+class PolicyConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "policy"
+    selector: ClassVar[str] = "backend"
+
+    backend: str = option("dtensor", "Registered policy backend (`dtensor`, `megatron`).")
+    model_name: str = option("tiny", (
+        "Hugging Face model name or local folder; `tiny` builds the bundled tiny model."))
+    tokenizer_name: str | None = option(None, "Tokenizer name or folder (default: model_name).")
+    precision: str = option("float32", "Parameter/compute precision: `float32` or `bfloat16`.")
+    num_workers: int = option(1, "Number of policy ranks (Ray actors), one per GPU on GPU.")
+    train_global_batch_size: int = option(32, "Samples per optimizer step, over all ranks.")
+    train_micro_batch_size: int = option(4, "Samples per forward/backward on one rank.")
+    logprob_batch_size: int = option(8, "Samples per forward when computing logprobs.")
+    max_total_sequence_length: int = option(512, "Longest prompt + response, in tokens.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables clipping).")
+    optimizer: OptimizerConfig = option(OptimizerConfig(), "Optimizer and LR schedule.")
+
+
+@attrs.define
+class GenerationConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "generation"
+    selector: ClassVar[str] = "backend"
+
+    backend: str = option("torch", "Registered generation backend (`torch`, `vllm`, `sglang`).")
+    max_new_tokens: int = option(128, "Most tokens generated per turn.")
+    temperature: float = option(1.0, "Sampling temperature; 0 is greedy.")
+    top_p: float = option(1.0, "Nucleus sampling threshold (1 disables).")
+    top_k: int = option(0, "Top-k sampling (0 disables).")
+    stop_strings: list[str] = option([], "Strings that end a turn (matched on decoded text).")
+    stop_token_ids: list[int] = option([], "Token ids that end a turn (EOS is always one).")
+
+
+@attrs.define
+class LossConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "loss"
+    selector: ClassVar[str] = "name"
+
+    name: str = option("clipped_pg", "Registered loss function.")
+
+
+@attrs.define
+class EnvConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "environment"
+    selector: ClassVar[str] = "name"
+
+    name: str = option("arithmetic", "Registered environment.")
+    num_workers: int = option(1, "Environment actors (each gets a share of every batch).")
+
+
+@attrs.define
+class DataConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "dataset"
+    selector: ClassVar[str] = "dataset"
+
+    dataset: str = option("arithmetic", "Registered dataset name, or a path to a JSONL file.")
+    val_dataset: str | None = option(None, "Validation JSONL file (default: split off a fraction).")
+    val_fraction: float = option(0.1, "Fraction held out for validation when no val_dataset.")
+    max_val_samples: int = option(64, "Validation samples evaluated per validation step.")
+    system_prompt: str | None = option(None, "System prompt prepended to every conversation.")
+    prompt_template: str = option("{problem}", "User message template; fields of the sample.")
+    apply_chat_template: bool = option(True, "Format prompts with the tokenizer's chat template.")
+    shuffle: bool = option(True, "Shuffle the training data each epoch (seeded).")
+
+
+@attrs.define
+class ClusterConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "cluster"
+    selector: ClassVar[str] = "backend"
+
+    backend: str = option("local", "`local` starts Ray here; `ray` joins a running cluster.")
+    address: str | None = option(None, "Ray address for `ray` (default: $RAY_ADDRESS).")
+    num_cpus: int | None = option(None, "CPUs Ray may use (default: all of this machine).")
+    gpus_per_node: int | None = option(None, "GPUs per node (default: what Ray detects).")
+    dashboard: bool = option(False, "Start the Ray dashboard (local cluster only).")
+    worker_timeout_s: float = option(600.0, "A worker call that takes longer is an error.")
+
+
+@attrs.define
+class CheckpointingConfig:
+    enabled: bool = option(True, "Write checkpoints.")
+    checkpoint_dir: str = option("results/checkpoints", "Where `step_N/` folders are written.")
+    save_period: int = option(10, "Save every N steps (and at the last step).")
+    resume: str = option("auto", (
+        "`auto` resumes from the newest complete checkpoint, `never` starts fresh, or a path "
+        "to a `step_N` folder."))
+    keep_last: int | None = option(3, "Keep only the newest N checkpoints (None keeps all).")
+
+
+@attrs.define
+class LoggerConfig:
+    log_dir: str = option("results/runs", "Parent folder of run directories.")
+    run_name: str = option("default", "Run directory name under log_dir.")
+    sample_period: int = option(10, "Log sampled prompt/response pairs every N steps.")
+    tensorboard: bool = option(False, "Write TensorBoard events (extra `tensorboard`).")
+    wandb: bool = option(False, "Log to Weights & Biases (extra `wandb`).")
+    mlflow: bool = option(False, "Log to MLflow (extra `mlflow`).")
+
+
+@attrs.define
+class GRPOSection:
+    max_num_steps: int = option(100, "Training steps.")
+    num_prompts_per_step: int = option(8, "Prompts drawn per step.")
+    num_generations_per_prompt: int = option(8, "Responses per prompt (the group size).")
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).")
+    val_period: int = option(10, "Validate every N steps (0 disables); step 0 is validated too.")
+    normalize_rewards: bool = option(True, "Divide advantages by the group's std.")
+    use_leave_one_out_baseline: bool = option(True, "Baseline = mean of the other samples.")
+    dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
+    dynamic_sampling_max_batches: int = option(4, "Most extra generation rounds per step.")
+    overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
+
+
+@attrs.define
+class SFTSection:
+    max_num_steps: int = option(100, "Training steps.")
+    val_period: int = option(10, "Validate every N steps (0 disables).")
+
+
+@attrs.define
+class DPOSection:
+    max_num_steps: int = option(100, "Training steps.")
+    val_period: int = option(10, "Validate every N steps (0 disables).")
+    beta: float = option(0.1, "DPO temperature.")
+    sft_loss_weight: float = option(0.0, "Weight of an NLL term on the chosen response.")
+    average_logprobs: bool = option(False, "Average (not sum) response logprobs.")
+
+
+@attrs.define
+class RMSection:
+    max_num_steps: int = option(100, "Training steps.")
+    val_period: int = option(10, "Validate every N steps (0 disables).")
+
+
+@attrs.define
+class RunConfig:
+    """Sections shared by every algorithm."""
+
+    seed: int = option(42, "Seed of every random stream in the run.")
+    policy: PolicyConfig = option(PolicyConfig(), "The model being trained.")
+    data: DataConfig = option(DataConfig(), "Training and validation data.")
+    checkpointing: CheckpointingConfig = option(CheckpointingConfig(), "Checkpoints and resume.")
+    logger: LoggerConfig = option(LoggerConfig(), "Run directory and metric sinks.")
+    cluster: ClusterConfig = option(ClusterConfig(), "Where the workers run.")
+
+
+@attrs.define
+class GRPOConfig(RunConfig):
+    grpo: GRPOSection = option(GRPOSection(), "The GRPO loop.")
+    generation: GenerationConfig = option(GenerationConfig(), "Rollout generation.")
+    loss: LossConfig = option(LossConfig(), "The policy loss.")
+    env: EnvConfig = option(EnvConfig(), "The environment that scores rollouts.")
+
+
+@attrs.define
+class SFTConfig(RunConfig):
+    sft: SFTSection = option(SFTSection(), "The SFT loop.")
+    loss: LossConfig = option(LossConfig(name="nll"), "The loss.")
+
+
+@attrs.define
+class DPOConfig(RunConfig):
+    dpo: DPOSection = option(DPOSection(), "The DPO loop.")
+
+
+@attrs.define
+class RMConfig(RunConfig):
+    rm: RMSection = option(RMSection(), "The reward-model loop.")
+
+
+ALGORITHM_CONFIGS: dict[str, type[RunConfig]] = {
+    "grpo": GRPOConfig,
+    "sft": SFTConfig,
+    "dpo": DPOConfig,
+    "rm": RMConfig,
+}

@@ -1,0 +1,162 @@
+"""The data that crosses process boundaries: token-id batches, messages, samples.
+
+Only token ids, masks, logprobs and scalars travel between the driver and the workers; text
+exists only at the environment boundary.
+
+Alignment convention for every per-token tensor ``[B, T]`` in a :class:`Batch`: position ``t``
+describes token ``input_ids[:, t]``. ``logprobs[:, t]`` is the log-probability of that token
+given ``input_ids[:, :t]``; position 0 has no logprob and holds 0. ``loss_mask[:, t]`` is 1 on
+tokens the policy generated (and that count), 0 on prompts, observations, glue and padding.
+Sequences are right-padded; ``lengths`` holds each sequence's valid length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypedDict
+
+import attrs
+import torch
+
+
+class Message(TypedDict, total=False):
+    """One chat message. ``token_ids`` are exactly the ids that were generated or fed to the
+    model for this message (template glue included) — never a re-tokenisation."""
+
+    role: str
+    content: str
+    token_ids: list[int]
+
+
+@attrs.define
+class Sample:
+    """One dataset row before tokenisation."""
+
+    messages: list[Message]
+    """The prompt as chat messages (system and user)."""
+    answer: Any = None
+    """The reference answer the environment checks against."""
+    task: str = "default"
+    """Routes the sample to its environment in multi-environment runs."""
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    """Anything else the environment needs (passed to its first ``step``)."""
+
+
+class Batch:
+    """A dict of tensors sharing the first (batch) dimension, plus per-sample metadata.
+
+    Standard keys (see the module docstring for alignment): ``input_ids`` (long ``[B, T]``),
+    ``lengths`` (long ``[B]``), ``loss_mask`` (float ``[B, T]``), ``advantages`` (float
+    ``[B, T]``), ``prev_logprobs``, ``gen_logprobs``, ``ref_logprobs`` (float ``[B, T]``),
+    ``sample_mask`` (float ``[B]``, 0 drops a whole sample from the loss).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None,
+                 metadata: Sequence[dict[str, Any]] | None = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
+        size = next(iter(sizes.values()), len(metadata or []))
+        self.metadata: list[dict[str, Any]] = (
+            list(metadata) if metadata is not None else [{} for _ in range(size)]
+        )
+        if len(self.metadata) != size:
+            raise ValueError(f"{len(self.metadata)} metadata entries for a batch of {size}")
+
+    def __len__(self) -> int:
+        return len(self.metadata)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if value.shape[0] != len(self):
+            raise ValueError(f"{key!r} has {value.shape[0]} rows; the batch has {len(self)}")
+        self.tensors[key] = value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.tensors.get(key, default)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> Batch:
+        """The rows at ``indices``, in that order."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return Batch(
+            {k: v.index_select(0, index) for k, v in self.tensors.items()},
+            [self.metadata[i] for i in index.tolist()],
+        )
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()},
+                     self.metadata[start:stop])
+
+    def shard(self, num_shards: int) -> list[Batch]:
+        """Split into ``num_shards`` contiguous shards of equal size.
+
+        Raises ``ValueError`` when the batch does not divide evenly: uneven shards would make
+        data-parallel ranks disagree on the number of micro batches (and deadlock collectives).
+        """
+        if len(self) % num_shards:
+            raise ValueError(
+                f"a batch of {len(self)} samples cannot be split evenly over {num_shards} "
+                "data-parallel ranks; choose batch sizes divisible by the data-parallel size"
+            )
+        step = len(self) // num_shards
+        return [self.slice(i * step, (i + 1) * step) for i in range(num_shards)]
+
+    def micro_batches(self, size: int) -> Iterator[Batch]:
+        for start in range(0, len(self), size):
+            yield self.slice(start, min(start + size, len(self)))
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.metadata)
+
+    def trimmed(self) -> Batch:
+        """The same batch with trailing all-padding columns removed (from ``lengths``)."""
+        if "lengths" not in self or len(self) == 0:
+            return self
+        width = int(self.tensors["lengths"].max())
+        return Batch(
+            {k: (v[:, :width] if v.dim() >= 2 and k != "lengths" else v)
+             for k, v in self.tensors.items()},
+            self.metadata,
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[Batch], pad_values: Mapping[str, float] | None = None) -> Batch:
+        """Concatenate along the batch dimension, right-padding ``[B, T]`` tensors to one width."""
+        if not batches:
+            return Batch()
+        pad_values = pad_values or {}
+        keys = list(batches[0].tensors)
+        tensors = {}
+        for key in keys:
+            parts = [b.tensors[key] for b in batches]
+            if parts[0].dim() >= 2:
+                width = max(p.shape[1] for p in parts)
+                fill = pad_values.get(key, 0)
+                parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill)
+                         if p.shape[1] < width else p for p in parts]
+            tensors[key] = torch.cat(parts, dim=0)
+        return Batch(tensors, [m for b in batches for m in b.metadata])
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self.tensors.items())
+        return f"Batch(size={len(self)}, {shapes})"
+
+
+def pad_sequences(sequences: Sequence[Sequence[int]] | Sequence[Sequence[float]],
+                  pad_value: float = 0, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Right-pad variable-length sequences into one ``[B, max_len]`` tensor."""
+    width = max((len(s) for s in sequences), default=0)
+    out = torch.full((len(sequences), width), pad_value, dtype=dtype)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            out[i, : len(seq)] = torch.as_tensor(seq, dtype=dtype)
+    return out

@@ -1,0 +1,91 @@
+"""The hooks an nrl plugin implements.
+
+Every hook receives one argument, ``register`` (see :class:`nrl_core.registry.Register`), and
+calls it once per component it provides. Register targets as ``"module:attr"`` strings so that
+loading a plugin stays cheap: ``nrl --help`` and ``nrl plugins`` import the plugin's hook module
+but never its engine. A plugin implements only the hooks it needs::
+
+    from nrl_core import hookimpl
+
+    @hookimpl
+    def nrl_register_generations(register):
+        register("vllm", "nrl_vllm.worker:VllmGenerationWorker", extras=["engine"],
+                 config="nrl_vllm.config:VllmConfig", description="vLLM engine")
+
+Implementations may omit arguments (pluggy passes only those they name), so hooks can gain
+arguments later without breaking existing plugins.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from nrl_core import PROJECT_NAME
+from nrl_core.registry import Register
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+@hookspec
+def nrl_register_policies(register: Register) -> None:
+    """Register policy (trainer) backends, selected by ``policy.backend``.
+
+    The target is a per-rank worker class honouring
+    :class:`nrl_core.interfaces.PolicyWorker`: it loads a model, computes logprobs and trains
+    on its shard of each batch, saves and exports checkpoints. The core starts one per rank in
+    a worker group and does the sharding. Options come from ``policy.<name>``.
+    """
+
+
+@hookspec
+def nrl_register_generations(register: Register) -> None:
+    """Register generation (rollout) backends, selected by ``generation.backend``.
+
+    The target is a worker class honouring :class:`nrl_core.interfaces.GenerationWorker`
+    (token ids in; token ids and logprobs out). Backends that hold their own copy of the
+    weights also honour :class:`nrl_core.interfaces.WeightSync`. Options come from
+    ``generation.<name>``.
+    """
+
+
+@hookspec
+def nrl_register_environments(register: Register) -> None:
+    """Register environments (rewards, multi-turn interaction), selected by ``env.name``.
+
+    The target is a class honouring :class:`nrl_core.interfaces.Environment`: a batched
+    ``step(conversations, metadata)`` returning an observation, a reward, a terminated flag,
+    stop strings and metadata per sample. It runs as a Ray actor in the plugin's environment.
+    Options come from ``env.<name>``.
+    """
+
+
+@hookspec
+def nrl_register_losses(register: Register) -> None:
+    """Register loss functions, selected by ``loss.name``.
+
+    The target is a class honouring :class:`nrl_core.interfaces.LossFunction`; it is built from
+    its options (``loss.<name>``) and runs inside the policy workers, so it must import only
+    what every policy venv has (``nrl_core`` and torch).
+    """
+
+
+@hookspec
+def nrl_register_clusters(register: Register) -> None:
+    """Register cluster backends, selected by ``cluster.backend``.
+
+    The target is a class honouring :class:`nrl_core.interfaces.Cluster`: it starts or connects
+    to Ray, reports the resources it has, and shuts down what it started. The core registers
+    ``local`` (an embedded Ray head) and ``ray`` (an existing cluster). Options come from
+    ``cluster.<name>``.
+    """
+
+
+@hookspec
+def nrl_register_datasets(register: Register) -> None:
+    """Register datasets, selected by ``data.dataset``.
+
+    The target is a callable honouring :class:`nrl_core.interfaces.DatasetLoader`: given its
+    options and a split it returns the samples (prompt messages, the reference answer and
+    the task name that routes each sample to its environment). Options come from
+    ``data.<name>``.
+    """

@@ -1,0 +1,247 @@
+"""The interfaces plugins implement, one small protocol per component kind.
+
+Plugins own per-rank compute; the core owns everything between ranks (sharding, gathering,
+the RL loop). A policy plugin therefore implements a handful of per-rank methods, and the core's
+facades fan batches out to the workers and gather the results.
+
+Construction: every component class is built as ``Cls(options, context)``, where ``options`` is
+the instance of the component's registered config class (``None`` when it registers none) and
+``context`` a :class:`ComponentContext` with the run-wide settings it may need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from nrl_core.data import Batch, Message, Sample
+
+
+@attrs.frozen
+class ComponentContext:
+    """Run-wide settings handed to every component next to its own options."""
+
+    config: Any
+    """The whole resolved run config (an attrs object, see :mod:`nrl_core.config.schema`)."""
+    rank: int = 0
+    """This worker's global rank in its worker group (0 outside worker groups)."""
+    world_size: int = 1
+    """Number of workers in the group."""
+    seed: int = 0
+    """The run's seed; components derive their own streams from it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy
+
+
+@attrs.frozen
+class GlobalBatchStats:
+    """Normalisers of the loss over the WHOLE global batch (all micro batches, all DP ranks).
+
+    The core computes them once per training step and hands them to every loss call, so that
+    summing the per-micro-batch losses on every rank gives exactly the global loss whatever
+    the micro batch size or the number of ranks.
+    """
+
+    valid_tokens: float
+    """Sum of ``loss_mask`` (times ``sample_mask``) over the global batch."""
+    valid_sequences: float
+    """Number of samples with ``sample_mask`` 1 and at least one valid token."""
+    max_sequence_length: int
+    """The constant length normaliser of Dr. GRPO-style aggregation (``policy.max_total_sequence_length``)."""
+
+
+@runtime_checkable
+class LossFunction(Protocol):
+    """A loss over per-token logprobs; runs inside the policy workers.
+
+    The returned loss of one micro batch must already be divided by the global normaliser in
+    ``stats`` (not by the micro batch's own counts), so that the sum over micro batches and
+    data-parallel ranks equals the loss of the global batch. Metrics follow the same rule: each
+    value is an additive contribution, and the core sums them across micro batches and ranks.
+    """
+
+    needs_reference: bool
+    """True when the batch must carry ``ref_logprobs`` (the policy then builds a reference copy)."""
+    needs_prev_logprobs: bool
+    """True when the batch must carry ``prev_logprobs`` recomputed by the trainer."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch,
+                 stats: GlobalBatchStats) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return ``(loss, metrics)`` for one micro batch; ``logprobs`` is ``[B, T]`` aligned
+        with ``batch["input_ids"]`` and carries the graph for backward."""
+        ...
+
+
+class PolicyWorker(Protocol):
+    """One rank of a policy (trainer). Built as ``Cls(options, context)`` in a Ray actor.
+
+    ``torch.distributed`` is already configured through the environment variables ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Every method below
+    receives this rank's shard of the global batch (the core shards by data-parallel rank) and
+    must be called on all ranks together.
+    """
+
+    def get_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of ``batch["input_ids"]`` under the current weights."""
+        ...
+
+    def get_reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The same under the frozen reference weights (built on first use)."""
+        ...
+
+    def train(self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats) -> dict[str, float]:
+        """One optimizer step on this rank's shard: micro batches, gradient accumulation,
+        clipping, optimizer and scheduler step. Returns additive metric contributions plus
+        ``grad_norm`` and ``lr`` (identical on every rank)."""
+        ...
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, scheduler and RNG states under ``path`` (all ranks call)."""
+        ...
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        ...
+
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face folder (safetensors, config, tokenizer) loadable by
+        ``from_pretrained``."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample one generation call."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@attrs.frozen
+class GenerationOutput:
+    """Generated continuation of each prompt: token ids only, never text."""
+
+    token_ids: list[list[int]]
+    """Generated ids per sample (the prompt excluded; the stop token included when hit)."""
+    logprobs: list[list[float]]
+    """The raw (not renormalised) logprob of each generated id under the sampling policy."""
+    finish_reasons: list[str]
+    """``"stop"`` (stop token or string) or ``"length"`` (``max_new_tokens`` reached)."""
+
+
+class GenerationWorker(Protocol):
+    """A generation backend (one engine, or one rank of a colocated backend)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 stop_strings: Sequence[Sequence[str] | None] | None = None) -> GenerationOutput:
+        """Continue each prompt. ``stop_strings`` optionally adds per-sample stop strings
+        (from the environment) to ``params.stop_strings``."""
+        ...
+
+
+class WeightSync(Protocol):
+    """Brings a generation backend's copy of the weights up to date with the policy.
+
+    Implemented by generation backends that hold their own weights (vLLM, SGLang); colocated
+    ``torch`` generation shares the policy's weights and needs none.
+    """
+
+    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> int:
+        """Load the full, unsharded state dict streamed in size-bounded buckets (engine
+        parameter names). Returns the number of bytes received."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+@attrs.frozen
+class EnvStep:
+    """An environment's answer for one sample after one turn."""
+
+    reward: float | dict[str, float]
+    """A float, or named rewards (their sum is the training reward)."""
+    terminated: bool = True
+    """True ends the episode; False asks for another turn."""
+    observation: Message | None = None
+    """A message appended to the conversation before the next turn (role and content)."""
+    stop_strings: tuple[str, ...] | None = None
+    """Stop strings for the model's next turn."""
+    metadata: dict[str, Any] | None = None
+    """Carried to this sample's next ``step`` call (``None`` keeps the previous metadata)."""
+
+
+class Environment(Protocol):
+    """Rewards and multi-turn interaction; runs as a Ray actor in its plugin's environment.
+
+    Conversations arrive as role/content messages (token ids stay in the core). ``step`` gets a
+    batch and returns one :class:`EnvStep` per sample. Raising for a sample is allowed: the core
+    counts it in ``train/env_errors`` and gives that sample reward 0.
+    """
+
+    def step(self, conversations: Sequence[Sequence[Message]],
+             metadata: Sequence[dict[str, Any]]) -> list[EnvStep]: ...
+
+    # Optional: ``def metrics(self, batch: dict[str, Any]) -> dict[str, float]`` — environment
+    # level metrics from the rewards, conversations and metadata of a finished batch.
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster and datasets
+
+
+@attrs.frozen
+class ClusterResources:
+    """What a cluster can offer to worker groups."""
+
+    num_nodes: int
+    cpus_per_node: list[float]
+    gpus_per_node: list[float]
+
+    @property
+    def total_cpus(self) -> float:
+        return sum(self.cpus_per_node)
+
+    @property
+    def total_gpus(self) -> float:
+        return sum(self.gpus_per_node)
+
+
+class Cluster(Protocol):
+    """Starts or connects to Ray. Built as ``Cls(options, context)``."""
+
+    def start(self) -> ClusterResources:
+        """Initialise Ray in this process and report the resources."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what :meth:`start` created; never stops a cluster it did not start."""
+        ...
+
+
+class DatasetLoader(Protocol):
+    """Loads a dataset's samples. Built as ``Cls(options, context)``."""
+
+    def load(self, split: str) -> list[Sample]:
+        """``split`` is ``"train"`` or ``"validation"``; raise ``KeyError`` for a split that
+        the dataset does not have."""
+        ...

@@ -1,0 +1,24 @@
+"""Registers the dtensor policy and the colocated torch generation backend with nrl."""
+
+from nrl_core import hookimpl
+
+
+@hookimpl
+def nrl_register_policies(register):
+    register(
+        "dtensor",
+        "nrl_dtensor.worker:DTensorPolicyWorker",
+        config="nrl_dtensor.config:DTensorConfig",
+        description="FSDP2/DTensor training of Hugging Face causal LMs (CPU with gloo, GPU with NCCL)",
+    )
+
+
+@hookimpl
+def nrl_register_generations(register):
+    register(
+        "torch",
+        "nrl_dtensor.generation:TorchGenerator",
+        config="nrl_dtensor.config:TorchGenerationConfig",
+        colocated=True,
+        description="generation from the policy's own weights inside the policy workers (KV cache)",
+    )

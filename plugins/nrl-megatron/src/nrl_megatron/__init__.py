@@ -1,0 +1,1 @@
+"""nrl plugin package."""

@@ -1,0 +1,14 @@
+"""Registers the Megatron-Core policy with nrl."""
+
+from nrl_core import hookimpl
+
+
+@hookimpl
+def nrl_register_policies(register):
+    register(
+        "megatron",
+        "nrl_megatron.worker:MegatronPolicyWorker",
+        extras=["engine"],
+        config="nrl_megatron.config:MegatronConfig",
+        description="Megatron-Core training (TP/PP/CP/EP) with Hugging Face weight conversion",
+    )
