@@ -51,8 +51,11 @@ class Batch:
     ``sample_mask`` (float ``[B]``, 0 drops a whole sample from the loss).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None,
-                 metadata: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> None:
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         sizes = {k: v.shape[0] for k, v in self.tensors.items()}
         if len(set(sizes.values())) > 1:
@@ -93,8 +96,7 @@ class Batch:
         )
 
     def slice(self, start: int, stop: int) -> Batch:
-        return Batch({k: v[start:stop] for k, v in self.tensors.items()},
-                     self.metadata[start:stop])
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()}, self.metadata[start:stop])
 
     def shard(self, num_shards: int) -> list[Batch]:
         """Split into ``num_shards`` contiguous shards of equal size.
@@ -123,8 +125,10 @@ class Batch:
             return self
         width = int(self.tensors["lengths"].max())
         return Batch(
-            {k: (v[:, :width] if v.dim() >= 2 and k != "lengths" else v)
-             for k, v in self.tensors.items()},
+            {
+                k: (v[:, :width] if v.dim() >= 2 and k != "lengths" else v)
+                for k, v in self.tensors.items()
+            },
             self.metadata,
         )
 
@@ -141,8 +145,12 @@ class Batch:
             if parts[0].dim() >= 2:
                 width = max(p.shape[1] for p in parts)
                 fill = pad_values.get(key, 0)
-                parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill)
-                         if p.shape[1] < width else p for p in parts]
+                parts = [
+                    torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill)
+                    if p.shape[1] < width
+                    else p
+                    for p in parts
+                ]
             tensors[key] = torch.cat(parts, dim=0)
         return Batch(tensors, [m for b in batches for m in b.metadata])
 
@@ -151,8 +159,11 @@ class Batch:
         return f"Batch(size={len(self)}, {shapes})"
 
 
-def pad_sequences(sequences: Sequence[Sequence[int]] | Sequence[Sequence[float]],
-                  pad_value: float = 0, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def pad_sequences(
+    sequences: Sequence[Sequence[int]] | Sequence[Sequence[float]],
+    pad_value: float = 0,
+    dtype: torch.dtype = torch.long,
+) -> torch.Tensor:
     """Right-pad variable-length sequences into one ``[B, max_len]`` tensor."""
     width = max((len(s) for s in sequences), default=0)
     out = torch.full((len(sequences), width), pad_value, dtype=dtype)

@@ -63,9 +63,9 @@ def nrl_register_environments(register: Register) -> None:
 def nrl_register_losses(register: Register) -> None:
     """Register loss functions, selected by ``loss.name``.
 
-    The target is a class honouring :class:`nrl_core.interfaces.LossFunction`; it is built from
-    its options (``loss.<name>``) and runs inside the policy workers, so it must import only
-    what every policy venv has (``nrl_core`` and torch).
+    The target is a class honouring :class:`nrl_core.interfaces.LossFunction`. It runs inside
+    the policy workers, so it must import only what every policy venv has (``nrl_core`` and
+    torch). Options come from ``loss.<name>``.
     """
 
 

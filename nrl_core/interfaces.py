@@ -72,8 +72,9 @@ class LossFunction(Protocol):
     needs_prev_logprobs: bool
     """True when the batch must carry ``prev_logprobs`` recomputed by the trainer."""
 
-    def __call__(self, logprobs: torch.Tensor, batch: Batch,
-                 stats: GlobalBatchStats) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Batch, stats: GlobalBatchStats
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Return ``(loss, metrics)`` for one micro batch; ``logprobs`` is ``[B, T]`` aligned
         with ``batch["input_ids"]`` and carries the graph for backward."""
         ...
@@ -96,7 +97,9 @@ class PolicyWorker(Protocol):
         """The same under the frozen reference weights (built on first use)."""
         ...
 
-    def train(self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats) -> dict[str, float]:
+    def train(
+        self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats
+    ) -> dict[str, float]:
         """One optimizer step on this rank's shard: micro batches, gradient accumulation,
         clipping, optimizer and scheduler step. Returns additive metric contributions plus
         ``grad_norm`` and ``lr`` (identical on every rank)."""
@@ -150,8 +153,12 @@ class GenerationOutput:
 class GenerationWorker(Protocol):
     """A generation backend (one engine, or one rank of a colocated backend)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 stop_strings: Sequence[Sequence[str] | None] | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
         """Continue each prompt. ``stop_strings`` optionally adds per-sample stop strings
         (from the environment) to ``params.stop_strings``."""
         ...
@@ -198,8 +205,9 @@ class Environment(Protocol):
     counts it in ``train/env_errors`` and gives that sample reward 0.
     """
 
-    def step(self, conversations: Sequence[Sequence[Message]],
-             metadata: Sequence[dict[str, Any]]) -> list[EnvStep]: ...
+    def step(
+        self, conversations: Sequence[Sequence[Message]], metadata: Sequence[dict[str, Any]]
+    ) -> list[EnvStep]: ...
 
     # Optional: ``def metrics(self, batch: dict[str, Any]) -> dict[str, float]`` — environment
     # level metrics from the rewards, conversations and metadata of a finished batch.

@@ -120,8 +120,10 @@ class PluginHost:
                 if _canonical(first_dist) == _canonical(dist_name):
                     continue  # the same distribution seen twice on sys.path
                 self._infos[f"{ep.name} ({dist_name})"] = PluginInfo(
-                    name=ep.name, distribution=dist_name,
-                    version=ep.dist.version if ep.dist else None, status="error",
+                    name=ep.name,
+                    distribution=dist_name,
+                    version=ep.dist.version if ep.dist else None,
+                    status="error",
                     error=f"plugin name {ep.name!r} is already used by distribution {first_dist}",
                 )
                 continue
@@ -149,8 +151,14 @@ class PluginHost:
                 continue
             self.add(module, name, distribution=dist, version=version)
 
-    def add(self, plugin: object, name: str, *, distribution: str | None = None,
-            version: str | None = None) -> PluginInfo:
+    def add(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+    ) -> PluginInfo:
         """Register a plugin object (a module, or any object with hook implementations).
 
         Tests use this to register a plugin for one test and :meth:`remove` it afterwards.
@@ -167,8 +175,11 @@ class PluginHost:
         self._objects[name] = plugin
         unknown = [hc.name for hc in self.pm.get_hookcallers(plugin) or [] if not hc.has_spec()]
         if unknown:
-            self._fail(info, f"hook implementation {', '.join(unknown)} matches no nrl hook "
-                             f"(known hooks: {', '.join(HOOK_KINDS)})")
+            self._fail(
+                info,
+                f"hook implementation {', '.join(unknown)} matches no nrl hook "
+                f"(known hooks: {', '.join(HOOK_KINDS)})",
+            )
             return info
         for hook_name, kind in HOOK_KINDS.items():
             others = [p for p in self.pm.get_plugins() if p is not plugin]
@@ -221,8 +232,9 @@ class PluginHost:
         messages = []
         for (kind, name), infos in sorted(owners.items()):
             if len(infos) > 1:
-                who = " and ".join(f"plugin {i.name!r} ({i.distribution or 'in-process'})"
-                                   for i in infos)
+                who = " and ".join(
+                    f"plugin {i.name!r} ({i.distribution or 'in-process'})" for i in infos
+                )
                 messages.append(
                     f"{kind} {name!r} is registered by both {who}; load only one of them with "
                     f"--plugin NAME or {PLUGINS_ENV_VAR}=NAME,..."

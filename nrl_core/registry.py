@@ -123,9 +123,17 @@ class ComponentSpec:
         )
 
 
-def make_spec(kind: ComponentKind, plugin: str, distribution: str | None, name: Any,
-              target: Any, description: Any = "", extras: Any = (), config: Any = None,
-              **metadata: Any) -> ComponentSpec:
+def make_spec(
+    kind: ComponentKind,
+    plugin: str,
+    distribution: str | None,
+    name: Any,
+    target: Any,
+    description: Any = "",
+    extras: Any = (),
+    config: Any = None,
+    **metadata: Any,
+) -> ComponentSpec:
     """Validate one ``register(...)`` call and build its spec; raises ``ValueError`` when bad."""
     if not isinstance(name, str) or not _NAME_PATTERN.match(name):
         raise ValueError(
@@ -141,8 +149,15 @@ def make_spec(kind: ComponentKind, plugin: str, distribution: str | None, name: 
     if not isinstance(description, str):
         raise ValueError(f"{kind} {name!r}: description must be a string")
     return ComponentSpec(
-        kind=kind, name=name, target=target, plugin=plugin, distribution=distribution,
-        description=description, extras=tuple(extras), config=config, metadata=dict(metadata),
+        kind=kind,
+        name=name,
+        target=target,
+        plugin=plugin,
+        distribution=distribution,
+        description=description,
+        extras=tuple(extras),
+        config=config,
+        metadata=dict(metadata),
     )
 
 

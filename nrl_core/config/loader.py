@@ -44,7 +44,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -193,8 +193,13 @@ class ConfigConverter:
         for key in component_keys:
             spec = self.registry.find(cls.component_kind, key)
             if spec is None:
-                errors.append(_UnknownKey(key, sorted(field_names) + self.registry.names(
-                    cls.component_kind), cls.component_kind))
+                errors.append(
+                    _UnknownKey(
+                        key,
+                        sorted(field_names) + self.registry.names(cls.component_kind),
+                        cls.component_kind,
+                    )
+                )
                 continue
             try:
                 options[key] = self._structure_options(spec, value[key])
@@ -203,7 +208,9 @@ class ConfigConverter:
                 errors.append(exc)
         try:
             section = cattrs.gen.make_dict_structure_fn(
-                cls, self.converter, _cattrs_forbid_extra_keys=True,
+                cls,
+                self.converter,
+                _cattrs_forbid_extra_keys=True,
                 _cattrs_detailed_validation=True,
             )(plain, cls)
         except ClassValidationError as exc:
@@ -245,8 +252,10 @@ class ConfigConverter:
     def _unstructure_section(self, section: ComponentSection) -> dict[str, Any]:
         base_fields = {f.name for f in attrs.fields(ComponentSection)}
         names = [f.name for f in attrs.fields(type(section)) if f.name not in base_fields]
-        out = {name: self.converter.unstructure(getattr(section, name))
-               for name in [*names, "actor_env"]}
+        out = {
+            name: self.converter.unstructure(getattr(section, name))
+            for name in [*names, "actor_env"]
+        }
         for name, opts in section.options.items():
             out[name] = {} if opts is None else self.converter.unstructure(opts)
         return out
@@ -256,8 +265,10 @@ class ConfigConverter:
             config = self.converter.structure(dict(data), cls)
         except ClassValidationError as exc:
             messages = list(_format_errors(exc, ""))
-            raise ConfigError(messages[0] + (f" (and {len(messages) - 1} more problems)"
-                                             if len(messages) > 1 else "")) from None
+            raise ConfigError(
+                messages[0]
+                + (f" (and {len(messages) - 1} more problems)" if len(messages) > 1 else "")
+            ) from None
         except Exception as exc:  # a component's config class failing to load, for example
             raise ConfigError(str(exc)) from None
         self._complete(config)
@@ -316,16 +327,21 @@ def _unknown_key_message(path: str, key: str, known: list[str], kind: str | None
 # -- the whole pipeline ----------------------------------------------------------------------
 
 
-def resolve_config(algorithm: str, config_file: str | Path | None = None,
-                   overrides: Sequence[str] = (), registry: Registry | None = None,
-                   defaults: Mapping[str, Any] | None = None) -> RunConfig:
+def resolve_config(
+    algorithm: str,
+    config_file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    registry: Registry | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> RunConfig:
     """Build the run config of ``algorithm``: class defaults < ``defaults`` (the algorithm's
     embedded recipe) < ``config_file`` (with its ``defaults:`` chain) < ``overrides``."""
     try:
         cls = ALGORITHM_CONFIGS[algorithm]
     except KeyError:
-        raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of "
-                          f"{', '.join(ALGORITHM_CONFIGS)}") from None
+        raise ConfigError(
+            f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHM_CONFIGS)}"
+        ) from None
     data: dict[str, Any] = dict(defaults or {})
     if config_file is not None:
         data = deep_merge(data, load_config_file(config_file))

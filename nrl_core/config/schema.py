@@ -37,12 +37,22 @@ class ComponentSection:
     selector: ClassVar[str]
     """The field holding the selected component's name."""
 
-    options: dict[str, Any] = attrs.field(factory=dict, metadata={"doc": (
-        "Options of registered components, keyed by component name (filled from sub-sections "
-        "such as `policy.dtensor`); structured with each component's config class.")})
-    actor_env: str | None = option(None, (
-        "Where this component's actors run: unset for the plugin's own virtualenv, `system` "
-        "for the driver's interpreter, or a path to a Python interpreter."))
+    options: dict[str, Any] = attrs.field(
+        factory=dict,
+        metadata={
+            "doc": (
+                "Options of registered components, keyed by component name (filled from sub-sections "
+                "such as `policy.dtensor`); structured with each component's config class."
+            )
+        },
+    )
+    actor_env: str | None = option(
+        None,
+        (
+            "Where this component's actors run: unset for the plugin's own virtualenv, `system` "
+            "for the driver's interpreter, or a path to a Python interpreter."
+        ),
+    )
 
     @property
     def selected(self) -> str:
@@ -69,8 +79,9 @@ class PolicyConfig(ComponentSection):
     selector: ClassVar[str] = "backend"
 
     backend: str = option("dtensor", "Registered policy backend (`dtensor`, `megatron`).")
-    model_name: str = option("tiny", (
-        "Hugging Face model name or local folder; `tiny` builds the bundled tiny model."))
+    model_name: str = option(
+        "tiny", ("Hugging Face model name or local folder; `tiny` builds the bundled tiny model.")
+    )
     tokenizer_name: str | None = option(None, "Tokenizer name or folder (default: model_name).")
     precision: str = option("float32", "Parameter/compute precision: `float32` or `bfloat16`.")
     num_workers: int = option(1, "Number of policy ranks (Ray actors), one per GPU on GPU.")
@@ -146,9 +157,13 @@ class CheckpointingConfig:
     enabled: bool = option(True, "Write checkpoints.")
     checkpoint_dir: str = option("results/checkpoints", "Where `step_N/` folders are written.")
     save_period: int = option(10, "Save every N steps (and at the last step).")
-    resume: str = option("auto", (
-        "`auto` resumes from the newest complete checkpoint, `never` starts fresh, or a path "
-        "to a `step_N` folder."))
+    resume: str = option(
+        "auto",
+        (
+            "`auto` resumes from the newest complete checkpoint, `never` starts fresh, or a path "
+            "to a `step_N` folder."
+        ),
+    )
     keep_last: int | None = option(3, "Keep only the newest N checkpoints (None keeps all).")
 
 

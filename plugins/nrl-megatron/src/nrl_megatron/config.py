@@ -11,4 +11,6 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = option(1, "Pipeline model parallel degree.")
     context_parallel_size: int = option(1, "Context parallel degree.")
     expert_model_parallel_size: int = option(1, "Expert parallel degree (MoE).")
-    transformer_engine: bool = option(False, "Use the Transformer Engine layer spec (GPU, extra `te`).")
+    transformer_engine: bool = option(
+        False, "Use the Transformer Engine layer spec (GPU, extra `te`)."
+    )

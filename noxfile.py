@@ -1,0 +1,68 @@
+"""Test sessions. `nox -l` lists them.
+
+- `tests`: the core suite in the full dev environment (every plugin installed).
+- `lint`: ruff check and ruff format --check.
+- `plugin-<name>`: core + that one plugin (and the extras it tests with), installed from the
+  lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
+  and works alone.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests"]
+
+# plugin short name -> (distribution, extras its own tests need)
+PLUGINS = {
+    "dtensor": ("nrl-dtensor", []),
+    "megatron": ("nrl-megatron", []),
+    "vllm": ("nrl-vllm", []),
+    "sglang": ("nrl-sglang", []),
+    "math": ("nrl-math-env", ["verify"]),
+}
+TEST_TOOLS = ("pytest>=8.3", "pytest-timeout>=2.3")
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install from uv.lock into the session's venv (never re-resolving)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--inexact",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    _sync(session)
+    session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+def _plugin_session(distribution: str, extras: list[str]):
+    def session_fn(session: nox.Session) -> None:
+        _sync(
+            session,
+            "--package",
+            distribution,
+            "--no-default-groups",
+            *[f"--extra={extra}" for extra in extras],
+        )
+        session.install(*TEST_TOOLS)
+        session.run("pytest", f"plugins/{distribution}/tests", *session.posargs)
+
+    session_fn.__doc__ = f"{distribution} alone: core + this plugin, its own tests."
+    return session_fn
+
+
+for _name, (_distribution, _extras) in PLUGINS.items():
+    nox.session(name=f"plugin-{_name}")(_plugin_session(_distribution, _extras))

@@ -1,0 +1,1 @@
+"""The training algorithms (GRPO, SFT, DPO, RM) and their shared pieces."""

@@ -1,0 +1,19 @@
+"""Embedded default recipes: the config each algorithm runs with when no ``--config`` is given.
+
+They are the CPU demos (tiny model, shipped data), so ``nrl run grpo`` works on a laptop.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+
+def default_recipe(algorithm: str) -> dict[str, Any]:
+    """The embedded recipe of ``algorithm`` as a dict ({} when it has none)."""
+    from nrl_core.config.loader import parse_yaml
+
+    path = resources.files("nrl_core") / "recipes" / f"{algorithm}.yaml"
+    if not path.is_file():
+        return {}
+    return parse_yaml(path.read_text()) or {}

@@ -1,0 +1,221 @@
+"""The ``nrl`` command.
+
+Start-up must stay fast: this module imports only the standard library at import time. Each
+sub-command imports what it needs inside its handler, and torch, ray and transformers are
+imported only by commands that run or inspect models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+ALGORITHMS = ("grpo", "sft", "dpo", "rm")
+
+_EPILOG = """\
+examples:
+  nrl run grpo                                  the CPU demo: GRPO on arithmetic, tiny model
+  nrl run grpo --config my.yaml policy.optimizer.lr=1e-5
+  nrl plugins --json                            installed plugins and what they register
+  nrl config show grpo --config my.yaml         the fully resolved config
+"""
+
+
+def _plugin_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="load only these plugins (repeatable or comma separated; default: all installed, "
+        "or $NRL_PLUGINS)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nrl",
+        description="nrl: RL post-training for LLMs (GRPO, SFT, DPO, reward models) built from "
+        "plugins.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from nrl_core import __version__
+
+    parser.add_argument("--version", action="version", version=f"nrl {__version__}")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="more output")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="train: nrl run {grpo,sft,dpo,rm} [--config FILE] [KEY=VALUE...]",
+        description="Run a training algorithm.",
+    )
+    run.add_argument(
+        "algorithm", choices=ALGORITHMS, metavar="ALGO", help=f"one of {', '.join(ALGORITHMS)}"
+    )
+    run.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded recipe)")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. policy.optimizer.lr=1e-5",
+    )
+    _plugin_option(run)
+    run.set_defaults(handler=_cmd_run)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    _plugin_option(plugins)
+    plugins.set_defaults(handler=_cmd_plugins)
+
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_sub.add_parser("show", help="print the fully resolved config as YAML")
+    show.add_argument("algorithm", choices=ALGORITHMS, metavar="ALGO")
+    show.add_argument("--config", metavar="FILE")
+    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    _plugin_option(show)
+    show.set_defaults(handler=_cmd_config_show)
+
+    doctor = sub.add_parser("doctor", help="check versions, GPUs and each plugin's engine")
+    _plugin_option(doctor)
+    doctor.set_defaults(handler=_cmd_doctor)
+
+    for module in _EXTRA_COMMAND_MODULES:
+        _add_extra_commands(sub, module)
+    return parser
+
+
+# Sub-commands that live in their own modules; each module defines ``add_parser(subparsers)``
+# and keeps its own imports lazy.
+_EXTRA_COMMAND_MODULES = ("nrl_core.cli.venvs",)
+
+
+def _add_extra_commands(sub, module_name: str) -> None:
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return
+    module.add_parser(sub)
+
+
+# -- handlers -------------------------------------------------------------------------------
+
+
+def _host(args: argparse.Namespace):
+    from nrl_core.plugins import PluginHost, parse_selection
+
+    return PluginHost.discover(parse_selection(args.plugin))
+
+
+def _warn_broken(host, args: argparse.Namespace) -> None:
+    if args.quiet:
+        return
+    for info in host.broken():
+        print(
+            f"warning: plugin {info.name!r} is not loaded: {info.error} (see `nrl plugins`)",
+            file=sys.stderr,
+        )
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    host = _host(args)
+    conflicts = host.conflicts()
+    if args.json:
+        import json
+
+        print(json.dumps([info.to_json() for info in host.plugins], indent=2))
+    else:
+        from nrl_core.cli.output import plugins_table
+
+        plugins_table(host.plugins, verbose=args.verbose)
+    for message in conflicts:
+        print(f"error: {message}", file=sys.stderr)
+    return 2 if conflicts else 0
+
+
+def _resolve(args: argparse.Namespace):
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.config.loader import resolve_config
+
+    host = _host(args)
+    _warn_broken(host, args)
+    registry = host.registry()
+    config = resolve_config(
+        args.algorithm,
+        args.config,
+        args.overrides,
+        registry,
+        defaults=None if args.config else default_recipe(args.algorithm),
+    )
+    return config, registry
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from nrl_core.config.loader import dump_config
+
+    config, registry = _resolve(args)
+    sys.stdout.write(dump_config(config, registry))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import importlib
+
+    from nrl_core.errors import NotImplementedYet
+
+    config, registry = _resolve(args)
+    try:
+        module = importlib.import_module(f"nrl_core.algorithms.{args.algorithm}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"nrl_core.algorithms.{args.algorithm}":
+            raise
+        raise NotImplementedYet(
+            f"`nrl run {args.algorithm}` is not implemented yet in this version of nrl; "
+            "`nrl config show` works and validates your config meanwhile"
+        ) from None
+    return module.run(config, registry, verbose=args.verbose, quiet=args.quiet) or 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from nrl_core.cli.doctor import doctor
+
+    return doctor(_host(args), verbose=args.verbose)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``nrl`` command; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 0
+    from nrl_core.errors import NrlError
+
+    try:
+        return int(args.handler(args) or 0)
+    except NrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `nrl plugins --json | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""YAML recipes embedded in nrl_core (see nrl_core.algorithms.recipes)."""

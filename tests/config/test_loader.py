@@ -1,0 +1,212 @@
+"""Config files, ``defaults:`` inheritance, overrides and error messages (nrl_core.config)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import attrs
+import pytest
+
+from nrl_core import hookimpl
+from nrl_core.config.loader import ConfigConverter, dump_config, parse_yaml, resolve_config
+from nrl_core.config.schema import ALGORITHM_CONFIGS, option
+from nrl_core.errors import ConfigError
+from nrl_core.plugins import PluginHost
+
+
+def write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return PluginHost.discover().registry()
+
+
+def test_defaults_chain_later_files_win_and_the_file_itself_wins_last(tmp_path, registry):
+    write(
+        tmp_path / "base.yaml",
+        """
+        seed: 1
+        policy: {optimizer: {lr: 1.0e-3, warmup_steps: 5}, train_micro_batch_size: 2}
+        grpo: {max_num_steps: 10}
+    """,
+    )
+    (tmp_path / "sub").mkdir()
+    write(
+        tmp_path / "sub" / "mid.yaml",
+        """
+        defaults: ../base.yaml
+        policy: {optimizer: {lr: 2.0e-3}}
+        grpo: {max_num_steps: 20, num_prompts_per_step: 3}
+    """,
+    )
+    write(tmp_path / "other.yaml", "grpo: {num_prompts_per_step: 4}\nseed: 2\n")
+    run = write(
+        tmp_path / "run.yaml",
+        """
+        defaults: [sub/mid.yaml, other.yaml]
+        grpo: {max_num_steps: 30}
+    """,
+    )
+    config = resolve_config("grpo", run, registry=registry)
+    assert config.seed == 2  # other.yaml beats mid/base
+    assert config.policy.optimizer.lr == 2.0e-3  # mid beats base
+    assert config.policy.optimizer.warmup_steps == 5  # base survives the merge
+    assert config.policy.train_micro_batch_size == 2
+    assert config.grpo.num_prompts_per_step == 4  # later default wins
+    assert config.grpo.max_num_steps == 30  # the file itself wins last
+
+
+def test_defaults_cycle_is_an_error(tmp_path, registry):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        resolve_config("grpo", tmp_path / "a.yaml", registry=registry)
+
+
+def test_overrides_are_parsed_as_yaml_scalars(registry):
+    config = resolve_config(
+        "grpo",
+        None,
+        [
+            "policy.optimizer.lr=1e-5",
+            "grpo.max_num_steps=7",
+            "data.shuffle=false",
+            'generation.stop_strings=["\\n", "END"]',
+            "policy.tokenizer_name=null",
+            "logger.run_name=exp-1",
+        ],
+        registry,
+    )
+    assert config.policy.optimizer.lr == 1e-5
+    assert config.grpo.max_num_steps == 7
+    assert config.data.shuffle is False
+    assert config.generation.stop_strings == ["\n", "END"]
+    assert config.policy.tokenizer_name is None
+    assert config.logger.run_name == "exp-1"
+
+
+def test_overrides_beat_the_file_which_beats_the_recipe(tmp_path, registry):
+    run = write(tmp_path / "run.yaml", "seed: 5\ngrpo: {max_num_steps: 3}\n")
+    config = resolve_config(
+        "grpo",
+        run,
+        ["seed=9"],
+        registry,
+        defaults={"seed": 1, "grpo": {"val_period": 2, "max_num_steps": 1}},
+    )
+    assert (config.seed, config.grpo.max_num_steps, config.grpo.val_period) == (9, 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["policy.optimzer.lr=1"], "unknown key policy.optimzer; did you mean policy.optimizer?"),
+        (
+            ["grpo.max_num_step=1"],
+            "unknown key grpo.max_num_step; did you mean grpo.max_num_steps?",
+        ),
+        (["grpo.max_num_steps=abc"], "grpo.max_num_steps: expected int, got str 'abc'"),
+        (["policy.train_global_batch_size=1.5"], "expected int, got float 1.5"),
+        (["data.shuffle=1"], "data.shuffle: expected bool, got int 1"),
+        (["policy.optimizer=3"], "policy.optimizer: "),
+        (
+            ["generation.vllm.tensor_parallel_sise=2"],
+            "unknown key generation.vllm.tensor_parallel_sise; did you mean "
+            "generation.vllm.tensor_parallel_size?",
+        ),
+        (["generation.vllmm.x=1"], "unknown key generation.vllmm; did you mean generation.vllm?"),
+        (["generation.nothing_like_it.x=1"], "no generation named 'nothing_like_it' is registered"),
+        (
+            ["policy.megatron.tensor_model_parallel_size=two"],
+            "policy.megatron.tensor_model_parallel_size: expected int, got str 'two'",
+        ),
+        (["justakey"], "override 'justakey' must look like key.path=value"),
+        (["seed.sub=1"], "seed: expected int, got a section"),
+        (["seed=1", "seed.sub=1"], "seed is a value, not a section"),
+    ],
+)
+def test_bad_values_name_the_full_key_path(overrides, message, registry):
+    with pytest.raises(ConfigError) as excinfo:
+        resolve_config("grpo", None, overrides, registry)
+    assert message in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_bad_yaml_names_file_and_line(tmp_path, registry):
+    bad = write(tmp_path / "bad.yaml", "seed: 1\npolicy:\n  lr: [1, 2\n  other: 3\n")
+    with pytest.raises(ConfigError, match=r"bad YAML in .*bad\.yaml, line \d+, column \d+"):
+        resolve_config("grpo", bad, registry=registry)
+
+
+def test_missing_file_and_non_mapping_file(tmp_path, registry):
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config("grpo", tmp_path / "nope.yaml", registry=registry)
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        resolve_config("grpo", write(tmp_path / "list.yaml", "- 1\n- 2\n"), registry=registry)
+
+
+def test_component_options_use_the_plugin_config_class(registry):
+    config = resolve_config(
+        "grpo",
+        None,
+        ["generation.backend=vllm", "generation.vllm.tensor_parallel_size=4"],
+        registry,
+    )
+    options = config.generation.options_for()
+    assert type(options).__name__ == "VllmConfig"
+    assert options.tensor_parallel_size == 4
+    # The selected component always has its (default) options, even when not written.
+    assert (
+        type(resolve_config("grpo", None, [], registry).policy.options_for()).__name__
+        == "DTensorConfig"
+    )
+
+
+def test_plugin_contributes_a_config_section_for_one_test(registry):
+    @attrs.define
+    class EchoOptions:
+        repeat: int = option(1, "how often to echo")
+
+    class Plugin:
+        @hookimpl
+        def nrl_register_environments(self, register):
+            register("echo", "x:y", config=EchoOptions)
+
+    host = PluginHost.discover(selection=[])
+    host.add(Plugin(), "echo-plugin")
+    config = resolve_config("grpo", None, ["env.name=echo", "env.echo.repeat=3"], host.registry())
+    assert config.env.options_for() == EchoOptions(repeat=3)
+    with pytest.raises(
+        ConfigError, match=r"unknown key env\.echo\.repaet; did you mean env\.echo\.repeat"
+    ):
+        resolve_config("grpo", None, ["env.echo.repaet=3"], host.registry())
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_CONFIGS))
+def test_dump_round_trips(algorithm, registry):
+    config = resolve_config(algorithm, None, ["seed=3"], registry)
+    text = dump_config(config, registry)
+    again = ConfigConverter(registry).structure(parse_yaml(text), type(config))
+    assert again == config
+
+
+def test_every_config_field_is_documented():
+    seen = set()
+
+    def walk(cls):
+        if cls in seen:
+            return
+        seen.add(cls)
+        attrs.resolve_types(cls)
+        for field in attrs.fields(cls):
+            if field.name != "options":
+                assert field.metadata.get("doc"), f"{cls.__name__}.{field.name} has no doc"
+            if isinstance(field.type, type) and attrs.has(field.type):
+                walk(field.type)
+
+    for cls in ALGORITHM_CONFIGS.values():
+        walk(cls)
+    assert len(seen) > 8
