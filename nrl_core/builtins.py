@@ -5,7 +5,47 @@ from nrl_core import hookimpl
 
 @hookimpl
 def nrl_register_clusters(register):
-    register("local", "nrl_core.distributed.cluster:LocalCluster",
-             description="starts a Ray head in this process; shut down when the run ends")
-    register("ray", "nrl_core.distributed.cluster:RayCluster",
-             description="joins a running Ray cluster (cluster.address or RAY_ADDRESS)")
+    register(
+        "local",
+        "nrl_core.distributed.cluster:LocalCluster",
+        description="starts a Ray head in this process; shut down when the run ends",
+    )
+    register(
+        "ray",
+        "nrl_core.distributed.cluster:RayCluster",
+        description="joins a running Ray cluster (cluster.address or RAY_ADDRESS)",
+    )
+
+
+@hookimpl
+def nrl_register_environments(register):
+    register(
+        "exact_match",
+        "nrl_core.environments:ExactMatchEnvironment",
+        description="reward 1 when the response's last line equals the answer (core, single turn)",
+    )
+
+
+@hookimpl
+def nrl_register_losses(register):
+    # Strings, not objects: the loss modules import torch, and this module must stay light.
+    # The config classes live in the torch-free nrl_core.losses.config (the loss modules
+    # re-export them) because the driver structures them without importing torch.
+    register(
+        "clipped_pg",
+        "nrl_core.losses.clipped_pg:ClippedPGLoss",
+        config="nrl_core.losses.config:ClippedPGConfig",
+        description="clipped policy gradient: GRPO, DAPO, Dr. GRPO, GSPO; KL; IS correction",
+    )
+    register(
+        "nll",
+        "nrl_core.losses.nll:NLLLoss",
+        config="nrl_core.losses.config:NLLConfig",
+        description="negative log-likelihood on loss_mask tokens (SFT)",
+    )
+    register(
+        "dpo",
+        "nrl_core.losses.preference:DPOLoss",
+        config="nrl_core.losses.config:DPOLossConfig",
+        description="direct preference optimization on (chosen, rejected) row pairs",
+    )

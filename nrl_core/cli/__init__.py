@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Sub-commands that live in their own modules; each module defines ``add_parser(subparsers)``
 # and keeps its own imports lazy.
-_EXTRA_COMMAND_MODULES = ("nrl_core.cli.venvs",)
+_EXTRA_COMMAND_MODULES = ("nrl_core.cli.venvs", "nrl_core.cli.plot")
 
 
 def _add_extra_commands(sub, module_name: str) -> None:

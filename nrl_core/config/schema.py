@@ -134,7 +134,6 @@ class DataConfig(ComponentSection):
     val_fraction: float = option(0.1, "Fraction held out for validation when no val_dataset.")
     max_val_samples: int = option(64, "Validation samples evaluated per validation step.")
     system_prompt: str | None = option(None, "System prompt prepended to every conversation.")
-    prompt_template: str = option("{problem}", "User message template; fields of the sample.")
     apply_chat_template: bool = option(True, "Format prompts with the tokenizer's chat template.")
     shuffle: bool = option(True, "Shuffle the training data each epoch (seeded).")
 
@@ -189,6 +188,18 @@ class GRPOSection:
     dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
     dynamic_sampling_max_batches: int = option(4, "Most extra generation rounds per step.")
     overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
+    format_warmup_steps: int = option(
+        0,
+        (
+            "Supervised steps before GRPO that teach only the response format: each prompt is "
+            "paired with the answer of another, randomly chosen prompt, so the model learns what "
+            "an answer looks like (and when to stop) but not which one is right; accuracy stays "
+            "near chance and GRPO has to raise it. 0 disables it."
+        ),
+    )
+    format_warmup_template: str = option(
+        "{answer}", ("Response text of the format warm-up; `{answer}` is the borrowed answer.")
+    )
 
 
 @attrs.define

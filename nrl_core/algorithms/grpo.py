@@ -1,0 +1,335 @@
+"""GRPO: group-relative policy optimisation, end to end.
+
+One step: draw prompts, repeat each ``num_generations_per_prompt`` times, bring the generation
+backend's weights up to date, roll out (single or multi-turn), score with the environments,
+compute group-relative advantages, recompute logprobs where the loss needs them, train, and
+validate / checkpoint on schedule. Every component comes from the registry by name.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from nrl_core.algorithms.advantages import (
+    group_relative_advantages,
+    has_reward_variance,
+    overlong_sample_mask,
+)
+from nrl_core.algorithms.rollout import (
+    Episode,
+    episodes_to_batch,
+    rollout,
+    start_episodes,
+)
+from nrl_core.algorithms.runtime import RunSession
+from nrl_core.config.schema import GRPOConfig
+from nrl_core.data import Batch, pad_sequences
+from nrl_core.interfaces import SamplingParams
+from nrl_core.registry import Registry
+
+
+def sampling_params(
+    config: GRPOConfig, tokenizer: Any, *, step: int, greedy: bool = False
+) -> SamplingParams:
+    """Sampling for one generation call; the seed depends only on the run seed and the step,
+    so a resumed run samples exactly what an uninterrupted one would."""
+    gen = config.generation
+    stop_ids = tuple(dict.fromkeys([*gen.stop_token_ids, tokenizer.eos_token_id]))
+    return SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=0.0 if greedy else gen.temperature,
+        top_p=1.0 if greedy else gen.top_p,
+        top_k=0 if greedy else gen.top_k,
+        stop_token_ids=tuple(i for i in stop_ids if i is not None),
+        stop_strings=tuple(gen.stop_strings),
+        seed=config.seed * 1_000_003 + step,
+    )
+
+
+@attrs.define
+class StepData:
+    """What one step's rollouts produced."""
+
+    episodes: list[Episode]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    sample_mask: torch.Tensor
+    generation_s: float
+
+
+class GRPOTrainer:
+    """The GRPO loop over a :class:`~nrl_core.algorithms.runtime.RunSession`."""
+
+    def __init__(self, session: RunSession) -> None:
+        self.session = session
+        self.config: GRPOConfig = session.config
+        self.grpo = self.config.grpo
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def collect(self, step: int) -> StepData:
+        """Roll out enough groups for one step (DAPO dynamic sampling draws more if asked)."""
+        s, grpo = self.session, self.grpo
+        params = sampling_params(self.config, s.tokenizer, step=step)
+        episodes: list[Episode] = []
+        generation_s = 0.0
+        rounds = 1 + (grpo.dynamic_sampling_max_batches if grpo.dynamic_sampling else 0)
+        for round_index in range(rounds):
+            samples = s.train_stream.take(grpo.num_prompts_per_step)
+            fresh = start_episodes(samples, s.codec, grpo.num_generations_per_prompt)
+            offset = (max(e.group for e in episodes) + 1) if episodes else 0
+            for e in fresh:
+                e.group += offset
+            start = time.perf_counter()
+            rollout(
+                fresh,
+                s.generate,
+                s.env_pool,
+                s.codec,
+                attrs.evolve(params, seed=params.seed + 7919 * round_index),
+                max_turns=grpo.max_rollout_turns,
+                max_total_length=self.config.policy.max_total_sequence_length,
+            )
+            generation_s += time.perf_counter() - start
+            if grpo.dynamic_sampling:
+                rewards = torch.tensor([e.reward for e in fresh])
+                keep = has_reward_variance(rewards, [e.group for e in fresh])
+                fresh = [e for e, k in zip(fresh, keep.tolist(), strict=True) if k]
+            episodes.extend(fresh)
+            wanted = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+            if len(episodes) >= wanted:
+                episodes = episodes[:wanted]
+                break
+        if not episodes:  # dynamic sampling found no group with signal; train on nothing
+            raise _NoSignal()
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        groups = [e.group for e in episodes]
+        advantages = group_relative_advantages(
+            rewards,
+            groups,
+            use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+            normalize_rewards=grpo.normalize_rewards,
+        )
+        sample_mask = torch.ones(len(episodes))
+        if grpo.overlong_filtering:
+            sample_mask = overlong_sample_mask([e.finish_reason for e in episodes]).float()
+        return StepData(episodes, rewards, advantages, sample_mask, generation_s)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        s = self.session
+        step_start = time.perf_counter()
+        refit_s = s.refit()
+        data = self.collect(step)
+        batch = episodes_to_batch(data.episodes, data.advantages, s.tokenizer.pad_token_id)
+        batch["sample_mask"] = data.sample_mask
+
+        start = time.perf_counter()
+        if s.loss_fn.needs_prev_logprobs:
+            batch["prev_logprobs"] = s.policy.get_logprobs(batch)
+        if s.loss_fn.needs_reference:
+            batch["ref_logprobs"] = s.policy.get_logprobs(batch, reference=True)
+        logprobs_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        train = s.policy.train(batch, s.loss_fn)
+        train_s = time.perf_counter() - start
+
+        metrics = {f"train/{k}": v for k, v in train.items()}
+        metrics.update(episode_metrics("train", data.episodes, s))
+        step_s = time.perf_counter() - step_start
+        tokens = sum(len(e.token_ids) for e in data.episodes)
+        metrics.update(
+            {
+                "timing/generation_s": data.generation_s,
+                "timing/logprobs_s": logprobs_s,
+                "timing/train_s": train_s,
+                "timing/refit_s": refit_s,
+                "timing/step_s": step_s,
+                "throughput/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            }
+        )
+        if self.config.logger.sample_period and step % self.config.logger.sample_period == 0:
+            s.metrics.log_samples(step, sample_records(data.episodes[:4]))
+        return metrics
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy responses to the validation prompts; ``val/accuracy`` is their mean reward
+        (the accuracy for 0/1 rewards)."""
+        s = self.session
+        if not s.val_samples:
+            return {}
+        episodes = start_episodes(s.val_samples, s.codec, 1)
+        rollout(
+            episodes,
+            s.generate,
+            s.env_pool,
+            s.codec,
+            sampling_params(self.config, s.tokenizer, step=step, greedy=True),
+            max_turns=self.grpo.max_rollout_turns,
+            max_total_length=self.config.policy.max_total_sequence_length,
+        )
+        metrics = episode_metrics("val", episodes, s)
+        metrics["val/accuracy"] = metrics["val/reward_mean"]
+        for task in {e.task for e in episodes}:
+            metrics.setdefault(f"val/{task}/accuracy", metrics[f"val/{task}/reward_mean"])
+        return metrics
+
+    def format_warmup(self) -> dict[str, float]:
+        """Supervised steps on shuffled answers (``grpo.format_warmup_steps``).
+
+        Every prompt is paired with the answer of another prompt, so the model learns the
+        shape of a response and where it ends, not the task: whatever accuracy it reaches
+        afterwards is its prior, and the validation at step 0 measures it.
+        """
+        s, grpo = self.session, self.grpo
+        if grpo.format_warmup_steps <= 0:
+            return {}
+        rng = random.Random(f"{self.config.seed}-format-warmup")
+        nll = s.registry.get("loss", "nll").load()(None, s.context)
+        batch_size = self.config.policy.train_global_batch_size
+        losses = []
+        for _ in range(grpo.format_warmup_steps):
+            prompts = s.train_stream.take(batch_size)
+            answers = [str(p.answer) for p in prompts]
+            rng.shuffle(answers)
+            rows = []
+            for sample, answer in zip(prompts, answers, strict=True):
+                prompt = s.codec.encode_prompt(s.codec.prompt_messages(sample))
+                text = grpo.format_warmup_template.format(answer=answer)
+                response = [
+                    *s.tokenizer(text, add_special_tokens=False)["input_ids"],
+                    s.tokenizer.eos_token_id,
+                ]
+                rows.append((prompt, response))
+            losses.append(
+                s.policy.train(supervised_batch(rows, s.tokenizer.pad_token_id), nll)["loss"]
+            )
+        # The warm-up drew from the training stream; GRPO starts from the beginning.
+        s.train_stream.load_state({"epoch": 0, "position": 0})
+        return {
+            "warmup/loss_first": losses[0],
+            "warmup/loss_last": losses[-1],
+            "warmup/steps": float(len(losses)),
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> int:
+        s, grpo = self.session, self.grpo
+        start_step = s.start_step
+        if start_step >= grpo.max_num_steps:
+            s.console.print(
+                f"[green]this run already finished[/green] (step {start_step} of "
+                f"{grpo.max_num_steps}); nothing to train. Raise grpo.max_num_steps "
+                "to continue, or use checkpointing.resume=never to start over."
+            )
+            return 0
+        if start_step == 0:
+            metrics = self.format_warmup()
+            if grpo.val_period > 0:
+                metrics.update(self.validate(0))
+            if metrics:
+                s.log(0, metrics)
+        with s.progress(grpo.max_num_steps, start_step) as advance:
+            for step in range(start_step + 1, grpo.max_num_steps + 1):
+                try:
+                    metrics = self.train_step(step)
+                except _NoSignal:
+                    metrics = {"train/skipped_no_signal": 1.0}
+                last = step == grpo.max_num_steps
+                if grpo.val_period > 0 and (step % grpo.val_period == 0 or last):
+                    metrics.update(self.validate(step))
+                s.log(step, metrics)
+                if s.should_checkpoint(step, last):
+                    s.save_checkpoint(step)
+                advance(metrics)
+        s.summary()
+        return 0
+
+
+class _NoSignal(Exception):
+    """Dynamic sampling found no group whose rewards vary."""
+
+
+def episode_metrics(
+    prefix: str, episodes: Sequence[Episode], session: RunSession
+) -> dict[str, float]:
+    """Reward, length and error statistics, overall and per task, plus environment metrics."""
+    metrics: dict[str, float] = {}
+    tasks = sorted({e.task for e in episodes})
+    for task, chosen in [(None, list(episodes))] + [
+        (t, [e for e in episodes if e.task == t]) for t in tasks
+    ]:
+        key = f"{prefix}/" if task is None else f"{prefix}/{task}/"
+        rewards = [e.reward for e in chosen]
+        metrics[f"{key}reward_mean"] = sum(rewards) / len(rewards)
+        if task is None:
+            metrics[f"{key}reward_std"] = (
+                float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0
+            )
+            metrics[f"{key}response_length_mean"] = sum(e.response_length for e in chosen) / len(
+                chosen
+            )
+            metrics[f"{key}truncated_fraction"] = sum(e.truncated for e in chosen) / len(chosen)
+            metrics[f"{key}env_errors"] = float(sum(e.env_errors for e in chosen))
+            metrics[f"{key}turns_mean"] = sum(e.turns for e in chosen) / len(chosen)
+        else:
+            env = session.env_pool.metrics(
+                task,
+                {
+                    "rewards": rewards,
+                    "group_ids": [e.group for e in chosen],
+                    "metadata": [e.metadata for e in chosen],
+                    "finish_reasons": [e.finish_reason for e in chosen],
+                    "response_lengths": [e.response_length for e in chosen],
+                },
+            )
+            metrics.update({f"{key}{k}": float(v) for k, v in env.items()})
+    return metrics
+
+
+def supervised_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
+    """(prompt ids, response ids) pairs as a training batch with the loss on the responses."""
+    return Batch(
+        {
+            "input_ids": pad_sequences([p + r for p, r in rows], pad_value=pad_token_id),
+            "lengths": torch.tensor([len(p) + len(r) for p, r in rows]),
+            "loss_mask": pad_sequences(
+                [[0.0] * len(p) + [1.0] * len(r) for p, r in rows], dtype=torch.float32
+            ),
+        }
+    )
+
+
+def sample_records(episodes: Sequence[Episode]) -> list[dict[str, Any]]:
+    return [
+        {
+            "messages": [{"role": m["role"], "content": m["content"]} for m in e.messages],
+            "reward": e.reward,
+            "finish_reason": e.finish_reason,
+        }
+        for e in episodes
+    ]
+
+
+def run(
+    config: GRPOConfig, registry: Registry, *, verbose: bool = False, quiet: bool = False
+) -> int:
+    """``nrl run grpo``."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    with RunSession.open(
+        config, registry, algorithm="grpo", verbose=verbose, quiet=quiet
+    ) as session:
+        if session.finished_early:
+            return 0
+        return GRPOTrainer(session).fit()
+
+
+__all__ = ["GRPOTrainer", "run", "sampling_params"]

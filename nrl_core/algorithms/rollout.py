@@ -1,0 +1,216 @@
+"""Single- and multi-turn rollouts, token ids end to end.
+
+Each turn: generate; let the environment step the batch; append its observation as token ids;
+stop samples that terminate, run out of turns or hit the sequence budget. The training sequence
+of an episode is the concatenation of exactly the ids that were generated or fed to the model —
+never a re-tokenisation of decoded text — and its loss mask covers only the generated ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from nrl_core.data import Batch, Message, Sample, pad_sequences
+from nrl_core.interfaces import GenerationOutput, SamplingParams
+
+GenerateFn = Callable[
+    [Sequence[Sequence[int]], SamplingParams, Sequence[Sequence[str] | None] | None],
+    GenerationOutput,
+]
+
+
+class ChatCodec:
+    """Turns messages into token ids with the tokenizer's chat template, and ids into text.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        apply_chat_template: format with the tokenizer's chat template (else join contents).
+        system_prompt: prepended as a system message when the sample has none.
+    """
+
+    def __init__(
+        self, tokenizer: Any, *, apply_chat_template: bool = True, system_prompt: str | None = None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
+        self.system_prompt = system_prompt
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if self.use_template:
+            return self.tokenizer.apply_chat_template(
+                plain, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        return "\n".join(m["content"] for m in plain) + ("\n" if add_generation_prompt else "")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_messages(self, sample: Sample) -> list[Message]:
+        messages = [dict(m) for m in sample.messages]
+        if self.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages  # type: ignore[return-value]
+
+    def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
+        return self._encode(self._render(messages, add_generation_prompt=True))
+
+    def encode_observation(self, history: Sequence[Message], observation: Message) -> list[int]:
+        """The ids that follow ``history`` when ``observation`` is appended and the model is
+        prompted again: only the new text, so earlier ids are never re-tokenised."""
+        before = self._render(history, add_generation_prompt=False)
+        after = self._render([*history, observation], add_generation_prompt=True)
+        if after.startswith(before):
+            return self._encode(after[len(before) :])
+        # Templates that rewrite earlier turns (e.g. dropping old reasoning) cannot be diffed;
+        # fall back to rendering the new message on its own.
+        return self._encode(self._render([observation], add_generation_prompt=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@attrs.define
+class Episode:
+    """One sample's conversation as it is rolled out."""
+
+    group: int
+    """Index of the prompt this episode answers (its GRPO group)."""
+    task: str
+    messages: list[Message]
+    metadata: dict[str, Any]
+    token_ids: list[int]
+    prompt_length: int
+    loss_mask: list[float] = attrs.field(factory=list)
+    gen_logprobs: list[float] = attrs.field(factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    env_errors: int = 0
+    finish_reason: str = "stop"
+    truncated: bool = False
+    done: bool = False
+    stop_strings: tuple[str, ...] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [0.0] * len(self.token_ids)
+            self.gen_logprobs = [0.0] * len(self.token_ids)
+
+    @property
+    def response_length(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def append(
+        self, ids: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None
+    ) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1.0 if generated else 0.0] * len(ids))
+        self.gen_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def start_episodes(samples: Sequence[Sample], codec: ChatCodec, repeats: int) -> list[Episode]:
+    """``repeats`` episodes per sample (a GRPO group each), prompts encoded once."""
+    episodes = []
+    for group, sample in enumerate(samples):
+        messages = codec.prompt_messages(sample)
+        ids = codec.encode_prompt(messages)
+        metadata = {**sample.metadata, "answer": sample.answer, "task": sample.task}
+        for _ in range(repeats):
+            episodes.append(
+                Episode(
+                    group=group,
+                    task=sample.task,
+                    messages=[dict(m) for m in messages],
+                    metadata=dict(metadata),
+                    token_ids=list(ids),
+                    prompt_length=len(ids),
+                )
+            )
+    return episodes
+
+
+def rollout(
+    episodes: list[Episode],
+    generate: GenerateFn,
+    env_pool: Any,
+    codec: ChatCodec,
+    params: SamplingParams,
+    *,
+    max_turns: int,
+    max_total_length: int,
+) -> list[Episode]:
+    """Roll ``episodes`` out in place until every one is done; returns them."""
+    for turn in range(max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        output = generate(
+            [e.token_ids for e in active],
+            params,
+            [list(e.stop_strings) if e.stop_strings else None for e in active],
+        )
+        for episode, ids, logprobs, reason in zip(
+            active, output.token_ids, output.logprobs, output.finish_reasons, strict=True
+        ):
+            budget = max_total_length - len(episode.token_ids)
+            if len(ids) > budget:
+                ids, logprobs, reason = ids[:budget], logprobs[:budget], "length"
+            episode.append(ids, generated=True, logprobs=logprobs)
+            episode.messages.append(
+                {"role": "assistant", "content": codec.decode(ids), "token_ids": list(ids)}
+            )
+            episode.finish_reason = reason
+            episode.truncated = len(episode.token_ids) >= max_total_length
+            episode.turns += 1
+        results = env_pool.step(
+            [e.task for e in active],
+            [[{"role": m["role"], "content": m["content"]} for m in e.messages] for e in active],
+            [e.metadata for e in active],
+        )
+        for episode, result in zip(active, results, strict=True):
+            episode.reward += result.reward
+            if result.error is not None:
+                episode.env_errors += 1
+            if result.step.metadata is not None:
+                episode.metadata = dict(result.step.metadata)
+            observation = result.step.observation
+            if (
+                result.step.terminated
+                or observation is None
+                or turn == max_turns - 1
+                or episode.truncated
+            ):
+                episode.done = True
+                continue
+            obs_ids = codec.encode_observation(episode.messages, observation)
+            if len(episode.token_ids) + len(obs_ids) >= max_total_length:
+                episode.done, episode.truncated = True, True
+                continue
+            episode.append(obs_ids, generated=False)
+            episode.messages.append({**observation, "token_ids": obs_ids})
+            episode.stop_strings = result.step.stop_strings
+    return episodes
+
+
+def episodes_to_batch(
+    episodes: Sequence[Episode], advantages: torch.Tensor, pad_token_id: int
+) -> Batch:
+    """The training batch: ids, masks, generation logprobs and per-token advantages."""
+    input_ids = pad_sequences([e.token_ids for e in episodes], pad_value=pad_token_id)
+    loss_mask = pad_sequences([e.loss_mask for e in episodes], dtype=torch.float32)
+    gen_logprobs = pad_sequences([e.gen_logprobs for e in episodes], dtype=torch.float32)
+    return Batch(
+        {
+            "input_ids": input_ids,
+            "lengths": torch.tensor([len(e.token_ids) for e in episodes], dtype=torch.long),
+            "loss_mask": loss_mask,
+            "gen_logprobs": gen_logprobs,
+            "advantages": advantages.float()[:, None] * loss_mask,
+            "sample_mask": torch.ones(len(episodes), dtype=torch.float32),
+        },
+        [{"group": e.group, "task": e.task} for e in episodes],
+    )

@@ -1,0 +1,327 @@
+"""Everything a training run sets up and tears down, shared by the algorithms.
+
+A :class:`RunSession` owns the run directory, the cluster, the tokenizer, the data, the policy
+workers, the generation backend, the environments, the loss, checkpoints and metrics. The
+algorithms (GRPO, SFT, ...) only write their loop on top of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nrl_core.algorithms.rollout import ChatCodec
+from nrl_core.checkpoint import CheckpointManager
+from nrl_core.config.loader import dump_config
+from nrl_core.config.schema import RunConfig
+from nrl_core.datasets import DataStream, load_splits
+from nrl_core.errors import NotImplementedYet
+from nrl_core.interfaces import ComponentContext
+from nrl_core.metrics import MetricsLogger
+from nrl_core.registry import Registry
+
+POLICY_CHECKPOINT = "policy"
+ENV_CPUS_PER_WORKER = 0.25
+"""Environment actors mostly wait on the policy; a quarter CPU each leaves the rest to it."""
+
+
+def resolve_model_name(name: str) -> str:
+    """``tiny`` is the locally built test model; anything else is a hub name or a folder."""
+    from nrl_core.testing.tiny import resolve_model_name as resolve
+
+    return str(resolve(name))
+
+
+def max_steps_of(config: Any, algorithm: str) -> int:
+    return getattr(config, algorithm).max_num_steps
+
+
+class RunSession:
+    """The components of one run. Use :meth:`open` as a context manager."""
+
+    def __init__(
+        self, config: RunConfig, registry: Registry, *, algorithm: str, console: Console
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.algorithm = algorithm
+        self.console = console
+        self.run_dir = Path(config.logger.log_dir) / config.logger.run_name
+        self.checkpoints = CheckpointManager(
+            config.checkpointing.checkpoint_dir, config.checkpointing.keep_last
+        )
+        self.context = ComponentContext(config=config, seed=config.seed)
+        self.start_step = 0
+        self.resume_path: Path | None = None
+        self.finished_early = False
+        self.step_times: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self._closers: list[Callable[[], None]] = []
+        self.cluster = self.policy = self.env_pool = self.loss_fn = None
+        self.tokenizer: Any = None
+        self.codec: ChatCodec | None = None
+        self.val_samples: list = []
+        self.train_stream: DataStream | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(
+        cls,
+        config: RunConfig,
+        registry: Registry,
+        *,
+        algorithm: str,
+        verbose: bool = False,
+        quiet: bool = False,
+    ) -> Iterator[RunSession]:
+        console = Console(quiet=quiet, stderr=False)
+        session = cls(config, registry, algorithm=algorithm, console=console)
+        try:
+            session._find_resume_point()
+            if session.start_step >= max_steps_of(config, algorithm):
+                session.finished_early = True
+                console.print(
+                    f"[green]this run already finished[/green]: {session.resume_path} is step "
+                    f"{session.start_step} of {max_steps_of(config, algorithm)}. Raise "
+                    f"{algorithm}.max_num_steps to train further, or set "
+                    "checkpointing.resume=never to start over."
+                )
+                yield session
+                return
+            session._setup()
+            yield session
+        finally:
+            session.close()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _find_resume_point(self) -> None:
+        if not self.config.checkpointing.enabled:
+            return
+        self.resume_path = self.checkpoints.resume_from(self.config.checkpointing.resume)
+        if self.resume_path is not None:
+            self.start_step = int(CheckpointManager.load_state(self.resume_path)["step"])
+
+    def _setup(self) -> None:
+        config, registry = self.config, self.registry
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(config, registry))
+        self.metrics = MetricsLogger(
+            self.run_dir, config.logger, resume_step=self.start_step if self.resume_path else None
+        )
+        self._closers.append(self.metrics.close)
+        self.console.print(
+            f"[bold]nrl {self.algorithm}[/bold] run dir: {self.run_dir}"
+            + (f" (resuming from {self.resume_path})" if self.resume_path else "")
+        )
+
+        cluster_spec = registry.get("cluster", config.cluster.backend, key="cluster.backend")
+        self.cluster = cluster_spec.load()(config.cluster.options_for(), self.context)
+        resources = self.cluster.start()
+        self._closers.append(self.cluster.shutdown)
+
+        from transformers import AutoTokenizer
+
+        model_path = resolve_model_name(config.policy.model_name)
+        tokenizer_path = resolve_model_name(config.policy.tokenizer_name or model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.codec = ChatCodec(
+            self.tokenizer,
+            apply_chat_template=config.data.apply_chat_template,
+            system_prompt=config.data.system_prompt,
+        )
+
+        train, self.val_samples = load_splits(config.data, registry, self.context)
+        self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
+
+        env = getattr(config, "env", None)
+        env_cpus = ENV_CPUS_PER_WORKER * env.num_workers if env is not None else 0.0
+        self.policy = self._start_policy(resources, env_cpus)
+        if env is not None:
+            self.env_pool = self._start_environments(env)
+        if hasattr(config, "generation"):
+            self.generate, self.refit = self._generation_backend()
+        if hasattr(config, "loss"):
+            self.loss_fn = self._build_loss()
+        if self.resume_path is not None:
+            self._restore()
+
+    def _start_policy(self, resources: Any, reserved_cpus: float):
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.policy import Policy
+
+        policy = self.config.policy
+        spec = self.registry.get("policy", policy.backend, key="policy.backend")
+        on_gpu = resources.total_gpus > 0
+        # On a CPU-only machine the ranks share the cores; leave room for the environments.
+        cpus = (
+            1.0
+            if on_gpu
+            else max(0.1, min(1.0, (resources.total_cpus - reserved_cpus) / policy.num_workers))
+        )
+        group = WorkerGroup.start(
+            spec.target,
+            policy.num_workers,
+            args=(policy.options_for(), self.context),
+            name="policy",
+            python=actor_python(spec, self.config, policy),
+            num_cpus_per_worker=cpus,
+            num_gpus_per_worker=1 if on_gpu else 0,
+            timeout_s=self.config.cluster.worker_timeout_s,
+        )
+        self._closers.append(group.shutdown)
+        return Policy(
+            group,
+            max_sequence_length=policy.max_total_sequence_length,
+            train_global_batch_size=policy.train_global_batch_size,
+        )
+
+    def _start_environments(self, env: Any):
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.environments import ENV_ACTOR_TARGET, EnvironmentPool
+
+        spec = self.registry.get("environment", env.name, key="env.name")
+        group = WorkerGroup.start(
+            ENV_ACTOR_TARGET,
+            env.num_workers,
+            args=(spec.target, env.options_for(), self.context),
+            name=f"env-{env.name}",
+            python=actor_python(spec, self.config, env),
+            num_cpus_per_worker=ENV_CPUS_PER_WORKER,
+            timeout_s=self.config.cluster.worker_timeout_s,
+        )
+        self._closers.append(group.shutdown)
+        return EnvironmentPool({"default": group})
+
+    def _generation_backend(self):
+        generation = self.config.generation
+        spec = self.registry.get("generation", generation.backend, key="generation.backend")
+        if spec.metadata.get("colocated"):
+            # Generation runs on the policy workers with the policy's own weights: no refit.
+            return self.policy.generate, lambda: 0.0
+        raise NotImplementedYet(
+            f"generation.backend={generation.backend} runs in separate engines, which the "
+            "training loop does not drive yet; use generation.backend=torch"
+        )
+
+    def _build_loss(self):
+        spec = self.registry.get("loss", self.config.loss.name, key="loss.name")
+        options = self.config.loss.options_for()
+        if options is not None and getattr(options, "is_correction", None) == "auto":
+            from nrl_core.losses.config import resolved_clipped_pg_config
+
+            colocated = bool(
+                self.registry.get("generation", self.config.generation.backend).metadata.get(
+                    "colocated"
+                )
+            )
+            options = resolved_clipped_pg_config(options, colocated)
+        return spec.load()(options, self.context)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def should_checkpoint(self, step: int, last: bool) -> bool:
+        ckpt = self.config.checkpointing
+        return ckpt.enabled and (last or (ckpt.save_period > 0 and step % ckpt.save_period == 0))
+
+    def save_checkpoint(self, step: int) -> Path:
+        state = {
+            "data": self.train_stream.state() if self.train_stream else None,
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state().tolist()},
+        }
+        return self.checkpoints.save(
+            step, lambda folder: self.policy.save_checkpoint(str(folder / POLICY_CHECKPOINT)), state
+        )
+
+    def _restore(self) -> None:
+        state = CheckpointManager.load_state(self.resume_path)
+        self.policy.load_checkpoint(str(self.resume_path / POLICY_CHECKPOINT))
+        if state.get("data") and self.train_stream is not None:
+            self.train_stream.load_state(state["data"])
+        rng = state.get("rng") or {}
+        if "python" in rng:
+            version, internal, gauss = rng["python"]
+            random.setstate((version, tuple(internal), gauss))
+        if "torch" in rng:
+            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+
+    # -- logging ------------------------------------------------------------------------------
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if "timing/step_s" in metrics:
+            self.step_times.append(metrics["timing/step_s"])
+        self.history.append({"step": step, **metrics})
+        self.metrics.log(step, metrics)
+
+    @contextlib.contextmanager
+    def progress(self, total: int, completed: int):
+        """A progress bar over steps showing the live reward and step time."""
+        columns = (
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=self.console, transient=False) as bar:
+            task = bar.add_task("train", total=total, completed=completed, status="")
+
+            def advance(metrics: dict[str, Any]) -> None:
+                parts = []
+                for key, label in (
+                    ("train/reward_mean", "reward"),
+                    ("val/accuracy", "val acc"),
+                    ("timing/step_s", "s/step"),
+                ):
+                    if key in metrics:
+                        parts.append(f"{label} {metrics[key]:.3f}")
+                bar.update(task, advance=1, status="  ".join(parts))
+
+            yield advance
+
+    def summary(self) -> None:
+        """One screen at the end: what was trained, how it went, where the files are."""
+        table = Table(title=f"nrl {self.algorithm}: summary", show_header=False)
+        vals = [h for h in self.history if "val/accuracy" in h]
+        trains = [h for h in self.history if "train/reward_mean" in h]
+        table.add_row("run directory", str(self.run_dir))
+        table.add_row("steps this session", str(len(trains)))
+        if trains:
+            table.add_row(
+                "train reward (first -> last)",
+                f"{trains[0]['train/reward_mean']:.3f} -> {trains[-1]['train/reward_mean']:.3f}",
+            )
+        if vals:
+            table.add_row(
+                "val accuracy (first -> last)",
+                f"{vals[0]['val/accuracy']:.3f} (step {vals[0]['step']}) -> "
+                f"{vals[-1]['val/accuracy']:.3f} (step {vals[-1]['step']})",
+            )
+        if self.step_times:
+            table.add_row("median step time", f"{statistics.median(self.step_times):.2f} s")
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            table.add_row("latest checkpoint", str(latest))
+        self.console.print(table)
+
+    # -- tear-down ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop what was started, newest first; clean-up errors never hide the run's error."""
+        while self._closers:
+            closer = self._closers.pop()
+            with contextlib.suppress(Exception):
+                closer()

@@ -1,0 +1,157 @@
+"""``nrl venvs``: build, list and clean the per-plugin actor virtualenvs.
+
+Kept import-light: the actor-env module and the plugin host are imported inside the handlers,
+and Ray never is (``build`` builds on this node; runs build on every node themselves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``venvs`` and its ``build``/``list``/``clean`` subcommands to ``subparsers``."""
+    venvs = subparsers.add_parser(
+        "venvs",
+        help="build, list and clean the per-plugin actor virtualenvs",
+        description="Actor virtualenvs live under <workspace>/venvs (or $NRL_VENV_DIR), one "
+        "per plugin distribution, extras and lockfile hash.",
+    )
+    venvs.set_defaults(handler=lambda args: (venvs.print_help(), 0)[1])
+    sub = venvs.add_subparsers(dest="venvs_command", metavar="COMMAND")
+
+    build = sub.add_parser("build", help="build (or reuse) the venvs of plugins")
+    build.add_argument("plugins", nargs="*", metavar="PLUGIN", help="plugin short names")
+    build.add_argument("--all", action="store_true", help="every installed plugin")
+    build.add_argument(
+        "--bin", metavar="DIR", help="also write a python-<plugin> launcher per venv into DIR"
+    )
+    build.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even when a fresh venv exists (as NRL_FORCE_REBUILD_VENVS=1)",
+    )
+    build.set_defaults(handler=_build)
+
+    listing = sub.add_parser("list", help="show the venvs and whether they are fresh")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(handler=_list)
+
+    clean = sub.add_parser("clean", help="delete venvs")
+    clean.add_argument(
+        "--stale",
+        action="store_true",
+        help="delete only stale and broken venvs, keep the fresh ones",
+    )
+    clean.set_defaults(handler=_clean)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _venv_root():
+    from nrl_core.distributed.actor_env import default_venv_root, find_workspace_root
+
+    return default_venv_root(find_workspace_root())
+
+
+def _targets(names: list[str], all_plugins: bool) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(plugin, distribution, extras) of every actor venv the selected plugins need."""
+    from nrl_core.errors import PluginError
+    from nrl_core.plugins import CORE_PLUGIN, PluginHost
+
+    if not names and not all_plugins:
+        raise PluginError("name the plugins to build (nrl venvs build dtensor vllm) or pass --all")
+    host = PluginHost.discover(None if all_plugins else names)
+    targets: list[tuple[str, str, tuple[str, ...]]] = []
+    for info in host.plugins:
+        if info.name == CORE_PLUGIN or info.status != "ok" or not info.distribution:
+            continue
+        combos = {tuple(sorted(spec.extras)) for spec in info.components} or {()}
+        for extras in sorted(combos):
+            targets.append((info.name, info.distribution, extras))
+    broken = [i for i in host.broken() if all_plugins or i.name in names]
+    if broken:
+        raise PluginError(
+            f"plugin {broken[0].name!r} failed to load: {broken[0].error}; "
+            "fix it or leave it out of `nrl venvs build`"
+        )
+    return targets
+
+
+def _build(args: argparse.Namespace) -> int:
+    import os
+
+    from nrl_core.distributed import actor_env
+
+    console = _console()
+    root = _venv_root()
+    force = args.force or actor_env._truthy(os.environ.get(actor_env.FORCE_VAR))
+    taken: set[str] = set()
+    for plugin, distribution, extras in _targets(args.plugins, args.all):
+        label = f"{plugin} ({distribution}{'[' + ','.join(extras) + ']' if extras else ''})"
+        request = actor_env.request_for(distribution, extras, plugin)
+        with console.status(f"building {label}..."):
+            info = actor_env.build_venv(request, root, force=force)
+        state = "[green]built[/]" if info.built else "[cyan]fresh, reused[/]"
+        console.print(f"{label}: {state} {info.path}")
+        if args.bin:
+            name = actor_env.launcher_name(plugin, extras, taken)
+            taken.add(name)
+            launcher = actor_env.write_launcher(args.bin, name, info.python)
+            console.print(f"  launcher: {launcher}")
+    return 0
+
+
+def _human_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+def _list(args: argparse.Namespace) -> int:
+    from nrl_core.distributed.actor_env import list_venvs
+
+    entries = list_venvs(_venv_root())
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=2))
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    if not entries:
+        console.print(f"no actor venvs under {_venv_root()}; build them with `nrl venvs build`")
+        return 0
+    table = Table("plugin", "extras", "lock hash", "size", "status", "path")
+    colours = {"fresh": "green", "stale": "yellow", "broken": "red"}
+    for e in entries:
+        table.add_row(
+            e.plugin or "?",
+            ",".join(e.extras) or "-",
+            e.fingerprint[:12],
+            _human_size(e.size_bytes),
+            f"[{colours[e.status]}]{e.status}[/]",
+            str(e.path),
+        )
+    console.print(table)
+    return 0
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from nrl_core.distributed.actor_env import clean_venvs
+
+    removed = clean_venvs(_venv_root(), stale_only=args.stale)
+    console = _console()
+    for path in removed:
+        console.print(f"removed {path}")
+    if not removed:
+        console.print("nothing to remove")
+    return 0

@@ -1,0 +1,604 @@
+"""Per-plugin actor virtualenvs: which interpreter a component's actors run with.
+
+Three modes (see ``docs/runtime.md``):
+
+* ``workspace`` (a checkout with ``uv.lock``): one venv per (distribution, extras, lock hash)
+  under ``<workspace>/venvs`` (``$NRL_VENV_DIR``), built with ``uv venv`` + ``uv sync --locked
+  --package DIST --extra E --no-dev``; exactly the versions of the lockfile.
+* ``installed`` (nrl installed from an index, no lockfile): ``uv pip install
+  "DIST[E]==<installed version>"`` into a venv under ``~/.cache/nrl/venvs``.
+* ``system``: the driver's interpreter; a path: that interpreter.
+
+A venv is keyed by distribution, extras, Python version and the lock hash (or installed
+version): a changed lockfile gives a new venv and the old one is listed as stale. A venv
+records its key in ``nrl-venv.json``, written last, so a half-built venv is never reused.
+Builds take a file lock, so two runs on one node never build the same venv at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from nrl_core.distributed.errors import ActorEnvError, ImageMismatchError
+
+Mode = Literal["workspace", "installed"]
+
+MARKER = "nrl-venv.json"
+ACTOR_ENV_VAR = "NRL_ACTOR_ENV"
+VENV_DIR_VAR = "NRL_VENV_DIR"
+FORCE_VAR = "NRL_FORCE_REBUILD_VENVS"
+LAYER_VAR = "NRL_ACTOR_VENV_LAYER"
+CONTAINER_VAR = "NRL_CONTAINER"
+MANIFEST_VAR = "NRL_IMAGE_MANIFEST"
+IGNORE_MISMATCH_VAR = "NRL_IGNORE_VERSION_MISMATCH"
+DEFAULT_MANIFEST = "/opt/nrl/image-manifest.json"
+MANIFEST_FILES = ("pyproject.toml", "uv.lock")
+BUILD_TIMEOUT_S = 3600.0
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def find_workspace_root(start: Path | None = None) -> Path | None:
+    """The nearest folder above ``nrl_core`` (or ``start``) holding ``uv.lock``; None if none."""
+    here = (start or Path(__file__)).resolve()
+    for folder in [here, *here.parents]:
+        if (folder / "uv.lock").is_file() and (folder / "pyproject.toml").is_file():
+            return folder
+    return None
+
+
+def file_hash(path: Path) -> str:
+    """sha256 of a file's bytes, hex."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def uv_binary() -> str:
+    """The uv executable: the one shipped by the ``uv`` package, else the one on PATH."""
+    try:
+        import uv
+
+        return uv.find_uv_bin()
+    except Exception:
+        found = shutil.which("uv")
+        if found is None:
+            raise ActorEnvError(
+                "uv is not installed; install it with `pip install uv` (it is "
+                "a dependency of nrl-core) or set NRL_ACTOR_ENV=system"
+            ) from None
+        return found
+
+
+def default_venv_root(workspace: Path | None, environ: Mapping[str, str] | None = None) -> Path:
+    """``$NRL_VENV_DIR``, else ``<workspace>/venvs``, else ``~/.cache/nrl/venvs``."""
+    environ = os.environ if environ is None else environ
+    if environ.get(VENV_DIR_VAR):
+        return Path(environ[VENV_DIR_VAR]).expanduser().resolve()
+    if workspace is not None:
+        return workspace / "venvs"
+    return Path.home() / ".cache" / "nrl" / "venvs"
+
+
+# ---------------------------------------------------------------------------------------------
+# What to build
+
+
+@attrs.frozen
+class VenvRequest:
+    """One actor venv: what goes in it and the fingerprint that keys it."""
+
+    distribution: str
+    extras: tuple[str, ...] = attrs.field(converter=lambda e: tuple(sorted(set(e))), default=())
+    plugin: str = ""
+    mode: Mode = "workspace"
+    fingerprint: str = ""
+    """The lockfile hash (workspace mode) or the installed version/requirement (installed)."""
+    workspace: str | None = None
+    requirement: str | None = None
+    """What ``uv pip install`` gets (installed mode)."""
+    layer: tuple[str, ...] = ()
+    """Site-packages folders visible below the venv's own (see ``docs/runtime.md``)."""
+    python_version: str = attrs.field(factory=_python_version)
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps(
+            [
+                self.distribution,
+                self.extras,
+                self.mode,
+                self.fingerprint,
+                self.python_version,
+                self.requirement,
+                self.layer,
+            ]
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @property
+    def dirname(self) -> str:
+        extras = "+" + "+".join(self.extras) if self.extras else ""
+        return f"{self.distribution}{extras}-py{self.python_version}-{self.key}"
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self) | {"key": self.key}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VenvRequest:
+        fields = {f.name for f in attrs.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["layer"] = tuple(values.get("layer") or ())
+        return cls(**values)
+
+
+@attrs.frozen
+class VenvInfo:
+    """A ready venv."""
+
+    path: Path
+    python: Path
+    built: bool
+    """True when this call built it; False when an existing venv was reused."""
+    request: VenvRequest
+
+
+def request_for(
+    distribution: str,
+    extras: Sequence[str] = (),
+    plugin: str = "",
+    *,
+    workspace: Path | Literal["auto"] | None = "auto",
+    layer: bool | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> VenvRequest:
+    """Build the :class:`VenvRequest` of ``distribution[extras]`` for this checkout/install.
+
+    ``layer`` (default ``$NRL_ACTOR_VENV_LAYER``) makes the driver's site-packages visible
+    below the venv's own, for development and tests (see ``docs/runtime.md``).
+    """
+    environ = os.environ if environ is None else environ
+    root = find_workspace_root() if workspace == "auto" else workspace
+    layer = _truthy(environ.get(LAYER_VAR)) if layer is None else layer
+    layer_dirs = tuple(site.getsitepackages()) if layer else ()
+    if root is not None:
+        return VenvRequest(
+            distribution,
+            tuple(extras),
+            plugin,
+            "workspace",
+            file_hash(Path(root) / "uv.lock")[:16],
+            str(root),
+            None,
+            layer_dirs,
+        )
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise ActorEnvError(
+            f"plugin distribution {distribution!r} is not installed; install "
+            f"it (pip install {distribution}) or set NRL_ACTOR_ENV=system"
+        ) from None
+    extra = f"[{','.join(sorted(extras))}]" if extras else ""
+    requirement = f"{distribution}{extra}=={dist.version}"
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        url = json.loads(direct).get("url", "")
+        if url.startswith("file://"):
+            requirement = f"{distribution}{extra} @ {url}"
+    return VenvRequest(
+        distribution,
+        tuple(extras),
+        plugin,
+        "installed",
+        dist.version,
+        None,
+        requirement,
+        layer_dirs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building (runs on every node)
+
+
+def _site_packages(venv: Path, python_version: str) -> Path:
+    return venv / "lib" / f"python{python_version}" / "site-packages"
+
+
+def read_marker(venv: Path) -> dict[str, Any] | None:
+    """The venv's ``nrl-venv.json``, or None when missing or unreadable."""
+    try:
+        return json.loads((venv / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def venv_is_ready(venv: Path, request: VenvRequest) -> bool:
+    """True when ``venv`` holds a finished build of ``request`` with a working interpreter."""
+    marker = read_marker(venv)
+    python = venv / "bin" / "python"
+    return bool(
+        marker
+        and marker.get("key") == request.key
+        and python.exists()
+        and os.access(python, os.X_OK)
+    )
+
+
+def _run_uv(
+    cmd: list[str], request: VenvRequest, env: dict[str, str], cwd: str | None = None
+) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        shown = "\n".join(f"  {ln}" for ln in lines[-15:])
+        extras = f"[{','.join(request.extras)}]" if request.extras else ""
+        raise ActorEnvError(
+            f"building the actor venv of {request.distribution}{extras} failed; fix the uv "
+            f"error below, then retry (or set {ACTOR_ENV_VAR}=system)\n"
+            f"$ {' '.join(cmd)}\n{shown}"
+        )
+
+
+def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False) -> VenvInfo:
+    """Build ``request`` under ``venv_root`` unless a ready one is there; safe across processes."""
+    from filelock import FileLock
+
+    root = Path(venv_root)
+    venv = root / request.dirname
+    (root / ".locks").mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / ".locks" / f"{request.dirname}.lock")):
+        if not force and venv_is_ready(venv, request):
+            return VenvInfo(venv, venv / "bin" / "python", False, request)
+        started = time.monotonic()
+        if venv.exists():
+            shutil.rmtree(venv)  # broken, stale or forced: never patch a venv in place
+        uv = uv_binary()
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        env["UV_NO_PROGRESS"] = "1"
+        base = getattr(sys, "_base_executable", None) or sys.executable
+        _run_uv([uv, "venv", "--quiet", "--python", base, str(venv)], request, env)
+        python = venv / "bin" / "python"
+        if request.mode == "workspace":
+            cmd = [
+                uv,
+                "sync",
+                "--locked",
+                "--no-dev",
+                "--package",
+                request.distribution,
+                "--project",
+                str(request.workspace),
+            ]
+            for extra in request.extras:
+                cmd += ["--extra", extra]
+            _run_uv(
+                cmd, request, env | {"UV_PROJECT_ENVIRONMENT": str(venv)}, cwd=request.workspace
+            )
+        else:
+            _run_uv(
+                [uv, "pip", "install", "--python", str(python), str(request.requirement)],
+                request,
+                env,
+            )
+        if request.layer:
+            # Lines starting with "import" in a .pth are executed; addsitedir also processes
+            # the .pth files of the layered folder (editable installs such as nrl-core's).
+            lines = [f"import site; site.addsitedir({d!r})" for d in request.layer]
+            pth = _site_packages(venv, request.python_version) / "_nrl_layer.pth"
+            pth.write_text("\n".join(lines) + "\n")
+        marker = request.to_json() | {
+            "built_at": time.time(),
+            "build_seconds": round(time.monotonic() - started, 1),
+        }
+        (venv / MARKER).write_text(json.dumps(marker, indent=2))
+        return VenvInfo(venv, python, True, request)
+
+
+def _build_task(request: dict, venv_root: str, force: bool) -> dict:
+    info = build_venv(VenvRequest.from_json(request), venv_root, force)
+    return {"path": str(info.path), "built": info.built}
+
+
+def build_on_all_nodes(
+    request: VenvRequest,
+    venv_root: str | Path | None = None,
+    force: bool | None = None,
+    timeout_s: float = BUILD_TIMEOUT_S,
+) -> VenvInfo:
+    """Build ``request`` on every alive Ray node at once (or here when Ray is not running).
+
+    The venv path is the same on every node, so actors can name one interpreter.
+    """
+    root = (
+        Path(venv_root)
+        if venv_root
+        else default_venv_root(Path(request.workspace) if request.workspace else None)
+    )
+    force = _truthy(os.environ.get(FORCE_VAR)) if force is None else force
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a core dependency
+        ray = None
+    if ray is None or not ray.is_initialized():
+        return build_venv(request, root, force)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(_build_task)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            request.to_json(), str(root), force
+        )
+        for node in nodes
+    ]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise ActorEnvError(
+            f"building the actor venv {request.dirname} took more than "
+            f"{timeout_s:g}s on {len(pending)} node(s); build it ahead with "
+            "`nrl venvs build` and check the node's disk and network"
+        )
+    built = False
+    for ref in ready:
+        try:
+            built |= ray.get(ref)["built"]
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ActorEnvError):
+                raise ActorEnvError(str(cause)) from None  # uv's lines, not a Ray traceback
+            raise ActorEnvError(
+                f"building the actor venv {request.dirname} failed on a node: {cause or exc}"
+            ) from None
+    venv = root / request.dirname
+    return VenvInfo(venv, venv / "bin" / "python", built, request)
+
+
+# ---------------------------------------------------------------------------------------------
+# The interpreter of a component's actors
+
+
+_READY: dict[tuple[str, str], VenvInfo] = {}
+
+
+def actor_env_setting(
+    section_value: str | None = None,
+    cluster_value: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """The effective setting: the component section's, else the cluster's, else
+    ``$NRL_ACTOR_ENV``, else ``venv``."""
+    environ = os.environ if environ is None else environ
+    for value in (section_value, cluster_value, environ.get(ACTOR_ENV_VAR)):
+        if value not in (None, ""):
+            return str(value)
+    return "venv"
+
+
+def actor_python(
+    spec: Any, config: Any = None, section: Any = None, *, venv_root: str | Path | None = None
+) -> str:
+    """The interpreter ``spec``'s actors run with, building its venv on every node if needed.
+
+    Args:
+        spec: the component's :class:`~nrl_core.registry.ComponentSpec`.
+        config: the run config (its ``cluster.actor_env`` applies when ``section`` sets none).
+        section: the component's config section (its ``actor_env`` wins).
+    """
+    setting = actor_env_setting(
+        getattr(section, "actor_env", None),
+        getattr(getattr(config, "cluster", None), "actor_env", None),
+    )
+    if setting == "system" or spec.distribution is None:
+        return sys.executable
+    if setting not in ("venv", "auto"):
+        path = Path(setting).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ActorEnvError(
+                f"actor_env {setting!r} of {spec.kind} {spec.name!r} is not an "
+                "executable Python interpreter; use `system`, a path to "
+                "python, or leave it unset for the plugin's venv"
+            )
+        return str(path)
+    request = request_for(spec.distribution, spec.extras, spec.plugin)
+    root = (
+        Path(venv_root)
+        if venv_root
+        else default_venv_root(Path(request.workspace) if request.workspace else None)
+    )
+    cache_key = (str(root), request.key)
+    if cache_key not in _READY:
+        _READY[cache_key] = build_on_all_nodes(request, root)
+    return str(_READY[cache_key].python)
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing, cleaning, launchers
+
+
+@attrs.frozen
+class VenvEntry:
+    """One venv found under a venv root, for ``nrl venvs list``."""
+
+    path: Path
+    distribution: str
+    plugin: str
+    extras: tuple[str, ...]
+    mode: str
+    fingerprint: str
+    size_bytes: int
+    status: Literal["fresh", "stale", "broken"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "plugin": self.plugin,
+            "distribution": self.distribution,
+            "extras": list(self.extras),
+            "mode": self.mode,
+            "lock_hash": self.fingerprint,
+            "size_bytes": self.size_bytes,
+            "status": self.status,
+        }
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def current_fingerprint(request: VenvRequest) -> str | None:
+    """What ``request.fingerprint`` would be today (None when it cannot be known)."""
+    if request.mode == "workspace" and request.workspace:
+        lock = Path(request.workspace) / "uv.lock"
+        return file_hash(lock)[:16] if lock.is_file() else None
+    try:
+        return metadata.version(request.distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def list_venvs(venv_root: str | Path) -> list[VenvEntry]:
+    """Every venv under ``venv_root`` with its status: fresh, stale (lock changed), broken."""
+    root = Path(venv_root)
+    entries = []
+    for venv in sorted(p for p in root.glob("*") if p.is_dir() and not p.name.startswith(".")):
+        marker = read_marker(venv)
+        if marker is None:
+            entries.append(VenvEntry(venv, venv.name, "", (), "?", "", _size(venv), "broken"))
+            continue
+        request = VenvRequest.from_json(marker)
+        if not venv_is_ready(venv, request):
+            status = "broken"
+        elif current_fingerprint(request) != request.fingerprint:
+            status = "stale"
+        else:
+            status = "fresh"
+        entries.append(
+            VenvEntry(
+                venv,
+                request.distribution,
+                request.plugin,
+                request.extras,
+                request.mode,
+                request.fingerprint,
+                _size(venv),
+                status,
+            )
+        )
+    return entries
+
+
+def clean_venvs(venv_root: str | Path, stale_only: bool = False) -> list[Path]:
+    """Remove the venvs under ``venv_root`` (only stale and broken ones with ``stale_only``)."""
+    removed = []
+    for entry in list_venvs(venv_root):
+        if stale_only and entry.status == "fresh":
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def write_launcher(bin_dir: str | Path, name: str, python: str | Path) -> Path:
+    """Write an executable ``bin_dir/name`` that runs ``python`` with its arguments."""
+    bin_path = Path(bin_dir)
+    bin_path.mkdir(parents=True, exist_ok=True)
+    launcher = bin_path / name
+    launcher.write_text(f'#!/bin/sh\n# Written by `nrl venvs build`.\nexec "{python}" "$@"\n')
+    launcher.chmod(0o755)
+    return launcher
+
+
+def launcher_name(plugin: str, extras: Sequence[str], taken: set[str]) -> str:
+    """``python-<plugin>``, with the extras appended when the plain name is taken."""
+    name = f"python-{plugin}"
+    if name in taken and extras:
+        name = f"python-{plugin}-{'-'.join(sorted(extras))}"
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Container image vs checkout
+
+
+def write_image_manifest(path: str | Path | None = None, workspace: Path | None = None) -> Path:
+    """Record the sha256 of ``pyproject.toml`` and ``uv.lock`` (run when building an image)."""
+    workspace = workspace or find_workspace_root()
+    if workspace is None:
+        raise ActorEnvError("no uv.lock found above nrl_core; run this in an nrl checkout")
+    target = Path(path or os.environ.get(MANIFEST_VAR) or DEFAULT_MANIFEST)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    files = {
+        name: file_hash(workspace / name) for name in MANIFEST_FILES if (workspace / name).is_file()
+    }
+    target.write_text(json.dumps({"workspace": str(workspace), "files": files}, indent=2))
+    return target
+
+
+def check_image_manifest(
+    workspace: Path | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """With ``NRL_CONTAINER=1``, stop when the checkout's pyproject/lock differ from the image's.
+
+    Returns the names of the changed files (empty when they match or outside containers).
+    ``NRL_IGNORE_VERSION_MISMATCH=1`` turns the error into a warning on stderr.
+    """
+    environ = os.environ if environ is None else environ
+    if not _truthy(environ.get(CONTAINER_VAR)):
+        return []
+    workspace = workspace or find_workspace_root()
+    manifest_path = Path(environ.get(MANIFEST_VAR) or DEFAULT_MANIFEST)
+    if workspace is None:
+        return []
+    try:
+        recorded = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        print(
+            f"nrl: warning: {CONTAINER_VAR}=1 but the image manifest {manifest_path} is "
+            "missing or unreadable; skipping the image/checkout check",
+            file=sys.stderr,
+        )
+        return []
+    changed = [
+        name
+        for name in MANIFEST_FILES
+        if (workspace / name).is_file() and recorded.get(name) != file_hash(workspace / name)
+    ]
+    if not changed:
+        return []
+    message = (
+        f"the checkout's {' and '.join(changed)} differ from the ones this container image was "
+        f"built with ({manifest_path}); the image's actor venvs may not match the code. "
+        "Ways out: (1) rebuild the image; (2) rebuild the venvs here with "
+        f"{FORCE_VAR}=1; (3) set {IGNORE_MISMATCH_VAR}=1 to proceed at your own risk"
+    )
+    if _truthy(environ.get(IGNORE_MISMATCH_VAR)):
+        print(f"nrl: warning: {message}", file=sys.stderr)
+        return changed
+    raise ImageMismatchError(message)

@@ -1,0 +1,169 @@
+"""Running environments as Ray actors: error isolation inside the actor, routing in the driver.
+
+:class:`EnvironmentActor` runs inside each environment actor (in the environment plugin's own
+virtualenv). It builds the plugin's environment from its target string and shields the run
+from it: when ``step`` raises for a batch, the batch is retried sample by sample, and a sample
+whose step still raises gets reward 0 and is counted as an environment error.
+
+:class:`EnvironmentPool` is the driver's side: one worker group per environment, batches split
+across each group's actors, samples routed to their environment by task name.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from nrl_core.interfaces import ComponentContext, EnvStep
+from nrl_core.registry import resolve_target
+
+ENV_ACTOR_TARGET = "nrl_core.environments:EnvironmentActor"
+
+
+@attrs.frozen
+class StepResult:
+    """An environment's answer for one sample, or the error that replaced it."""
+
+    step: EnvStep
+    error: str | None = None
+
+    @property
+    def reward(self) -> float:
+        return total_reward(self.step.reward)
+
+
+def total_reward(reward: float | dict[str, float]) -> float:
+    """The training reward: the float itself, or the sum of named rewards."""
+    if isinstance(reward, dict):
+        return float(sum(reward.values()))
+    return float(reward)
+
+
+class EnvironmentActor:
+    """Hosts one environment inside a Ray actor.
+
+    Args:
+        target: the environment's ``"module:attr"``, imported here, in the actor.
+        options: the environment's options object (its registered config class).
+        context: the run-wide :class:`~nrl_core.interfaces.ComponentContext`.
+    """
+
+    def __init__(self, target: str | object, options: Any, context: ComponentContext) -> None:
+        self.env = resolve_target(target, what="environment")(options, context)
+
+    def step(self, batch: tuple[Sequence[Sequence[dict]], Sequence[dict]]) -> list[StepResult]:
+        """Step every sample of ``(conversations, metadata)``; never raises for a sample."""
+        conversations, metadata = batch
+        if not conversations:
+            return []
+        try:
+            return [StepResult(s) for s in self._checked_step(conversations, metadata)]
+        except Exception:
+            pass  # find the samples at fault below; the others still get their rewards
+        results = []
+        for conversation, meta in zip(conversations, metadata, strict=True):
+            try:
+                results.append(StepResult(self._checked_step([conversation], [meta])[0]))
+            except Exception as exc:
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                results.append(
+                    StepResult(
+                        EnvStep(reward=0.0, terminated=True),
+                        error=f"{type(exc).__name__}: {exc} ({where.filename}:{where.lineno})",
+                    )
+                )
+        return results
+
+    def _checked_step(self, conversations, metadata) -> list[EnvStep]:
+        steps = list(self.env.step(conversations, metadata))
+        if len(steps) != len(conversations):
+            raise ValueError(
+                f"{type(self.env).__name__}.step returned {len(steps)} results "
+                f"for {len(conversations)} samples"
+            )
+        for step in steps:
+            if not isinstance(step, EnvStep):
+                raise TypeError(
+                    f"{type(self.env).__name__}.step must return EnvStep objects, "
+                    f"got {type(step).__name__}"
+                )
+        return steps
+
+    def metrics(self, batch: dict[str, Any]) -> dict[str, float]:
+        """The environment's own metrics of a finished batch ({} when it defines none)."""
+        fn = getattr(self.env, "metrics", None)
+        return dict(fn(batch)) if callable(fn) else {}
+
+
+class ExactMatchEnvironment:
+    """The core's built-in environment: reward 1.0 when the last line of the response, stripped,
+    equals the sample's answer, else 0.0. Single turn. Registered as ``exact_match``; it needs
+    no plugin, so the whole loop can be tested with the core alone."""
+
+    def __init__(self, options: Any = None, context: Any = None) -> None:
+        self.context = context
+
+    def step(
+        self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
+    ) -> list[EnvStep]:
+        steps = []
+        for conversation, meta in zip(conversations, metadata, strict=True):
+            lines = conversation[-1]["content"].strip().splitlines() or [""]
+            correct = lines[-1].strip() == str(meta.get("answer", "")).strip()
+            steps.append(EnvStep(reward=1.0 if correct else 0.0, terminated=True))
+        return steps
+
+
+class EnvironmentPool:
+    """The environments of a run, each a worker group of :class:`EnvironmentActor`.
+
+    Args:
+        groups: task name -> worker group hosting that task's environment.
+    """
+
+    def __init__(self, groups: dict[str, Any]) -> None:
+        self.groups = groups
+
+    def step(
+        self,
+        tasks: Sequence[str],
+        conversations: Sequence[Sequence[dict]],
+        metadata: Sequence[dict],
+    ) -> list[StepResult]:
+        """Step each sample in the environment of its task; results in input order."""
+        results: list[StepResult | None] = [None] * len(tasks)
+        for task in sorted(set(tasks)):
+            group = self.groups.get(task) or self.groups.get("default")
+            if group is None:
+                known = ", ".join(sorted(self.groups))
+                raise KeyError(f"no environment serves task {task!r}; configured: {known}")
+            index = [i for i, t in enumerate(tasks) if t == task]
+            shards = _split([(conversations[i], metadata[i]) for i in index], group.dp_size)
+            outputs = group.run_sharded(
+                "step", [([c for c, _ in shard], [m for _, m in shard]) for shard in shards]
+            )
+            for i, result in zip(index, [r for out in outputs for r in out], strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    def metrics(self, task: str, batch: dict[str, Any]) -> dict[str, float]:
+        group = self.groups.get(task) or self.groups.get("default")
+        return group.run_one(0, "metrics", batch) if group is not None else {}
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.shutdown()
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Split into ``parts`` contiguous chunks whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks

@@ -1,0 +1,204 @@
+"""Options of the built-in losses, kept free of torch.
+
+The driver structures these classes from the run config (``loss.clipped_pg.*``) and resolves
+``is_correction="auto"`` before any policy worker exists, so this module imports only attrs and
+the config helpers. The loss modules re-export their config class, so both
+``nrl_core.losses.config:ClippedPGConfig`` and ``nrl_core.losses.clipped_pg:ClippedPGConfig``
+name the same class.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from nrl_core.config.schema import option
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+ISCorrection = Literal[
+    "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+]
+IS_CORRECTIONS: tuple[str, ...] = (
+    "auto",
+    "none",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+)
+
+SequenceISWeight = Literal["geometric_mean", "product"]
+SEQUENCE_IS_WEIGHTS: tuple[str, ...] = ("geometric_mean", "product")
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _dual_clip_above_one(
+    _instance: object, attribute: attrs.Attribute, value: float | None
+) -> None:
+    # c <= 1 would cap the loss of negative-advantage tokens below the unclipped PPO value
+    # even at ratio 1, i.e. it would change the on-policy gradient, not just bound outliers.
+    if value is not None and value <= 1:
+        raise ValueError(f"{attribute.name} must be > 1 (commonly 3), got {value}")
+
+
+@attrs.define
+class ClippedPGConfig:
+    """Options of the clipped policy-gradient loss (``loss.name=clipped_pg``).
+
+    The defaults are classic GRPO with token-mean aggregation and no KL term. Published variants:
+
+    * DAPO: ``clip_eps_high=0.28``, ``aggregation=token_mean`` (plus dynamic sampling and
+      overlong filtering, which live in :mod:`nrl_core.algorithms.advantages`).
+    * Dr. GRPO: ``aggregation=seq_mean_token_sum_norm`` (and ``normalize_rewards=False``).
+    * GSPO: ``ratio_level=sequence``, ``clip_eps_low=3e-4``, ``clip_eps_high=4e-4``,
+      ``aggregation=seq_mean_token_mean``.
+    """
+
+    clip_eps_low: float = option(
+        0.2,
+        "Lower clip range: the ratio is clipped below at `1 - clip_eps_low`.",
+        validator=_non_negative,
+    )
+    clip_eps_high: float = option(
+        0.2,
+        "Upper clip range: the ratio is clipped above at `1 + clip_eps_high` "
+        "(DAPO clip-higher uses 0.28).",
+        validator=_non_negative,
+    )
+    dual_clip_c: float | None = option(
+        None,
+        "Dual clip for negative advantages: the per-token loss is capped at "
+        "`-A * c` (c > 1, commonly 3). None disables it.",
+        validator=_dual_clip_above_one,
+    )
+    kl_coef: float = option(
+        0.0,
+        "Coefficient of the KL penalty to the reference policy added to the loss. 0 "
+        "disables it, and then no reference model is loaded.",
+        validator=_non_negative,
+    )
+    kl_estimator: KLEstimator = option(
+        "k3",
+        "KL estimator with d = ref - logp (clamped to +-20): `k1` = -d, `k2` = d^2/2, "
+        "`k3` = exp(d) - 1 - d.",
+        validator=attrs.validators.in_(KL_ESTIMATORS),
+    )
+    aggregation: Aggregation = option(
+        "token_mean",
+        "How per-token losses become one number: `token_mean` (sum / global "
+        "valid tokens), `seq_mean_token_mean` (token mean inside each sequence, then mean over "
+        "global valid sequences), `seq_mean_token_sum_norm` (Dr. GRPO: sum / (global valid "
+        "sequences * max_total_sequence_length)).",
+        validator=attrs.validators.in_(AGGREGATIONS),
+    )
+    ratio_level: RatioLevel = option(
+        "token",
+        "`token`: one ratio per token (PPO/GRPO). `sequence`: GSPO, one ratio per "
+        "sequence, exp of the mean log-ratio over its valid tokens, clipped and applied to "
+        "every token of the sequence.",
+        validator=attrs.validators.in_(RATIO_LEVELS),
+    )
+    is_correction: ISCorrection = option(
+        "auto",
+        "Importance-sampling correction of the train/inference mismatch, with weight "
+        "w = exp(old - gen) (detached): `none`, `token_truncate` (min(w, is_truncate_c)), "
+        "`token_mask` (w, or 0 outside [is_mask_low, is_mask_high]), `sequence_truncate` and "
+        "`sequence_mask` (the same with one weight per sequence, see `is_sequence_weight`). "
+        "`auto` is resolved by the core: `none` for colocated torch generation (it shares the "
+        "trainer's weights and kernels), `token_truncate` for every other backend.",
+        validator=attrs.validators.in_(IS_CORRECTIONS),
+    )
+    is_truncate_c: float = option(
+        2.0, "Truncation bound C of the `*_truncate` corrections.", validator=_non_negative
+    )
+    is_mask_low: float = option(
+        0.5, "Lower bound of the weight kept by the `*_mask` corrections.", validator=_non_negative
+    )
+    is_mask_high: float = option(
+        5.0, "Upper bound of the weight kept by the `*_mask` corrections.", validator=_non_negative
+    )
+    is_sequence_weight: SequenceISWeight = option(
+        "geometric_mean",
+        "Sequence weight of the `sequence_*` corrections: `geometric_mean` "
+        "= exp(mean_t(old - gen)) (length independent) or `product` = exp(sum_t(old - gen)).",
+        validator=attrs.validators.in_(SEQUENCE_IS_WEIGHTS),
+    )
+    on_policy_shortcut: bool = option(
+        False,
+        "Declare every training step fully on-policy (one optimizer step per batch): the "
+        "trainer then skips recomputing `prev_logprobs` and the loss uses "
+        "rho = exp(logp - sg(logp)) (value 1, exact gradient). Whatever this says, a batch that "
+        "carries `prev_logprobs` uses them.",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.is_mask_low > self.is_mask_high:
+            raise ValueError(
+                f"is_mask_low ({self.is_mask_low}) must not exceed is_mask_high "
+                f"({self.is_mask_high})"
+            )
+
+
+def resolve_is_correction(config: ClippedPGConfig | str, colocated: bool) -> str:
+    """The concrete importance-sampling correction for a run.
+
+    ``"auto"`` becomes ``"none"`` when generation is colocated torch (the generator *is* the
+    trainer's model, so ``gen == old`` up to nondeterminism and a correction only costs) and
+    ``"token_truncate"`` for every other backend (vLLM, SGLang: other kernels and precision,
+    hence a real mismatch). Any explicit choice is returned unchanged. ``config`` may be a
+    :class:`ClippedPGConfig` or the mode string itself.
+    """
+    mode = config if isinstance(config, str) else config.is_correction
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {mode!r}; expected one of {IS_CORRECTIONS}")
+    if mode != "auto":
+        return mode
+    return "none" if colocated else "token_truncate"
+
+
+def resolved_clipped_pg_config(config: ClippedPGConfig, colocated: bool) -> ClippedPGConfig:
+    """A copy of ``config`` with ``is_correction`` resolved (see :func:`resolve_is_correction`)."""
+    return attrs.evolve(config, is_correction=resolve_is_correction(config, colocated))
+
+
+@attrs.define
+class NLLConfig:
+    """Options of the supervised negative log-likelihood loss (``loss.name=nll``)."""
+
+    aggregation: Aggregation = option(
+        "token_mean",
+        "Normaliser of the summed NLL: `token_mean` (global valid tokens, the "
+        "usual SFT loss), `seq_mean_token_mean` or `seq_mean_token_sum_norm` (see "
+        "`clipped_pg.aggregation`).",
+        validator=attrs.validators.in_(AGGREGATIONS),
+    )
+
+
+@attrs.define
+class DPOLossConfig:
+    """Options of the DPO loss (``loss.name=dpo``)."""
+
+    beta: float = option(0.1, "DPO temperature beta (0.05-0.1 is common).", validator=_non_negative)
+    sft_loss_weight: float = option(
+        0.0,
+        "Weight of an NLL term on the chosen response (0 disables it).",
+        validator=_non_negative,
+    )
+    average_logprobs: bool = option(
+        False,
+        "Use the mean (not the sum) of the response's token logprobs as the sequence "
+        "logprob, in both the preference term and the SFT term.",
+    )

@@ -1,0 +1,1 @@
+"""Test helpers shipped with nrl (tiny model builder, fixtures); submodules import torch lazily."""

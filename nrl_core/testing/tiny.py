@@ -1,0 +1,151 @@
+"""A tiny Llama/Qwen2-style causal LM and tokenizer, built locally for tests, demos and benchmarks.
+
+Everything is written with ``save_pretrained`` so that every consumer loads it through the real
+``from_pretrained`` path, exactly like a hub model. The tokenizer is character level: every
+printable ASCII character (digits, ``+ - * = ( )``, letters, punctuation, space, newline) is one
+token, so small integer arithmetic ("12+7=" -> "19") is easy to learn. A Jinja chat template
+renders ``system``/``user``/``assistant`` turns and supports ``add_generation_prompt``.
+
+``policy.model_name: tiny`` resolves (through :func:`resolve_model_name`) to a copy cached under
+``~/.cache/nrl/tiny-<hash>``, built once under a file lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+from pathlib import Path
+
+BUILDER_VERSION = "1"
+"""Bump when the builder's output changes, so cached copies are rebuilt."""
+
+BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
+
+# Each turn is "<|role|>content<|eos|>"; the assistant's own <|eos|> is what generation stops on.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# The default test model: ~0.9M parameters, fast on two CPU cores.
+DEFAULT_SIZE = {"hidden_size": 128, "num_layers": 4}
+
+
+def _characters() -> list[str]:
+    # string.printable minus the exotic whitespace (\r, \x0b, \x0c) that chat text never holds.
+    return [c for c in string.printable if c not in "\r\x0b\x0c"]
+
+
+def build_tokenizer():
+    """The character-level ``PreTrainedTokenizerFast`` with its chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in _characters():
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character is its own pre-token ("[\\s\\S]" also matches the newline, unlike ".").
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse concatenates the pieces: the default WordLevel decoding would insert spaces.
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        padding_side="right",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    path: str | os.PathLike,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Build a randomly initialised ``arch`` (``llama`` or ``qwen2``) model and its tokenizer
+    into ``path`` with ``save_pretrained``; return the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = build_tokenizer()
+    # A vocabulary rounded up to a multiple of 64 keeps matmuls aligned; extra rows are unused.
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    if arch not in configs:
+        raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
+    config = configs[arch](**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _cache_key(kwargs: dict) -> str:
+    import transformers
+
+    payload = json.dumps(
+        {"v": BUILDER_VERSION, "transformers": transformers.__version__.split(".")[0], **kwargs},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None, **kwargs) -> Path:
+    """The cached tiny model folder, built on first use (safe across concurrent processes).
+
+    ``kwargs`` go to :func:`build_tiny_model` and are part of the cache key.
+    """
+    from filelock import FileLock
+
+    kwargs = {**DEFAULT_SIZE, **kwargs}
+    root = Path(cache_dir or os.environ.get("NRL_CACHE_DIR", Path.home() / ".cache" / "nrl"))
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"tiny-{_cache_key(kwargs)}"
+    marker = target / ".complete"
+    with FileLock(str(target) + ".lock"):
+        if not marker.exists():
+            build_tiny_model(target, **kwargs)
+            marker.touch()
+    return target
+
+
+def resolve_model_name(name: str) -> str:
+    """Map ``"tiny"`` to the cached tiny model folder; pass every other name through."""
+    return str(tiny_model_path()) if name == "tiny" else name

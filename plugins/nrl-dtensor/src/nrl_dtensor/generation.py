@@ -1,0 +1,332 @@
+"""Colocated torch generation: batched sampling with a KV cache from a Hugging Face causal LM.
+
+:class:`TorchGenerator` drives the model's own forward with a KV cache in a tight loop (no logits
+processors, stopping criteria or per-step Python over samples), so it runs on a plain model in a
+single process (tests, benchmarks) and on the policy's FSDP-sharded model inside the policy
+workers (``DTensorPolicyWorker.generate`` delegates here).
+
+Logprobs: each generated token's logprob is ``log_softmax(logits / T)`` at the sampled id, where
+``T`` is the sampling temperature (``T = 1`` for greedy). It is taken *before* top-k/top-p
+truncation, so it is not renormalised. The dtensor trainer divides its logits by the same
+generation temperature (see ``DTensorPolicyWorker``), so in float32 the train/generation logprob
+mismatch is ~0 whatever the temperature.
+
+Sharded models: with FSDP every forward is a collective, so when ``synchronize`` is on every rank
+keeps stepping (feeding padding for finished rows, or a dummy one-token prompt when it has no
+prompts left) until all ranks are done; ranks agree through an all-reduce of a "done" flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_dtensor.config import TorchGenerationConfig
+
+_RANK_SEED_STRIDE = 1_000_003
+"""Offsets a user seed per data-parallel rank so equal prompts on two ranks sample differently."""
+
+
+class TorchGenerator:
+    """Generate continuations of token-id prompts with a KV cache (see the module docstring).
+
+    Built by the registry as ``TorchGenerator(options, context)`` (it then loads
+    ``policy.model_name`` itself, single process), or with ``model=``/``tokenizer=`` to wrap a
+    model that already exists (the policy's sharded model, or a plain model in a benchmark).
+    """
+
+    def __init__(
+        self,
+        options: TorchGenerationConfig | None = None,
+        context: ComponentContext | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        device: torch.device | str | None = None,
+        synchronize: bool | None = None,
+        seed_offset: int = 0,
+    ) -> None:
+        self.options = options or TorchGenerationConfig()
+        self.context = context or ComponentContext(config=None)
+        if model is None:
+            model, tokenizer = self._load(self.context)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = (
+            torch.device(device) if device is not None else next(model.parameters()).device
+        )
+        self.synchronize = (
+            dist.is_available() and dist.is_initialized() if synchronize is None else synchronize
+        )
+        self.seed_offset = seed_offset
+        # The stream used when SamplingParams carries no seed: seeded once, then it advances.
+        self._default_rng = torch.Generator(device=self.device)
+        self._default_rng.manual_seed(self.context.seed + _RANK_SEED_STRIDE * seed_offset)
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_token_id = pad if pad is not None else (model.config.eos_token_id or 0)
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        if eos is None:
+            eos = model.config.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        )
+
+    @staticmethod
+    def _load(context: ComponentContext):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from nrl_core.testing.tiny import resolve_model_name
+
+        policy = context.config.policy
+        name = resolve_model_name(policy.model_name)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if policy.precision == "bfloat16" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(policy.tokenizer_name or name))
+        return model, tokenizer
+
+    # -----------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Continue each prompt; ``stop_strings`` adds per-sample stop strings to
+        ``params.stop_strings``. On a sharded model, call on all ranks together."""
+        stops = [
+            tuple(params.stop_strings) + tuple((stop_strings[i] if stop_strings else None) or ())
+            for i in range(len(prompts))
+        ]
+        if any(stops) and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        rng = self._default_rng
+        if params.seed is not None:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed + _RANK_SEED_STRIDE * self.seed_offset)
+        chunk = max(1, self.options.generation_batch_size)
+        starts = list(range(0, len(prompts), chunk))
+        num_chunks = self._global_max(len(starts))
+        token_ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[str] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for c in range(num_chunks):
+                if c < len(starts):
+                    sl = slice(starts[c], starts[c] + chunk)
+                    ids, lps, why = self._generate_chunk(prompts[sl], stops[sl], params, rng)
+                    token_ids += ids
+                    logprobs += lps
+                    reasons += why
+                else:
+                    # Nothing left here, but the other ranks' forwards need this rank's shards.
+                    self._generate_chunk([[self.pad_token_id]], [()], params, rng)
+        finally:
+            self.model.train(was_training)
+        return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)
+
+    def _global_max(self, value: int) -> int:
+        if not self.synchronize:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        flag = done.all()
+        if self.synchronize:
+            flag = flag.to(torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _grad_context(self):
+        # FSDP2's all-gathered parameters must not be inference tensors; plain models can use
+        # the cheaper inference mode.
+        from torch.distributed.fsdp import FSDPModule
+
+        return torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode()
+
+    def _generate_chunk(self, prompts, stops, params: SamplingParams, rng: torch.Generator):
+        with self._grad_context():
+            return self._generate_chunk_impl(prompts, stops, params, rng)
+
+    def _generate_chunk_impl(self, prompts, stops, params: SamplingParams, rng: torch.Generator):
+        device, batch = self.device, len(prompts)
+        max_new = int(params.max_new_tokens)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(lengths.max())
+        if width == 0:
+            raise ValueError("cannot generate from an empty prompt; give at least one token")
+        # Left padding lines up every row's next token in the last column.
+        ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        ids = ids.to(device)
+        # One preallocated mask for prompt + generation; each step only uncovers a column.
+        mask = torch.zeros((batch, width + max_new), dtype=torch.long, device=device)
+        mask[:, :width] = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+        padded = bool((lengths != width).any())
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        next_position = lengths.clone()[:, None]
+
+        out_tokens = torch.full(
+            (batch, max_new), self.pad_token_id, dtype=torch.long, device=device
+        )
+        out_logprobs = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        stop_ids = tuple(params.stop_token_ids) + (
+            self.eos_token_ids if self.options.stop_at_eos else ()
+        )
+        stop_ids_t = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        # Finished length per row; max_new means "ran out of tokens" unless it hit a stop.
+        final_len = torch.full((batch,), max_new, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        check_strings = any(stops)
+        history: list[list[int]] = [[] for _ in range(batch)] if check_strings else []
+        # Decode only a tail window: a stop string that completes at this step lies within it
+        # (each token decodes to at least one character with the tokenizers we support).
+        window = max((len(s) for row in stops for s in row), default=0) + 2
+
+        cache = preallocated_cache(self.model.config, width + max_new)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask[:, :width] if padded else None,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        steps = 0
+        for step in range(max_new):
+            token, logprob = sample(out.logits[:, -1, :], params, rng)
+            token = torch.where(done, self.pad_token_id, token)
+            out_tokens[:, step] = token
+            out_logprobs[:, step] = logprob
+            steps = step + 1
+            newly = ~done
+            if stop_ids_t.numel():
+                newly = newly & torch.isin(token, stop_ids_t)
+            else:
+                newly = torch.zeros_like(done)
+            if check_strings:
+                newly = newly | self._stop_string_hits(token, done, history, stops, window)
+            final_len = torch.where(newly, step + 1, final_len)
+            stopped |= newly
+            done |= newly
+            if step + 1 == max_new or self._all_done(done):
+                break
+            mask[:, width + step] = 1
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask[:, : width + step + 1] if padded else None,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            next_position = next_position + 1
+
+        final_len = final_len.clamp(max=steps).tolist()
+        tokens = out_tokens.tolist()
+        lps = out_logprobs.tolist()
+        stopped = stopped.tolist()
+        return (
+            [tokens[i][: final_len[i]] for i in range(batch)],
+            [lps[i][: final_len[i]] for i in range(batch)],
+            ["stop" if stopped[i] else "length" for i in range(batch)],
+        )
+
+    def _stop_string_hits(self, token, done, history, stops, window) -> torch.Tensor:
+        hits = [False] * len(history)
+        token_list = token.tolist()
+        done_list = done.tolist()
+        for i, row_stops in enumerate(stops):
+            if done_list[i]:
+                continue
+            history[i].append(token_list[i])
+            if row_stops:
+                tail = self.tokenizer.decode(history[i][-window:], skip_special_tokens=True)
+                hits[i] = any(s in tail for s in row_stops)
+        return torch.tensor(hits, dtype=torch.bool, device=token.device)
+
+
+def preallocated_cache(config, capacity: int):
+    """A Hugging Face ``DynamicCache`` whose layers write into buffers of ``capacity`` positions
+    allocated once, instead of concatenating (and copying the whole cache) at every step.
+
+    Returns ``None`` (the model then builds its default cache) for models whose layers are not
+    plain full-attention ``DynamicLayer``s (sliding windows, hybrid caches).
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            batch, heads, _, dim = key_states.shape
+            self._key_buf = key_states.new_empty((batch, heads, capacity, dim))
+            self._value_buf = value_states.new_empty(
+                (batch, heads, capacity, value_states.shape[-1])
+            )
+            self.length = 0
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self._key_buf[:, :, self.length : end] = key_states
+            self._value_buf[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._key_buf[:, :, :end], self._value_buf[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # configs the cache does not understand: let the model decide
+        return None
+    if len(cache.layers) != config.num_hidden_layers or any(
+        type(layer) is not DynamicLayer for layer in cache.layers
+    ):
+        return None
+    cache.layers = [PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits [B, V]``; return ``(tokens, logprobs)``.
+
+    ``logprobs`` are ``log_softmax(logits / T)`` at the sampled ids (``T = 1`` when greedy),
+    before top-k/top-p truncation.
+    """
+    logits = logits.float()
+    if params.temperature <= 0:
+        token = logits.argmax(dim=-1)
+        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    token = torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=rng).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)

@@ -1,0 +1,504 @@
+"""The dtensor policy worker: FSDP2 (+ optional DTensor tensor parallel) training of a Hugging
+Face causal LM, one instance per rank.
+
+Loss scaling: the core's loss functions already divide each micro batch's loss by the GLOBAL
+normaliser (tokens or sequences of the whole global batch, all DP ranks). We sum micro batch
+losses (gradient accumulation) and, because FSDP2 *averages* gradients over the data-parallel
+ranks, multiply every loss by the data-parallel size before ``backward``. The gradient is then
+exactly the gradient of the global loss, whatever the micro batch size or the number of ranks.
+
+Temperature: logprobs computed here are ``log_softmax(logits / T)`` with ``T`` the generation
+temperature of the run (``generation.temperature``, 1 when absent or greedy), the same
+distribution whose logprobs :class:`~nrl_dtensor.generation.TorchGenerator` reports.
+
+Without ``WORLD_SIZE`` in the environment the worker runs as a single process, without
+``torch.distributed`` and without FSDP (bfloat16 then uses autocast over float32 weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nrl_core.data import Batch
+from nrl_core.errors import NrlError
+from nrl_core.interfaces import (
+    ComponentContext,
+    GenerationOutput,
+    GlobalBatchStats,
+    LossFunction,
+    SamplingParams,
+)
+from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
+
+
+class DTensorSetupError(NrlError):
+    """The dtensor policy's options do not fit the model or the cluster."""
+
+
+_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DTensorPolicyWorker:
+    """One rank of the dtensor policy (see :class:`nrl_core.interfaces.PolicyWorker`).
+
+    Built as ``DTensorPolicyWorker(options, context)`` with ``options`` the ``policy.dtensor``
+    section and ``context.config`` the whole run config. Every public method is a collective:
+    call it on all ranks together, each with its data-parallel shard.
+    """
+
+    def __init__(self, options: DTensorConfig | None, context: ComponentContext) -> None:
+        self.options = options or DTensorConfig()
+        self.context = context
+        self.policy = context.config.policy
+        if self.policy.precision not in _PRECISIONS:
+            raise DTensorSetupError(
+                f"policy.precision={self.policy.precision!r} is not supported; use "
+                "`float32` or `bfloat16`"
+            )
+        self.dtype = _PRECISIONS[self.policy.precision]
+        self._init_distributed()
+        self._init_meshes()
+        torch.manual_seed(context.seed + self.rank)
+
+        from transformers import AutoTokenizer
+
+        from nrl_core.testing.tiny import resolve_model_name
+
+        self.model_path = resolve_model_name(self.policy.model_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_name(self.policy.tokenizer_name or self.policy.model_name)
+        )
+        self.model = self._build_model(trainable=True)
+        self.hf_config = self.model.config
+        self.reference_model = None  # built on first use: most runs never need it
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self._build_optimizer(params)
+        warmup = self.policy.optimizer.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+
+        generation = getattr(context.config, "generation", None)
+        temperature = getattr(generation, "temperature", 1.0) if generation is not None else 1.0
+        self.logprob_temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        self._generator = None
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _init_distributed(self) -> None:
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.distributed = "WORLD_SIZE" in os.environ or (
+            dist.is_available() and dist.is_initialized()
+        )
+        if self.device_type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.distributed and not dist.is_initialized():
+            # One code path for both: NCCL on GPUs, gloo on CPU.
+            dist.init_process_group("nccl" if self.device_type == "cuda" else "gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+
+    def _init_meshes(self) -> None:
+        tp = self.options.tensor_parallel_size
+        if tp < 1 or self.world_size % tp:
+            raise DTensorSetupError(
+                f"policy.dtensor.tensor_parallel_size={tp} must divide the {self.world_size} "
+                "policy ranks; set it to a divisor of policy.num_workers"
+            )
+        self.tp_size = tp
+        self.dp_size = self.world_size // tp
+        self.dp_mesh = self.tp_mesh = None
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(
+                self.device_type, (self.dp_size, tp), mesh_dim_names=("dp", "tp")
+            )
+            self.dp_mesh, self.tp_mesh = mesh["dp"], mesh["tp"]
+            self.dp_rank = self.dp_mesh.get_local_rank()
+        else:
+            self.dp_rank = 0
+
+    def _build_model(self, trainable: bool):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        if trainable and self.options.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if not trainable:
+            model.requires_grad_(False)
+        if not self.distributed:
+            return model.to(self.device).train(trainable)
+        if self.tp_size > 1:
+            self._apply_tensor_parallel(model)
+        self._apply_fsdp(model)
+        return model.train(trainable)
+
+    def _apply_tensor_parallel(self, model) -> None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        config = model.config
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if layers is None or heads % self.tp_size or kv_heads % self.tp_size:
+            raise DTensorSetupError(
+                f"tensor_parallel_size={self.tp_size} needs a Llama/Qwen2-style model whose "
+                f"{heads} attention and {kv_heads} key/value heads it divides; lower "
+                "policy.dtensor.tensor_parallel_size"
+            )
+        # Column-parallel in, row-parallel out: one all-reduce per attention and per MLP; the
+        # attention reshapes use -1 for the head count, so each rank runs on its local heads.
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        for layer in layers:
+            parallelize_module(layer, self.tp_mesh, plan)
+
+    def _apply_fsdp(self, model) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kwargs = {"mesh": self.dp_mesh}
+        if self.dtype != torch.float32:
+            # float32 master weights and gradient reduction; compute in the low precision.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.dtype, reduce_dtype=torch.float32
+            )
+        if self.options.cpu_offload and self.device_type == "cuda":
+            # On CPU-only machines parameters already live in host memory: nothing to offload.
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in block_names:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+
+    def _build_optimizer(self, params):
+        opt = self.policy.optimizer
+        if opt.name == "adamw":
+            return torch.optim.AdamW(
+                params,
+                lr=opt.lr,
+                betas=tuple(opt.betas),
+                eps=opt.eps,
+                weight_decay=opt.weight_decay,
+            )
+        if opt.name == "sgd":
+            return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+        raise DTensorSetupError(
+            f"policy.optimizer.name={opt.name!r} is not supported; use `adamw` or `sgd`"
+        )
+
+    # -- collectives helpers ---------------------------------------------------------------------
+
+    def _global_max(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _autocast(self):
+        # Only the single-process path needs autocast; FSDP casts through its MixedPrecisionPolicy.
+        if self.distributed or self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    # -- logprobs --------------------------------------------------------------------------------
+
+    def _logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled."""
+        with self._autocast():
+            logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        if self.logprob_temperature != 1.0:
+            logits = logits / self.logprob_temperature
+        token_lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(token_lp, (1, 0))
+
+    @staticmethod
+    def _valid_mask(batch: Batch, width: int) -> torch.Tensor:
+        lengths = batch["lengths"] if "lengths" in batch else torch.full((len(batch),), width)
+        return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+    def _batched_logprobs(self, model, batch: Batch) -> torch.Tensor:
+        width = batch["input_ids"].shape[1]
+        chunks = list(batch.micro_batches(max(1, self.policy.logprob_batch_size)))
+        steps = self._global_max(len(chunks))
+        out = []
+        model.eval()
+        with torch.no_grad():
+            for i in range(steps):
+                if i >= len(chunks):
+                    # Keep the collective schedule aligned with ranks that have more chunks.
+                    self._logprobs(model, torch.zeros((1, 2), dtype=torch.long, device=self.device))
+                    continue
+                chunk = chunks[i].trimmed()
+                lp = self._logprobs(model, chunk["input_ids"].to(self.device)).cpu()
+                lp = lp * self._valid_mask(chunk, lp.shape[1])
+                out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
+        return torch.cat(out) if out else torch.zeros((0, width))
+
+    def get_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of ``batch["input_ids"]`` under the current weights
+        (position 0 and padding hold 0)."""
+        return self._batched_logprobs(self.model, batch)
+
+    def get_reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The same under the frozen initial weights (loaded again from ``policy.model_name``
+        on first use, sharded like the policy)."""
+        if self.reference_model is None:
+            self.reference_model = self._build_model(trainable=False)
+        return self._batched_logprobs(self.reference_model, batch)
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _split_micro_batches(self, batch: Batch) -> list[Batch]:
+        budget = self.options.micro_batch_token_budget
+        if not budget:
+            return list(batch.micro_batches(max(1, self.policy.train_micro_batch_size)))
+        lengths = batch["lengths"].tolist()
+        # Longest first keeps similar lengths together (less padding); order does not change
+        # the summed loss.
+        order = sorted(range(len(batch)), key=lambda i: -lengths[i])
+        groups, current, tokens = [], [], 0
+        for i in order:
+            if current and tokens + lengths[i] > budget:
+                groups.append(current)
+                current, tokens = [], 0
+            current.append(i)
+            tokens += lengths[i]
+        if current:
+            groups.append(current)
+        return [batch.select(g) for g in groups]
+
+    def train(
+        self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's shard; returns the global (summed) metrics,
+        ``loss``, ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+        self.model.train()
+        micro_batches = self._split_micro_batches(batch)
+        steps = self._global_max(len(micro_batches))
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = defaultdict(float)
+        for i in range(steps):
+            real = i < len(micro_batches)
+            # A rank with fewer micro batches (token budget packing) still runs the forward and
+            # backward collectives, on its first sample with a zero loss.
+            mb = (micro_batches[i] if real else batch.slice(0, 1)).trimmed().to(self.device)
+            logprobs = self._logprobs(self.model, mb["input_ids"])
+            logprobs = logprobs * self._valid_mask(mb, logprobs.shape[1])
+            loss, mb_metrics = loss_fn(logprobs, mb, stats)
+            if not real:
+                loss = loss * 0.0
+            # Undo FSDP2's mean over data-parallel ranks: the loss is already globally normalised.
+            (loss * self.dp_size).backward()
+            if real:
+                metrics["loss"] += float(loss.detach())
+                for key, value in mb_metrics.items():
+                    metrics[key] += float(value)
+        grad_norm = self._clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result = self._sum_over_dp(dict(metrics))
+        result.update(grad_norm=grad_norm, lr=lr)
+        return result
+
+    def _clip_gradients(self) -> float:
+        """Clip to ``policy.max_grad_norm`` (0 disables); return the norm before clipping."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # With tensor parallelism, gradients live on two meshes (dp for replicated weights,
+        # dp x tp for sharded ones); DTensor cannot stack norms across meshes, so each mesh's
+        # norm is made a plain tensor before combining.
+        by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+        for grad in grads:
+            by_mesh[getattr(grad, "device_mesh", None)].append(grad)
+        squares = 0.0
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            squares += float(norm) ** 2
+        total = squares**0.5
+        max_norm = self.policy.max_grad_norm
+        if max_norm > 0 and total > max_norm:
+            coef = max_norm / (total + 1e-6)
+            for grad in grads:
+                grad.mul_(coef)
+        return total
+
+    def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        if not self.distributed:
+            return metrics
+        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, metrics)
+        total: dict[str, float] = defaultdict(float)
+        for rank, rank_metrics in enumerate(gathered):
+            # Tensor-parallel peers hold the same shard: count each data-parallel shard once.
+            if rank % self.tp_size == 0:
+                for key, value in rank_metrics.items():
+                    total[key] += value
+        return dict(total)
+
+    # -- checkpoints and export ------------------------------------------------------------------
+
+    def _rng_state(self) -> dict:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device_type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        if self._generator is not None:
+            state["generation"] = self._generator._default_rng.get_state()
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and self.device_type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+        if "generation" in state:
+            self._get_generator()._default_rng.set_state(state["generation"])
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model and optimizer (``torch.distributed.checkpoint``, sharded) plus this rank's
+        scheduler and RNG states under ``path``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+        torch.save(
+            {"scheduler": self.scheduler.state_dict(), "rng": self._rng_state()},
+            Path(path) / f"extra_rank{self.rank}.pt",
+        )
+        self._barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same world size for the RNG states)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        extra_file = Path(path) / f"extra_rank{self.rank}.pt"
+        if not extra_file.exists():
+            extra_file = Path(path) / "extra_rank0.pt"
+        extra = torch.load(extra_file, weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self._set_rng_state(extra["rng"])
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def export_hf(self, path: str) -> None:
+        """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0
+        writes; all ranks take part in gathering the weights)."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.distributed:
+            state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.rank == 0:
+            if getattr(self.hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)  # safetensors refuses shared storage
+            state = {k: v.to(self.dtype).contiguous() for k, v in state.items()}
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+            config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
+            config.use_cache = True
+            config.dtype = self.dtype
+            config.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        self._barrier()
+
+    def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield the full, unsharded state dict (Hugging Face names, on this rank's device) in
+        buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
+
+        A collective: iterate it to the end on all ranks together; every rank gets every tensor.
+        """
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                nbytes = full.numel() * full.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[name] = full.detach()
+                size += nbytes
+        if bucket:
+            yield bucket
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _get_generator(self):
+        if self._generator is None:
+            from nrl_dtensor.generation import TorchGenerator
+
+            generation = getattr(self.context.config, "generation", None)
+            options = generation.options_for("torch") if generation is not None else None
+            self._generator = TorchGenerator(
+                options or TorchGenerationConfig(),
+                self.context,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                device=self.device,
+                synchronize=self.distributed,
+                seed_offset=self.dp_rank,
+            )
+        return self._generator
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Colocated generation from the policy's own (sharded) weights; see
+        :class:`nrl_dtensor.generation.TorchGenerator`. Call on all ranks together, each with
+        its shard of prompts (shards may differ in size; tensor-parallel peers need equal ones)."""
+        with self._autocast():
+            return self._get_generator().generate(prompts, params, stop_strings)

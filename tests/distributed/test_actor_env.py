@@ -1,0 +1,201 @@
+"""Actor venvs: isolation, reuse, rebuild on lock change, modes, launchers, image check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nrl_core.distributed import actor_env
+from nrl_core.distributed.errors import ActorEnvError, ImageMismatchError
+from nrl_core.registry import ComponentSpec
+
+from .conftest import FIXTURES
+
+pytestmark = pytest.mark.timeout(300)
+
+DIST = "nrl-isolated-plugin"
+
+
+@pytest.fixture(scope="module")
+def fixture_workspace(tmp_path_factory) -> Path:
+    """The fixture plugin copied outside the nrl workspace and locked on its own."""
+    workspace = tmp_path_factory.mktemp("ws") / "isolated_plugin"
+    shutil.copytree(FIXTURES / "isolated_plugin", workspace)
+    subprocess.run(
+        [actor_env.uv_binary(), "lock", "--quiet"], cwd=workspace, check=True, timeout=120
+    )
+    return workspace
+
+
+def test_driver_does_not_have_cowsay():
+    with pytest.raises(ImportError):
+        __import__("cowsay")
+
+
+@pytest.mark.slow
+def test_isolated_actor_venv_is_built_once_and_rebuilt_on_lock_change(
+    ray_cluster, fixture_workspace, tmp_path
+):
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    venvs = tmp_path / "venvs"
+    request = actor_env.request_for(
+        DIST, ["fancy"], "isolated", workspace=fixture_workspace, layer=True
+    )
+    first = actor_env.build_on_all_nodes(request, venvs)  # a Ray task on the (one) node
+    assert first.built and first.python.exists()
+    marker = json.loads((first.path / actor_env.MARKER).read_text())
+    assert marker["extras"] == ["fancy"] and marker["distribution"] == DIST
+    assert marker["fingerprint"] == actor_env.file_hash(fixture_workspace / "uv.lock")[:16]
+
+    group = WorkerGroup.start(
+        "nrl_isolated_plugin.worker:CowWorker",
+        1,
+        name="isolated",
+        python=str(first.python),
+        num_cpus_per_worker=0.25,
+        timeout_s=120,
+    )
+    try:
+        where = group.run_one(0, "where")
+    finally:
+        group.shutdown()
+    assert where["cowsay"] and "moo" in where["said"]
+    assert where["python"].startswith(str(first.path))
+
+    again = actor_env.build_on_all_nodes(request, venvs)
+    assert not again.built and again.path == first.path
+    assert json.loads((again.path / actor_env.MARKER).read_text())["built_at"] == marker["built_at"]
+
+    # A changed lockfile is a new key: a new venv, and the old one is listed as stale.
+    lock = fixture_workspace / "uv.lock"
+    original = lock.read_text()
+    lock.write_text(original + "\n# changed\n")
+    try:
+        changed = actor_env.request_for(
+            DIST, ["fancy"], "isolated", workspace=fixture_workspace, layer=True
+        )
+        assert changed.key != request.key
+        rebuilt = actor_env.build_on_all_nodes(changed, venvs)
+        assert rebuilt.built and rebuilt.path != first.path
+        status = {e.path: e.status for e in actor_env.list_venvs(venvs)}
+        assert status == {first.path: "stale", rebuilt.path: "fresh"}
+        assert actor_env.clean_venvs(venvs, stale_only=True) == [first.path]
+    finally:
+        lock.write_text(original)
+
+
+def test_force_and_broken_venvs_are_rebuilt(fixture_workspace, tmp_path):
+    request = actor_env.request_for(DIST, [], "isolated", workspace=fixture_workspace, layer=True)
+    venvs = tmp_path / "venvs"
+    assert actor_env.build_venv(request, venvs).built
+    assert not actor_env.build_venv(request, venvs).built
+    assert actor_env.build_venv(request, venvs, force=True).built
+    (venvs / request.dirname / "bin" / "python").unlink()  # a broken venv
+    assert [e.status for e in actor_env.list_venvs(venvs)] == ["broken"]
+    assert actor_env.build_venv(request, venvs).built
+    assert [e.status for e in actor_env.list_venvs(venvs)] == ["fresh"]
+
+
+def test_build_failure_shows_uv_error(fixture_workspace, tmp_path):
+    request = actor_env.request_for(
+        DIST, ["no-such-extra"], "isolated", workspace=fixture_workspace
+    )
+    with pytest.raises(ActorEnvError) as info:
+        actor_env.build_venv(request, tmp_path / "venvs")
+    text = str(info.value)
+    assert "no-such-extra" in text and "uv sync --locked" in text
+    assert "Traceback" not in text
+    assert not (tmp_path / "venvs" / request.dirname / actor_env.MARKER).exists()
+
+
+def test_actor_env_setting_precedence(tmp_path):
+    from nrl_core.config.schema import ClusterConfig, EnvConfig, RunConfig
+
+    spec = ComponentSpec("environment", "isolated", "x:Y", "isolated", distribution=DIST)
+    config = RunConfig(cluster=ClusterConfig(actor_env="system"))
+    assert actor_env.actor_python(spec, config) == sys.executable
+    # The component section wins over the cluster section.
+    interpreter = tmp_path / "python"
+    interpreter.symlink_to(sys.executable)
+    section = EnvConfig(actor_env=str(interpreter))
+    assert actor_env.actor_python(spec, config, section) == str(interpreter)
+    with pytest.raises(ActorEnvError, match="is not an executable Python interpreter"):
+        actor_env.actor_python(spec, config, EnvConfig(actor_env=str(tmp_path / "nope")))
+    assert actor_env.actor_env_setting(None, None, {"NRL_ACTOR_ENV": "system"}) == "system"
+    assert actor_env.actor_env_setting("venv", "system", {"NRL_ACTOR_ENV": "system"}) == "venv"
+    assert actor_env.actor_env_setting(None, None, {}) == "venv"
+
+
+def test_launcher_runs_the_venv_python(tmp_path):
+    launcher = actor_env.write_launcher(tmp_path / "bin", "python-isolated", sys.executable)
+    out = subprocess.run(
+        [str(launcher), "-c", "import sys; print(sys.executable)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == sys.executable
+    assert actor_env.launcher_name("vllm", ["engine"], {"python-vllm"}) == "python-vllm-engine"
+
+
+def test_image_mismatch_check(tmp_path, capsys):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "pyproject.toml").write_text("[project]\nname='x'\n")
+    (workspace / "uv.lock").write_text("version = 1\n")
+    manifest = actor_env.write_image_manifest(tmp_path / "manifest.json", workspace)
+    env = {"NRL_CONTAINER": "1", "NRL_IMAGE_MANIFEST": str(manifest)}
+    assert actor_env.check_image_manifest(workspace, env) == []
+    assert actor_env.check_image_manifest(workspace, {}) == []  # outside containers: no check
+
+    (workspace / "uv.lock").write_text("version = 1\n# edited\n")
+    with pytest.raises(ImageMismatchError) as info:
+        actor_env.check_image_manifest(workspace, env)
+    message = str(info.value)
+    assert "uv.lock" in message and "pyproject.toml" not in message.split(" differ")[0]
+    for way_out in (
+        "rebuild the image",
+        "NRL_FORCE_REBUILD_VENVS=1",
+        "NRL_IGNORE_VERSION_MISMATCH=1",
+    ):
+        assert way_out in message
+    assert actor_env.check_image_manifest(
+        workspace, env | {"NRL_IGNORE_VERSION_MISMATCH": "1"}
+    ) == ["uv.lock"]
+    assert "warning" in capsys.readouterr().err
+
+
+def test_cli_build_list_clean(tmp_path, monkeypatch, fixture_workspace):
+    import argparse
+
+    from nrl_core.cli import venvs as cli
+
+    monkeypatch.setenv("NRL_VENV_DIR", str(tmp_path / "venvs"))
+    request = actor_env.request_for(
+        DIST, ["fancy"], "isolated", workspace=fixture_workspace, layer=True
+    )
+    actor_env.build_venv(request, tmp_path / "venvs")
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+
+    args = parser.parse_args(["venvs", "list", "--json"])
+    buf = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: buf.append(a[0]))
+    assert args.handler(args) == 0
+    monkeypatch.undo()
+    entries = json.loads(buf[0])
+    assert [(e["plugin"], e["extras"], e["status"]) for e in entries] == [
+        ("isolated", ["fancy"], "fresh")
+    ]
+    assert entries[0]["lock_hash"] == request.fingerprint and entries[0]["size_bytes"] > 0
+
+    monkeypatch.setenv("NRL_VENV_DIR", str(tmp_path / "venvs"))
+    args = parser.parse_args(["venvs", "clean"])
+    assert args.handler(args) == 0
+    assert actor_env.list_venvs(tmp_path / "venvs") == []

@@ -1,0 +1,194 @@
+"""WorkerGroup on a real local Ray session: torch.distributed over gloo, sharding, failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nrl_core.distributed.cluster import ResourceNeed, check_resources
+from nrl_core.distributed.errors import (
+    InsufficientResourcesError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from nrl_core.errors import NrlError
+from nrl_core.interfaces import ClusterResources, ComponentContext
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_allreduce_over_gloo_and_rank_env(ray_cluster, worker_env):
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    context = ComponentContext(config=None, seed=3)
+    group = WorkerGroup.start(
+        "nrl_test_workers:AllReduceWorker",
+        2,
+        args=(None, context),
+        name="policy",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.5,
+        timeout_s=120,
+    )
+    try:
+        # (10 + 0) + (10 + 1) on every rank.
+        assert group.run_all("all_reduce", 10) == [21.0, 21.0]
+        envs = group.run_all("env")
+        assert [e["RANK"] for e in envs] == ["0", "1"]
+        assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]  # one node
+        assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+        assert [e["context_rank"] for e in envs] == [0, 1]  # the context carries the rank
+        assert group.run_one(1, "env")["RANK"] == "1"
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_group(ray_cluster, worker_env):
+    from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup
+
+    group = WorkerGroup.start(
+        "nrl_test_workers:EchoWorker",
+        4,
+        name="echo",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        layout=ParallelLayout(tp=2),
+        timeout_s=60,
+    )
+    yield group
+    group.shutdown()
+
+
+def test_run_sharded_with_tp2(tp2_group):
+    assert tp2_group.num_workers == 4 and tp2_group.dp_size == 2
+    results = tp2_group.run_sharded("echo", [["a"], ["b", "c"]], scale=3)
+    assert results == [
+        {"rank": 0, "item": ["a"], "scale": 3},
+        {"rank": 2, "item": ["b", "c"], "scale": 3},
+    ]
+    # Every rank of a DP shard got that shard's item: rank 1 and 3 answer run_one too.
+    assert tp2_group.run_one(3, "echo", "x")["rank"] == 3
+    with pytest.raises(NrlError, match="dp_size=2"):
+        tp2_group.run_sharded("echo", [1, 2, 3])
+
+
+def test_run_sharded_with_dp2(ray_cluster, worker_env):
+    from nrl_core.distributed.worker_group import Sharded, WorkerGroup
+
+    group = WorkerGroup.start(
+        "nrl_test_workers:EchoWorker",
+        2,
+        name="dp",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        timeout_s=60,
+    )
+    try:
+        big = ["x" * 1000] * 100  # put once in the object store, read by both ranks
+        assert group.dp_size == 2
+        assert group.run_sharded("sum_length", [big, big[:10]]) == [(0, 100_000), (1, 10_000)]
+        # A Sharded argument is split like the data; a plain one goes to every rank.
+        assert group.run_sharded("echo", ["a", "b"], scale=Sharded([1, 2])) == [
+            {"rank": 0, "item": "a", "scale": 1},
+            {"rank": 1, "item": "b", "scale": 2},
+        ]
+        with pytest.raises(NrlError, match="got 3 shards"):
+            group.run_sharded("echo", ["a", "b"], scale=Sharded([1, 2, 3]))
+    finally:
+        group.shutdown()
+
+
+def test_raising_worker_is_named(tp2_group):
+    with pytest.raises(WorkerError) as info:
+        tp2_group.run_all("fail", 2)
+    err = info.value
+    assert err.rank == 2 and err.group == "echo"
+    assert "echo worker rank 2" in str(err) and "ValueError: boom from rank 2" in str(err)
+    assert err.node
+
+
+def test_slow_worker_times_out(tp2_group):
+    tp2_group.timeout_s = 2
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="did not finish 'sleep' within 2s"):
+            tp2_group.run_one(1, "sleep", 5)
+        assert time.monotonic() - started < 4.5
+    finally:
+        tp2_group.timeout_s = 60
+    time.sleep(3.5)  # let rank 1 finish its sleep before the next test reuses it
+
+
+@pytest.mark.slow
+def test_dying_worker_is_named_without_hanging(ray_cluster, worker_env):
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    group = WorkerGroup.start(
+        "nrl_test_workers:EchoWorker",
+        2,
+        name="gen",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        timeout_s=30,
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            group.run_all("die", 1)  # rank 0 sleeps 60 s: only rank 1's death ends the call
+        assert time.monotonic() - started < 25
+        assert info.value.rank == 1 and "gen worker rank 1" in str(info.value)
+        assert "died" in str(info.value)
+        assert "rank 1 is about to exit" in info.value.log_tail
+    finally:
+        group.shutdown(timeout_s=2)
+
+
+def test_impossible_request_fails_before_any_actor(ray_cluster):
+    import ray
+
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    before = len(ray.util.state.list_actors()) if hasattr(ray.util, "state") else None
+    with pytest.raises(
+        InsufficientResourcesError, match="policy needs 8 GPUs; the cluster has 0 GPUs and 2 CPUs"
+    ):
+        WorkerGroup.start(
+            "nrl_test_workers:EchoWorker", 8, name="policy", num_gpus_per_worker=1, timeout_s=10
+        )
+    if before is not None:
+        assert len(ray.util.state.list_actors()) == before
+
+
+def test_bad_target_is_a_worker_error(ray_cluster, worker_env):
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    with pytest.raises(WorkerError, match="cannot import worker class 'no_such_module:X'"):
+        WorkerGroup.start(
+            "no_such_module:X",
+            1,
+            name="env",
+            env_vars=worker_env,
+            num_cpus_per_worker=0.25,
+            timeout_s=60,
+        )
+
+
+def test_check_resources_messages():
+    two_cpus = ClusterResources(num_nodes=1, cpus_per_node=[2.0], gpus_per_node=[0.0])
+    check_resources([ResourceNeed("policy", 4, 0.5)], two_cpus)
+    with pytest.raises(
+        InsufficientResourcesError, match="policy needs 3 CPUs; the cluster has 0 GPUs and 2 CPUs"
+    ):
+        check_resources([ResourceNeed("policy", 3, 1)], two_cpus)
+    nodes = ClusterResources(num_nodes=2, cpus_per_node=[8, 8], gpus_per_node=[4, 4])
+    with pytest.raises(InsufficientResourcesError, match="on a single node"):
+        check_resources([ResourceNeed("policy", 1, 1, 6)], nodes)
+    with pytest.raises(
+        InsufficientResourcesError, match="policy \\+ generation together need 10 GPUs"
+    ):
+        check_resources(
+            [ResourceNeed("policy", 6, 1, 1), ResourceNeed("generation", 4, 1, 1)], nodes
+        )
