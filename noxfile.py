@@ -2,6 +2,7 @@
 
 - `tests`: the core suite in the full dev environment (every plugin installed).
 - `lint`: ruff check and ruff format --check.
+- `docs`: the documentation site (mkdocs build --strict).
 - `plugin-<name>`: core + that one plugin (and the extras it tests with), installed from the
   lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
   and works alone.
@@ -15,7 +16,7 @@ nox.options.sessions = ["lint", "tests"]
 # plugin short name -> (distribution, extras its own tests need)
 PLUGINS = {
     "dtensor": ("nrl-dtensor", []),
-    "megatron": ("nrl-megatron", []),
+    "megatron": ("nrl-megatron", ["engine"]),
     "vllm": ("nrl-vllm", []),
     "sglang": ("nrl-sglang", []),
     "math": ("nrl-math-env", ["verify"]),
@@ -42,6 +43,13 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; any warning fails it."""
+    _sync(session)
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.8")
     session.run("ruff", "check", ".")
@@ -58,6 +66,9 @@ def _plugin_session(distribution: str, extras: list[str]):
             *[f"--extra={extra}" for extra in extras],
         )
         session.install(*TEST_TOOLS)
+        if distribution == "nrl-megatron":
+            # Its train-step test compares against the dtensor policy (pure Python, no deps).
+            session.install("--no-deps", "-e", "plugins/nrl-dtensor")
         session.run("pytest", f"plugins/{distribution}/tests", *session.posargs)
 
     session_fn.__doc__ = f"{distribution} alone: core + this plugin, its own tests."

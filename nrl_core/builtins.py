@@ -24,6 +24,28 @@ def nrl_register_environments(register):
         "nrl_core.environments:ExactMatchEnvironment",
         description="reward 1 when the response's last line equals the answer (core, single turn)",
     )
+    register(
+        "reward_model",
+        "nrl_core.reward_model:RewardModelEnvironment",
+        config="nrl_core.reward_model:RewardModelEnvConfig",
+        description="reward = the score of a trained reward model (`nrl run rm`) folder",
+    )
+
+
+@hookimpl
+def nrl_register_datasets(register):
+    register(
+        "chat",
+        "nrl_core.chat_data:ChatDataset",
+        config="nrl_core.chat_data:ChatDataConfig",
+        description="conversations (JSONL messages or a Hugging Face dataset) for SFT",
+    )
+    register(
+        "preference",
+        "nrl_core.chat_data:PreferenceDataset",
+        config="nrl_core.chat_data:PreferenceDataConfig",
+        description="prompt / chosen / rejected pairs (JSONL or Hugging Face) for DPO and RMs",
+    )
 
 
 @hookimpl

@@ -154,6 +154,9 @@ class GRPOTrainer:
                 "throughput/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             }
         )
+        engines = getattr(s, "generation_engines", None)
+        if engines is not None and getattr(engines, "last_refit", None) is not None:
+            metrics.update(engines.last_refit.as_metrics())  # bytes moved, GB/s, buckets
         if self.config.logger.sample_period and step % self.config.logger.sample_period == 0:
             s.metrics.log_samples(step, sample_records(data.episodes[:4]))
         return metrics
@@ -180,37 +183,34 @@ class GRPOTrainer:
             metrics.setdefault(f"val/{task}/accuracy", metrics[f"val/{task}/reward_mean"])
         return metrics
 
-    def format_warmup(self) -> dict[str, float]:
-        """Supervised steps on shuffled answers (``grpo.format_warmup_steps``).
-
-        Every prompt is paired with the answer of another prompt, so the model learns the
-        shape of a response and where it ends, not the task: whatever accuracy it reaches
-        afterwards is its prior, and the validation at step 0 measures it.
-        """
+    def sft_warmup(self) -> dict[str, float]:
+        """Supervised steps before GRPO (``grpo.sft_warmup_steps``) on the training prompts'
+        answers, or on shuffled answers (``grpo.sft_warmup_shuffle_answers``), which teach the
+        shape of a response and where it ends but not the task."""
         s, grpo = self.session, self.grpo
-        if grpo.format_warmup_steps <= 0:
+        if grpo.sft_warmup_steps <= 0:
             return {}
-        rng = random.Random(f"{self.config.seed}-format-warmup")
-        nll = s.registry.get("loss", "nll").load()(None, s.context)
+        rng = random.Random(f"{self.config.seed}-sft-warmup")
+        nll = s.registry.get("loss", "nll").load()(None, None)
         batch_size = self.config.policy.train_global_batch_size
         losses = []
-        for _ in range(grpo.format_warmup_steps):
+        for _ in range(grpo.sft_warmup_steps):
             prompts = s.train_stream.take(batch_size)
             answers = [str(p.answer) for p in prompts]
-            rng.shuffle(answers)
+            if grpo.sft_warmup_shuffle_answers:
+                rng.shuffle(answers)
             rows = []
             for sample, answer in zip(prompts, answers, strict=True):
                 prompt = s.codec.encode_prompt(s.codec.prompt_messages(sample))
-                text = grpo.format_warmup_template.format(answer=answer)
+                text = grpo.sft_warmup_template.format(answer=answer)
                 response = [
                     *s.tokenizer(text, add_special_tokens=False)["input_ids"],
                     s.tokenizer.eos_token_id,
                 ]
                 rows.append((prompt, response))
-            losses.append(
-                s.policy.train(supervised_batch(rows, s.tokenizer.pad_token_id), nll)["loss"]
-            )
-        # The warm-up drew from the training stream; GRPO starts from the beginning.
+            batch = supervised_batch(rows, s.tokenizer.pad_token_id)
+            losses.append(s.policy.train(batch, nll)["loss"])
+        # The warm-up drew from the training stream; GRPO starts from its beginning.
         s.train_stream.load_state({"epoch": 0, "position": 0})
         return {
             "warmup/loss_first": losses[0],
@@ -231,7 +231,7 @@ class GRPOTrainer:
             )
             return 0
         if start_step == 0:
-            metrics = self.format_warmup()
+            metrics = self.sft_warmup()
             if grpo.val_period > 0:
                 metrics.update(self.validate(0))
             if metrics:

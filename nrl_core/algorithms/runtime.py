@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,14 +23,15 @@ from rich.table import Table
 from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.checkpoint import CheckpointManager
 from nrl_core.config.loader import dump_config
-from nrl_core.config.schema import RunConfig
+from nrl_core.config.schema import ComponentSection, RunConfig, portable_config
 from nrl_core.datasets import DataStream, load_splits
-from nrl_core.errors import NotImplementedYet
 from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
 from nrl_core.registry import Registry
 
 POLICY_CHECKPOINT = "policy"
+CHECKPOINT_CONFIG = "config.yaml"
+"""The resolved run config, saved inside every checkpoint folder."""
 ENV_CPUS_PER_WORKER = 0.25
 """Environment actors mostly wait on the policy; a quarter CPU each leaves the rest to it."""
 
@@ -39,6 +41,18 @@ def resolve_model_name(name: str) -> str:
     from nrl_core.testing.tiny import resolve_model_name as resolve
 
     return str(resolve(name))
+
+
+def check_components(config: RunConfig, registry: Registry) -> None:
+    """Fail before anything starts when the config selects a component nobody registers."""
+    for field in attrs.fields(type(config)):
+        section = getattr(config, field.name)
+        if not isinstance(section, ComponentSection):
+            continue
+        name = section.selected
+        if section.component_kind == "dataset" and name.endswith(".jsonl"):
+            continue  # a file, read by the registered `jsonl` dataset
+        registry.get(section.component_kind, name, key=f"{field.name}.{section.selector}")
 
 
 def max_steps_of(config: Any, algorithm: str) -> int:
@@ -86,6 +100,7 @@ class RunSession:
         console = Console(quiet=quiet, stderr=False)
         session = cls(config, registry, algorithm=algorithm, console=console)
         try:
+            check_components(config, registry)
             session._find_resume_point()
             if session.start_step >= max_steps_of(config, algorithm):
                 session.finished_early = True
@@ -128,6 +143,7 @@ class RunSession:
         self.cluster = cluster_spec.load()(config.cluster.options_for(), self.context)
         resources = self.cluster.start()
         self._closers.append(self.cluster.shutdown)
+        self.cluster_resources = resources
 
         from transformers import AutoTokenizer
 
@@ -174,7 +190,7 @@ class RunSession:
         group = WorkerGroup.start(
             spec.target,
             policy.num_workers,
-            args=(policy.options_for(), self.context),
+            args=(policy.options_for(), self.context_for(spec)),
             name="policy",
             python=actor_python(spec, self.config, policy),
             num_cpus_per_worker=cpus,
@@ -197,7 +213,7 @@ class RunSession:
         group = WorkerGroup.start(
             ENV_ACTOR_TARGET,
             env.num_workers,
-            args=(spec.target, env.options_for(), self.context),
+            args=(spec.target, env.options_for(), self.context_for(spec)),
             name=f"env-{env.name}",
             python=actor_python(spec, self.config, env),
             num_cpus_per_worker=ENV_CPUS_PER_WORKER,
@@ -212,10 +228,22 @@ class RunSession:
         if spec.metadata.get("colocated"):
             # Generation runs on the policy workers with the policy's own weights: no refit.
             return self.policy.generate, lambda: 0.0
-        raise NotImplementedYet(
-            f"generation.backend={generation.backend} runs in separate engines, which the "
-            "training loop does not drive yet; use generation.backend=torch"
+        # Separate engines (vLLM, SGLang): the facade in nrl_core.generation drives them.
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.generation import start_generation_engines
+
+        engines = start_generation_engines(
+            spec,
+            self.config,
+            context=self.context_for(spec),
+            policy_group=self.policy.group,
+            on_gpu=self.cluster_resources.total_gpus > 0,
+            python=actor_python(spec, self.config, generation),
+            timeout_s=self.config.cluster.worker_timeout_s,
         )
+        self._closers.append(engines.shutdown)
+        self.generation_engines = engines
+        return engines.generate, lambda: engines.refit(self.policy)
 
     def _build_loss(self):
         spec = self.registry.get("loss", self.config.loss.name, key="loss.name")
@@ -229,7 +257,28 @@ class RunSession:
                 )
             )
             options = resolved_clipped_pg_config(options, colocated)
-        return spec.load()(options, self.context)
+        # The loss object travels to the policy workers: give it what their venv can unpickle.
+        policy_spec = self.registry.get("policy", self.config.policy.backend)
+        return spec.load()(options, self.context_for(policy_spec))
+
+    def context_for(self, spec: Any) -> ComponentContext:
+        """The context sent to ``spec``'s actors: the run config without the options of other
+        plugins, which the actor's virtualenv could not unpickle."""
+        root = spec.target_str.split(":")[0].split(".")[0]
+        return attrs.evolve(self.context, config=portable_config(self.config, {"nrl_core", root}))
+
+    def start_policy_only(self):
+        """Start the cluster and the policy workers, nothing else (no run directory, data or
+        environments): what ``nrl convert`` needs to load a checkpoint and export it.
+        Stopped by :meth:`close`."""
+        cluster_spec = self.registry.get(
+            "cluster", self.config.cluster.backend, key="cluster.backend"
+        )
+        self.cluster = cluster_spec.load()(self.config.cluster.options_for(), self.context)
+        resources = self.cluster.start()
+        self._closers.append(self.cluster.shutdown)
+        self.policy = self._start_policy(resources, 0.0)
+        return self.policy
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -242,9 +291,13 @@ class RunSession:
             "data": self.train_stream.state() if self.train_stream else None,
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state().tolist()},
         }
-        return self.checkpoints.save(
-            step, lambda folder: self.policy.save_checkpoint(str(folder / POLICY_CHECKPOINT)), state
-        )
+
+        def write(folder: Path) -> None:
+            self.policy.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+            # A self-describing checkpoint: `nrl convert` rebuilds the policy from this copy.
+            (folder / CHECKPOINT_CONFIG).write_text(dump_config(self.config, self.registry))
+
+        return self.checkpoints.save(step, write, state)
 
     def _restore(self) -> None:
         state = CheckpointManager.load_state(self.resume_path)
@@ -267,8 +320,11 @@ class RunSession:
         self.metrics.log(step, metrics)
 
     @contextlib.contextmanager
-    def progress(self, total: int, completed: int):
-        """A progress bar over steps showing the live reward and step time."""
+    def progress(
+        self, total: int, completed: int, fields: tuple[tuple[str, str], ...] | None = None
+    ):
+        """A progress bar over steps showing the live reward and step time (or the
+        ``(metric key, label)`` pairs of ``fields``)."""
         columns = (
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
@@ -281,7 +337,7 @@ class RunSession:
 
             def advance(metrics: dict[str, Any]) -> None:
                 parts = []
-                for key, label in (
+                for key, label in fields or (
                     ("train/reward_mean", "reward"),
                     ("val/accuracy", "val acc"),
                     ("timing/step_s", "s/step"),

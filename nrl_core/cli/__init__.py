@@ -24,6 +24,15 @@ examples:
 
 
 def _plugin_option(parser: argparse.ArgumentParser) -> None:
+    # -v/-q are accepted after the sub-command too (`nrl run grpo -q`); SUPPRESS keeps a value
+    # given before it.
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more output"
+    )
+    verbosity.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="only errors"
+    )
     parser.add_argument(
         "--plugin",
         action="append",
@@ -93,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Sub-commands that live in their own modules; each module defines ``add_parser(subparsers)``
 # and keeps its own imports lazy.
-_EXTRA_COMMAND_MODULES = ("nrl_core.cli.venvs", "nrl_core.cli.plot")
+_EXTRA_COMMAND_MODULES = (
+    "nrl_core.cli.venvs",
+    "nrl_core.cli.plot",
+    "nrl_core.cli.new_plugin",
+    "nrl_core.cli.convert",
+)
 
 
 def _add_extra_commands(sub, module_name: str) -> None:
@@ -198,7 +212,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``nrl`` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse gives a positional list only one chance: overrides after an option
+    # (`nrl run grpo -q seed=3`) come back here; anything else is a real error.
+    if hasattr(args, "overrides"):
+        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if a not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0

@@ -119,6 +119,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             value = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw  # an unparseable value stays a string; type checks report it if wrong
+        if isinstance(value, dict) and value and all(v is None for v in value.values()):
+            value = raw  # `{problem}` is a format template, not a YAML mapping of nulls
         node = result
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):

@@ -188,17 +188,24 @@ class GRPOSection:
     dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
     dynamic_sampling_max_batches: int = option(4, "Most extra generation rounds per step.")
     overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
-    format_warmup_steps: int = option(
+    sft_warmup_steps: int = option(
         0,
         (
-            "Supervised steps before GRPO that teach only the response format: each prompt is "
-            "paired with the answer of another, randomly chosen prompt, so the model learns what "
-            "an answer looks like (and when to stop) but not which one is right; accuracy stays "
-            "near chance and GRPO has to raise it. 0 disables it."
+            "Supervised optimizer steps on the training prompts before GRPO (0 disables): a short "
+            "warm start that teaches the answer format. Step 0's validation runs after it, so the "
+            "metrics show where GRPO starts from."
         ),
     )
-    format_warmup_template: str = option(
-        "{answer}", ("Response text of the format warm-up; `{answer}` is the borrowed answer.")
+    sft_warmup_shuffle_answers: bool = option(
+        False,
+        (
+            "Pair each warm-up prompt with the answer of another, random prompt: the model learns "
+            "what an answer looks like and where it ends, but not which one is right."
+        ),
+    )
+    sft_warmup_template: str = option(
+        "{answer}",
+        ("Response text of the warm-up examples; `{answer}` is the (possibly shuffled) answer."),
     )
 
 
@@ -257,6 +264,30 @@ class DPOConfig(RunConfig):
 @attrs.define
 class RMConfig(RunConfig):
     rm: RMSection = option(RMSection(), "The reward-model loop.")
+
+
+def portable_config(config: Any, packages: set[str]) -> Any:
+    """A copy of ``config`` keeping only the component options whose classes live in
+    ``packages`` (top-level package names, e.g. ``{"nrl_core", "nrl_dtensor"}``).
+
+    Each actor runs in its own plugin's virtualenv, where other plugins' option classes cannot
+    be unpickled; the copy sent to an actor therefore holds only what that venv can import.
+    """
+    if isinstance(config, ComponentSection):
+        kept = {
+            name: opts
+            for name, opts in config.options.items()
+            if opts is None or type(opts).__module__.split(".")[0] in packages
+        }
+        config = attrs.evolve(config, options=kept)
+    if not attrs.has(type(config)):
+        return config
+    changes = {}
+    for field in attrs.fields(type(config)):
+        value = getattr(config, field.name)
+        if attrs.has(type(value)):
+            changes[field.name] = portable_config(value, packages)
+    return attrs.evolve(config, **changes) if changes else config
 
 
 ALGORITHM_CONFIGS: dict[str, type[RunConfig]] = {

@@ -5,6 +5,13 @@ Installed with nrl-core, so a plugin author's tests get them without any conftes
 - ``ray_cluster``: one local Ray head for the whole test session (starting Ray takes seconds,
   and a process can hold only one), yielding ``(cluster, resources)``.
 - ``tiny_model_path``: the locally built tiny model + tokenizer folder (no hub needed).
+- ``nrl_context``: a :class:`~nrl_core.interfaces.ComponentContext` around the default GRPO
+  config (seed 0) for building components by hand.
+- ``nrl_registry``: the registry of every installed plugin, failing when a plugin is broken.
+- ``plugin_host``: a discovered :class:`~nrl_core.plugins.PluginHost` for the test; plugins
+  added with ``plugin_host.add(obj, name)`` are removed afterwards.
+
+The conformance suites (:mod:`nrl_core.testing.conformance`) get pytest's assertion rewriting.
 
 This module is imported by pytest at start-up in every environment that has nrl-core, so it
 imports nothing heavy at module level.
@@ -15,6 +22,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
+# Before any test module imports it, so its asserts show the compared values.
+pytest.register_assert_rewrite("nrl_core.testing.conformance")
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +52,38 @@ def tiny_model_path(tmp_path_factory):
     from nrl_core.testing.tiny import tiny_model_path as build
 
     return build(tmp_path_factory.mktemp("nrl-tiny"))
+
+
+@pytest.fixture
+def nrl_context():
+    """A ``ComponentContext`` around the default GRPO config, seed 0, rank 0 of 1."""
+    from nrl_core.config.schema import GRPOConfig
+    from nrl_core.interfaces import ComponentContext
+
+    return ComponentContext(config=GRPOConfig(seed=0), seed=0)
+
+
+@pytest.fixture
+def plugin_host():
+    """A ``PluginHost`` with the built-ins and every installed plugin; what the test ``add``s
+    is removed when it ends."""
+    from nrl_core.plugins import PluginHost
+
+    host = PluginHost.discover()
+    before = {info.name for info in host.plugins}
+    yield host
+    for info in host.plugins:
+        if info.name not in before:
+            host.remove(info.name)
+
+
+@pytest.fixture(scope="session")
+def nrl_registry():
+    """The registry of every installed plugin; fails the test when a plugin did not load."""
+    from nrl_core.plugins import PluginHost
+
+    host = PluginHost.discover()
+    broken = {info.name: info.error for info in host.broken()}
+    if broken:
+        pytest.fail(f"plugins failed to load: {broken}")
+    return host.registry()

@@ -26,6 +26,25 @@ class DTensorConfig:
             "number of samples."
         ),
     )
+    head: str = option(
+        "auto",
+        (
+            "Model head: `lm` (causal LM; logprobs), `scalar` (a one-output score head, "
+            "AutoModelForSequenceClassification with num_labels=1, for reward models; its "
+            "per-token values stand where logprobs are), or `auto` (`scalar` for `nrl run rm`, "
+            "`lm` otherwise)."
+        ),
+        validator=attrs.validators.in_(("auto", "lm", "scalar")),
+    )
+    lora_rank: int = option(
+        0, "LoRA rank (needs `peft`); 0 trains all weights. Only adapters are then trained."
+    )
+    lora_alpha: float = option(16.0, "LoRA scaling numerator (the update is scaled by alpha/rank).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Module names that get LoRA adapters (peft `target_modules`; `all-linear` for all).",
+    )
 
 
 @attrs.define

@@ -64,6 +64,9 @@ class DTensorPolicyWorker:
                 "`float32` or `bfloat16`"
             )
         self.dtype = _PRECISIONS[self.policy.precision]
+        # A reward-model run (its config has an `rm` section) trains a scalar head.
+        head = self.options.head
+        self.scalar_head = head == "scalar" or (head == "auto" and hasattr(context.config, "rm"))
         self._init_distributed()
         self._init_meshes()
         torch.manual_seed(context.seed + self.rank)
@@ -131,11 +134,56 @@ class DTensorPolicyWorker:
         else:
             self.dp_rank = 0
 
-    def _build_model(self, trainable: bool):
-        from transformers import AutoModelForCausalLM
+    def _load_hf_model(self):
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if not self.scalar_head:
+            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            self.model_path, num_labels=1, dtype=torch.float32, output_loading_info=True
+        )
+        if model.config.pad_token_id is None:
+            # The head's own pooling refuses batches without a pad id; we pool by length anyway.
+            model.config.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
+        if any(key.startswith("score.") for key in info["missing_keys"]):
+            # A fresh head, identical on every rank (ranks seed torch differently), scaled so
+            # initial scores are O(1).
+            generator = torch.Generator().manual_seed(self.context.seed)
+            hidden = model.score.weight.shape[1]
+            with torch.no_grad():
+                model.score.weight.normal_(0.0, 1.0 / (hidden + 1) ** 0.5, generator=generator)
+        return model
+
+    def _apply_lora(self, model):
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise DTensorSetupError(
+                "policy.dtensor.lora_rank > 0 needs `peft` (pip install peft)"
+            ) from None
+        if self.options.tensor_parallel_size > 1:
+            raise DTensorSetupError(
+                "LoRA does not combine with tensor_parallel_size > 1 yet; set "
+                "policy.dtensor.tensor_parallel_size=1 or lora_rank=0"
+            )
+        targets = self.options.lora_target_modules
+        config = LoraConfig(
+            r=self.options.lora_rank,
+            lora_alpha=self.options.lora_alpha,
+            lora_dropout=self.options.lora_dropout,
+            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+            task_type="SEQ_CLS" if self.scalar_head else "CAUSAL_LM",
+        )
+        return get_peft_model(model, config)
+
+    def _build_model(self, trainable: bool):
+        model = self._load_hf_model()
         model.config.use_cache = False
+        # Exported folders name the class they were trained as (a reward model's config
+        # inherits `LlamaForCausalLM` from its base otherwise).
+        model.config.architectures = [type(model).__name__]
+        if trainable and self.options.lora_rank > 0:
+            model = self._apply_lora(model)
         if trainable and self.options.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -232,7 +280,15 @@ class DTensorPolicyWorker:
     # -- logprobs --------------------------------------------------------------------------------
 
     def _logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled."""
+        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled.
+
+        With a scalar head: the per-token values ``[B, T]`` instead (value ``t`` scores the
+        prefix ending at token ``t``; see :mod:`nrl_core.reward_model`)."""
+        if self.scalar_head:
+            from nrl_core.reward_model import token_values
+
+            with self._autocast():
+                return token_values(model, input_ids)
         with self._autocast():
             logits = model(input_ids=input_ids, use_cache=False).logits
         logits = logits[:, :-1].float()
@@ -320,9 +376,11 @@ class DTensorPolicyWorker:
             # Undo FSDP2's mean over data-parallel ranks: the loss is already globally normalised.
             (loss * self.dp_size).backward()
             if real:
+                # The loss's own `loss` metric is the same number: count it once.
                 metrics["loss"] += float(loss.detach())
                 for key, value in mb_metrics.items():
-                    metrics[key] += float(value)
+                    if key != "loss":
+                        metrics[key] += float(value)
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -439,6 +497,8 @@ class DTensorPolicyWorker:
             )
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.rank == 0 and self.options.lora_rank > 0:
+            state = self._merged_lora_state(state)
         if self.rank == 0:
             if getattr(self.hf_config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)  # safetensors refuses shared storage
@@ -451,6 +511,13 @@ class DTensorPolicyWorker:
             config.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
         self._barrier()
+
+    def _merged_lora_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The plain model's state dict with the LoRA updates merged into the base weights."""
+        model = self._apply_lora(self._load_hf_model())
+        model.load_state_dict(state)
+        merged = model.merge_and_unload()
+        return {k: v.detach().cpu() for k, v in merged.state_dict().items()}
 
     def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full, unsharded state dict (Hugging Face names, on this rank's device) in
@@ -471,6 +538,32 @@ class DTensorPolicyWorker:
                 size += nbytes
         if bucket:
             yield bucket
+
+    def push_weights(self, sender, bucket_bytes: int):
+        """Send the full state dict to generation engines through ``sender`` (a
+        :class:`nrl_core.weight_sync.WeightSender`). A collective: call on all ranks (a Ray
+        actor method cannot return :meth:`state_dict_buckets`' generator, so it is consumed
+        here). Rank 0 returns the :class:`~nrl_core.weight_sync.RefitStats`, others None."""
+
+        def gather(obj):
+            if not self.distributed:
+                return [obj]
+            out = [None] * self.world_size
+            dist.all_gather_object(out, obj)
+            return out
+
+        return sender.send(
+            self.state_dict_buckets(bucket_bytes), rank=self.rank, gather_object=gather
+        )
+
+    def init_weight_sync_group(
+        self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """Join the NCCL refit group with the engines (rank 0 only sends; other ranks skip)."""
+        from nrl_core.weight_sync import init_nccl_group
+
+        if self.rank == 0:
+            init_nccl_group(name, master_addr, master_port, rank_offset, world_size, self.device)
 
     # -- generation ------------------------------------------------------------------------------
 

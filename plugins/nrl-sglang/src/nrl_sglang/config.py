@@ -12,3 +12,8 @@ class SglangConfig:
     colocated: bool = option(True, "Share GPUs with the policy (release/resume memory).")
     mem_fraction_static: float = option(0.6, "Fraction of GPU memory SGLang may use.")
     refit_bucket_mb: int = option(512, "Size bound of each weight bucket during refit.")
+    dtype: str = option("bfloat16", "Engine weight and activation dtype (refit casts to it).")
+    context_length: int | None = option(None, "Context length (default: the model's).")
+    refit_transport: str = option(
+        "auto", "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`."
+    )

@@ -1,0 +1,66 @@
+"""Steady-state seconds per GRPO step of the main-job config, with the phase breakdown.
+
+    uv run python benchmarks/grpo_step.py [--steps 30] [--warmup 5] [KEY=VALUE ...]
+
+Runs `nrl run grpo` (the embedded CPU recipe, actors in the driver's interpreter) for
+``--steps`` steps without validation or checkpoints, then reads ``metrics.jsonl``. Steps before
+``--warmup`` are dropped (start-up, first-call compilation). Framework overhead is the share of
+step time outside generation + logprobs + train + refit compute. The last line is
+``step_s=<float> overhead_frac=<float>``; the overhead target is under 0.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PHASES = ("timing/generation_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", help="extra config overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "nrl_core.cli",
+            "run",
+            "grpo",
+            "-q",
+            f"grpo.max_num_steps={args.steps}",
+            "grpo.val_period=0",
+            "grpo.sft_warmup_steps=0",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={tmp}",
+            "logger.run_name=bench",
+            *args.overrides,
+        ]
+        subprocess.run(command, check=True, env={**os.environ, "NRL_ACTOR_ENV": "system"})
+        records = [
+            json.loads(line)
+            for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()
+        ]
+    steady = [r for r in records if r["step"] > args.warmup and "timing/step_s" in r]
+    if not steady:
+        sys.exit(f"no steps after the first {args.warmup}; raise --steps")
+    step_s = statistics.median(r["timing/step_s"] for r in steady)
+    for key in PHASES:
+        print(f"{key.split('/')[1]}={statistics.median(r[key] for r in steady):.4f}")
+    overhead = [1 - sum(r[k] for k in PHASES) / r["timing/step_s"] for r in steady]
+    print(f"tokens_per_s={statistics.median(r['throughput/tokens_per_s'] for r in steady):.1f}")
+    print(f"steps_measured={len(steady)}")
+    print(f"step_s={step_s:.4f} overhead_frac={statistics.median(overhead):.4f}")
+
+
+if __name__ == "__main__":
+    main()

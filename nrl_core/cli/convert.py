@@ -1,0 +1,170 @@
+"""``nrl convert CHECKPOINT_DIR --to hf OUT_DIR``: a training checkpoint as a Hugging Face folder.
+
+The checkpoint describes itself: every ``step_N`` folder written by
+:class:`~nrl_core.algorithms.runtime.RunSession` holds the resolved run config
+(``config.yaml``) next to the policy's own files (``policy/``). The command rebuilds that
+policy's workers from the config (any algorithm: GRPO, SFT, DPO, RM), loads the checkpoint
+into them and calls their ``export_hf``. The format is detected from the folder; only the
+``dtensor`` policy's (``torch.distributed.checkpoint``) format exists so far.
+
+Imports stay lazy: ``nrl --help`` must not import torch, ray or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("hf",)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``nrl convert`` on the CLI's sub-command parsers."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="turn a training checkpoint into a Hugging Face folder",
+        description=(
+            "Convert a step_N checkpoint folder (or a checkpoint directory: its newest step) "
+            "into a Hugging Face folder loadable with from_pretrained."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N folder")
+    parser.add_argument("--to", choices=FORMATS, default="hf", help="output format (hf)")
+    parser.add_argument("out", metavar="OUT_DIR", help="where to write the model folder")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the run's config, for checkpoints that carry none (default: CHECKPOINT/config.yaml)",
+    )
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="policy ranks to load with (default: as trained; the dtensor format reshards)",
+    )
+    from nrl_core.cli import _plugin_option
+
+    _plugin_option(parser)
+    parser.set_defaults(handler=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from nrl_core.plugins import PluginHost, parse_selection
+
+    registry = PluginHost.discover(parse_selection(args.plugin)).registry()
+    out = convert(
+        args.checkpoint,
+        args.out,
+        registry=registry,
+        config_file=args.config,
+        num_workers=args.num_workers,
+        quiet=bool(getattr(args, "quiet", False)),
+    )
+    if not getattr(args, "quiet", False):
+        print(f"wrote {out}")
+    return 0
+
+
+def find_step_folder(path: str | Path) -> Path:
+    """The checkpoint to convert: ``path`` itself, its parent when ``path`` is the
+    ``policy/`` folder inside one, or the newest complete ``step_N`` under a checkpoint dir."""
+    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager
+    from nrl_core.errors import ConfigError
+
+    path = Path(path)
+    if path.name == "policy" and (path.parent / TRAINER_STATE).is_file():
+        path = path.parent
+    if (path / TRAINER_STATE).is_file():
+        return path
+    latest = CheckpointManager(path).latest()
+    if latest is not None:
+        return latest
+    raise ConfigError(
+        f"{path} is not an nrl checkpoint (no {TRAINER_STATE}); pass a step_N folder written by "
+        "`nrl run` (under checkpointing.checkpoint_dir)"
+    )
+
+
+def detect_format(step: Path, backend: str) -> str:
+    """The policy checkpoint format in ``step/policy``: ``torch_dcp`` (the dtensor policy)."""
+    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT
+    from nrl_core.errors import ConfigError, NotImplementedYet
+
+    folder = step / POLICY_CHECKPOINT
+    if (folder / ".metadata").is_file():
+        if backend != "dtensor":
+            raise ConfigError(
+                f"{folder} is a dtensor (torch.distributed.checkpoint) checkpoint but its config "
+                f"names policy.backend={backend}; pass the right run config with --config"
+            )
+        return "torch_dcp"
+    if folder.is_dir() and backend == "megatron":
+        raise NotImplementedYet("converting megatron checkpoints is not implemented yet")
+    raise ConfigError(
+        f"{folder} holds no known policy checkpoint (expected a torch.distributed.checkpoint "
+        "`.metadata` file from the dtensor policy)"
+    )
+
+
+def checkpoint_config(step: Path, registry: Any, config_file: str | None) -> tuple[str, Any]:
+    """``(algorithm, config)`` of the run that wrote ``step``, from its saved config."""
+    from nrl_core.algorithms.runtime import CHECKPOINT_CONFIG
+    from nrl_core.config.loader import read_yaml, resolve_config
+    from nrl_core.config.schema import ALGORITHM_CONFIGS
+    from nrl_core.errors import ConfigError
+
+    path = Path(config_file) if config_file else step / CHECKPOINT_CONFIG
+    if not path.is_file():
+        raise ConfigError(
+            f"{step} carries no {CHECKPOINT_CONFIG} (written by nrl since checkpoints became "
+            "self-describing); pass the run's config with --config (the run directory's "
+            "config.yaml)"
+        )
+    algorithms = [a for a in ALGORITHM_CONFIGS if a in read_yaml(path)]
+    if len(algorithms) != 1:
+        raise ConfigError(
+            f"{path}: cannot tell the algorithm (expected exactly one of the sections "
+            f"{', '.join(ALGORITHM_CONFIGS)})"
+        )
+    return algorithms[0], resolve_config(algorithms[0], path, (), registry)
+
+
+def convert(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    registry: Any,
+    config_file: str | None = None,
+    num_workers: int | None = None,
+    quiet: bool = True,
+) -> Path:
+    """Write the policy of ``checkpoint`` as a Hugging Face folder ``out``; return ``out``."""
+    import tempfile
+
+    import attrs
+    from rich.console import Console
+
+    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT, RunSession
+
+    step = find_step_folder(checkpoint)
+    algorithm, config = checkpoint_config(step, registry, config_file)
+    detect_format(step, config.policy.backend)
+    out = Path(out).resolve()
+    policy = config.policy
+    if num_workers is not None:
+        policy = attrs.evolve(policy, num_workers=num_workers)
+    with tempfile.TemporaryDirectory(prefix="nrl-convert-") as scratch:
+        # The cluster may keep logs under the run directory: use a scratch one, never the
+        # original run's.
+        logger = attrs.evolve(config.logger, log_dir=scratch, run_name="convert")
+        config = attrs.evolve(config, policy=policy, logger=logger)
+        session = RunSession(config, registry, algorithm=algorithm, console=Console(quiet=quiet))
+        try:
+            session.start_policy_only()
+            session.policy.load_checkpoint(str(step.resolve() / POLICY_CHECKPOINT))
+            session.policy.export_hf(str(out))
+        finally:
+            session.close()
+    return out

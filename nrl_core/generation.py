@@ -1,0 +1,224 @@
+"""The driver's view of separate generation engines (vLLM, SGLang): one object over a worker
+group of engine actors, as :class:`nrl_core.policy.Policy` is for the policy ranks.
+
+* ``generate`` splits the prompts into contiguous, even shards, one per engine (data
+  parallel), and concatenates the answers in prompt order.
+* ``refit`` pushes the policy's current weights into every engine through
+  :class:`nrl_core.weight_sync.WeightSender`, run by the policy ranks (``push_weights``), and
+  returns the seconds it took; :attr:`last_refit` keeps the bytes and bucket count.
+* colocated engines are put to sleep before training (``sleep``) and wake on the next
+  ``generate``.
+
+Each engine is ONE Ray actor (rank 0 of its tensor-parallel group); the engine spawns its own
+tensor-parallel workers inside that actor's GPUs, so ``WorkerGroup`` ranks here are engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nrl_core.distributed.worker_group import Sharded, WorkerGroup
+from nrl_core.errors import ConfigError
+from nrl_core.interfaces import GenerationOutput, SamplingParams
+from nrl_core.weight_sync import NameMap, RefitStats, WeightSender
+
+
+def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def resolve_transport(configured: str, *, colocated: bool, on_gpu: bool) -> str:
+    """The refit transport for ``refit_transport`` (``auto``: ``cuda_ipc`` when colocated on
+    GPUs, ``nccl`` on separate GPUs, ``shm`` on CPU)."""
+    if configured != "auto":
+        if configured not in ("shm", "cuda_ipc", "nccl"):
+            raise ConfigError(f"refit_transport={configured!r}; use auto, shm, cuda_ipc or nccl")
+        return configured
+    if not on_gpu:
+        return "shm"
+    return "cuda_ipc" if colocated else "nccl"
+
+
+class GenerationEngines:
+    """Separate generation engines behind ``generate`` and ``refit``.
+
+    Args:
+        group: one actor per engine, each running the plugin's generation worker (which
+            implements ``generate``, ``sleep`` and :class:`nrl_core.weight_sync.BucketReceiver`).
+        transport: the refit transport (see :func:`resolve_transport`).
+        bucket_bytes: size bound of each refit bucket.
+        dtype: the engines' weight dtype (refit casts floating tensors to it), or None.
+        colocated: engines share GPUs with the policy (sleep after generating).
+        name_map: policy-to-engine parameter names (None: identical, as for dtensor + HF).
+        nccl_per_tensor: see :class:`~nrl_core.weight_sync.WeightSender`.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        transport: str = "shm",
+        bucket_bytes: int = 512 << 20,
+        dtype: str | None = None,
+        colocated: bool = False,
+        name_map: NameMap | None = None,
+        nccl_per_tensor: bool = False,
+    ) -> None:
+        self.group = group
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.colocated = colocated
+        self.name_map = name_map
+        self.nccl_per_tensor = nccl_per_tensor
+        self.last_refit: RefitStats | None = None
+        self._nccl_ready = False
+        self.tp_size = 1
+
+    @property
+    def num_engines(self) -> int:
+        return self.group.num_workers
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Continue every prompt; engine ``i`` gets the ``i``-th contiguous shard."""
+        n = self.num_engines
+        prompt_shards = _split_even(list(prompts), n)
+        stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
+        parts = self.group.run_sharded(
+            "generate", prompt_shards, params, Sharded(_split_even(stops, n))
+        )
+        if self.colocated:
+            self.group.run_all("sleep")  # hand the GPUs back to the policy for training
+        out = GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
+        for part in parts:
+            out.token_ids.extend(part.token_ids)
+            out.logprobs.extend(part.logprobs)
+            out.finish_reasons.extend(part.finish_reasons)
+        return out
+
+    def sender(self) -> WeightSender:
+        """The :class:`WeightSender` that the policy ranks run to reach these engines."""
+        return WeightSender(
+            receivers=list(self.group.actors),
+            transport=self.transport,
+            name_map=self.name_map,
+            dtype=self.dtype,
+            nccl_per_tensor=self.nccl_per_tensor,
+            timeout_s=self.group.timeout_s,
+        )
+
+    def refit(self, policy: Any) -> float:
+        """Push ``policy``'s current weights (a :class:`nrl_core.policy.Policy` whose workers
+        have ``push_weights(sender, bucket_bytes)``) into every engine; return the seconds.
+
+        :attr:`last_refit` holds the full :class:`RefitStats`;
+        ``last_refit.as_metrics()`` gives ``timing/refit_s`` and ``refit/bytes``.
+        """
+        if self.transport == "nccl" and not self._nccl_ready:
+            self._init_nccl(policy)
+        results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
+        stats = next((r for r in results if r is not None), None)
+        if stats is None:
+            raise RuntimeError("no policy rank reported refit statistics")
+        self.last_refit = stats
+        return stats.seconds
+
+    def _init_nccl(self, policy: Any) -> None:
+        """Form the refit group: policy rank 0 is rank 0, engine ``e``'s tensor-parallel workers
+        take ranks ``1 + e * tp ..``. All members must join at once, hence the raw actor calls."""
+        import ray
+
+        lead = policy.group.actors[0]
+        addr = policy.group.infos[0].node_ip or "127.0.0.1"
+        port = ray.get(lead.free_port.remote())
+        world = 1 + self.num_engines * self.tp_size
+        name = "nrl-refit"
+        refs = [lead.call.remote("init_weight_sync_group", (name, addr, port, 0, world), {})]
+        refs += [
+            actor.call.remote(
+                "init_weight_sync_group", (name, addr, port, 1 + e * self.tp_size, world), {}
+            )
+            for e, actor in enumerate(self.group.actors)
+        ]
+        self.group._gather(refs, "init_weight_sync_group", ranks=[0] * len(refs))
+        self._nccl_ready = True
+
+    def shutdown(self) -> None:
+        """Stop the engines."""
+        self.group.shutdown()
+
+
+def start_generation_engines(
+    spec: Any,
+    config: Any,
+    *,
+    context: Any = None,
+    policy_group: WorkerGroup | None,
+    on_gpu: bool,
+    python: str | None = None,
+    timeout_s: float = 600,
+) -> GenerationEngines:
+    """Start the engines of ``config.generation`` (a plugin's ``generation.<name>`` options:
+    ``num_engines``, ``tensor_parallel_size``, ``colocated``, ``refit_bucket_mb``, ``dtype``,
+    ``refit_transport``).
+
+    Colocated engines take the policy's placement bundles with a fractional GPU, one engine per
+    bundle; that needs ``tensor_parallel_size == 1`` and ``num_engines`` ≤ the policy ranks.
+    """
+    from nrl_core.interfaces import ComponentContext
+
+    generation = config.generation
+    options = generation.options_for()
+    tp = options.tensor_parallel_size
+    engines = options.num_engines
+    colocated = bool(options.colocated) and on_gpu
+    placement = None
+    gpus = tp if on_gpu else 0
+    if colocated:
+        if tp != 1:
+            raise ConfigError(
+                "colocated engines with tensor_parallel_size > 1 are not supported yet; set "
+                f"generation.{generation.backend}.tensor_parallel_size=1 or colocated=false"
+            )
+        if policy_group is None or engines > policy_group.num_workers:
+            raise ConfigError(
+                f"colocated generation needs num_engines ({engines}) ≤ policy.num_workers"
+            )
+        placement = policy_group.placement_group
+        gpus = 0.5  # the other half of each policy bundle's GPU
+    group = WorkerGroup.start(
+        spec.target,
+        engines,
+        args=(options, context or ComponentContext(config=config, seed=config.seed)),
+        name=f"generation-{generation.backend}",
+        python=python,
+        num_cpus_per_worker=0.5 if colocated else 1,
+        num_gpus_per_worker=gpus,
+        placement_group=placement,
+        timeout_s=timeout_s,
+    )
+    transport = resolve_transport(
+        getattr(options, "refit_transport", "auto"), colocated=colocated, on_gpu=on_gpu
+    )
+    engines_obj = GenerationEngines(
+        group,
+        transport=transport,
+        bucket_bytes=int(options.refit_bucket_mb) << 20,
+        dtype=getattr(options, "dtype", None) if on_gpu else None,
+        colocated=colocated,
+        nccl_per_tensor=generation.backend == "sglang",
+    )
+    engines_obj.tp_size = tp
+    return engines_obj

@@ -1,0 +1,271 @@
+"""Building a Megatron-Core ``GPTModel`` for a Llama/Qwen2 Hugging Face config.
+
+Two layer specs:
+
+- GPU with ``policy.megatron.transformer_engine``: Megatron-Core's Transformer Engine spec
+  (``get_gpt_layer_with_transformer_engine_spec``, extra ``te``).
+- Otherwise the local spec (``get_gpt_layer_local_spec``) with its core attention replaced by
+  :class:`SDPAttention` (PyTorch scaled-dot-product attention). Megatron-Core's own local
+  ``DotProductAttention`` takes its score buffer from ``parallel_state``'s global memory
+  buffer and its dropout RNG from the CUDA RNG tracker, so it cannot run without a GPU.
+
+On CPU the rotary embedding is also replaced by :class:`DeviceRotaryEmbedding`: Megatron-Core
+0.16's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on
+the first forward.
+
+Importing this module imports megatron-core (the plugin's ``engine`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from nrl_core.errors import NrlError
+from nrl_megatron.convert import ModelShape, tp_split_dim
+
+
+class MegatronModelError(NrlError):
+    """The Hugging Face model uses a feature this Megatron builder does not reproduce."""
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    A drop-in for Megatron-Core's ``DotProductAttention`` (same constructor and forward
+    signature, same ``[s, b, heads, dim]`` in and ``[s, b, heads * dim]`` out), without CUDA
+    buffers. Grouped-query attention maps query head ``i`` to key/value head
+    ``i // (heads / groups)``, as Megatron-Core and Hugging Face both do.
+
+    Padding needs no mask: sequences are right-padded and attention is causal, so padding
+    never influences a valid position.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise MegatronModelError(
+                "context parallelism needs the Transformer Engine spec; set "
+                "policy.megatron.transformer_engine=true (GPU) or context_parallel_size=1"
+            )
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise MegatronModelError(
+                f"SDPAttention only implements causal masks, not {attn_mask_type}"
+            )
+        self.head_dim = config.kv_channels
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.heads_per_partition = divide(
+            config.num_attention_heads, config.tensor_model_parallel_size
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """``[s, b, n, d]`` query and ``[s, b, g, d]`` key/value -> ``[s, b, n * d]``."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise MegatronModelError("SDPAttention supports neither packed sequences nor biases")
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class DeviceRotaryEmbedding(RotaryEmbedding):
+    """Megatron-Core's ``RotaryEmbedding`` that keeps its frequencies on their own device."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """Same as the parent, minus the move to ``torch.cuda.current_device()``."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )
+        return emb[:, None, None, :]
+
+
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """``rotary_base`` (and Llama 3 scaling) for ``GPTModel`` from a HF config.
+
+    transformers 5 keeps RoPE settings in ``rope_parameters``; older configs use ``rope_theta``
+    and ``rope_scaling``. Only the default RoPE and Llama 3.1's scaling (Megatron-Core's
+    ``rope_scaling`` hard-codes low/high frequency factors 1 and 4 and an original context of
+    8192) are reproduced exactly; anything else is refused rather than silently approximated.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    merged = {**scaling, **params}
+    if rope_type == "default":
+        return {"rotary_base": int(theta), "rope_scaling": False}
+    if rope_type == "llama3" and (
+        merged.get("low_freq_factor") == 1
+        and merged.get("high_freq_factor") == 4
+        and merged.get("original_max_position_embeddings") == 8192
+    ):
+        return {
+            "rotary_base": int(theta),
+            "rope_scaling": True,
+            "rope_scaling_factor": float(merged.get("factor", 8.0)),
+        }
+    raise MegatronModelError(
+        f"RoPE type {rope_type!r} with {merged} is not reproduced by Megatron-Core's GPTModel; "
+        "use policy.backend=dtensor for this model"
+    )
+
+
+def transformer_config(
+    hf_config: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    dtype: torch.dtype = torch.float32,
+    on_gpu: bool = False,
+) -> TransformerConfig:
+    """The ``TransformerConfig`` equivalent of a Llama/Qwen2 HF config."""
+    shape = ModelShape.from_hf_config(hf_config)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise MegatronModelError(f"hidden_act={hf_config.hidden_act!r} is not supported (silu)")
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=getattr(hf_config, "attention_dropout", 0.0) or 0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        # Weights come from the HF checkpoint: skip Megatron's random init, build on the host.
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,
+        # Fused kernels are CUDA-only; off on CPU, Megatron-Core's defaults on GPU.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt_model(
+    hf_config: Any,
+    config: TransformerConfig,
+    *,
+    transformer_engine: bool = False,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> GPTModel:
+    """A ``GPTModel`` matching ``hf_config`` (weights uninitialised: load them afterwards).
+
+    ``parallel_output=True`` keeps the logits vocab-sharded under tensor parallelism: the
+    worker computes logprobs with a vocab-parallel log-softmax instead of gathering them.
+    """
+    if transformer_engine:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        attention: ModuleSpec = spec.submodules.self_attention
+        attention.submodules.core_attention = SDPAttention
+    shape = ModelShape.from_hf_config(hf_config)
+    rope = rope_settings(hf_config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        **rope,
+    )
+    if config.use_cpu_initialization:
+        model.rotary_pos_emb = DeviceRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=rope["rotary_base"],
+            rope_scaling=rope["rope_scaling"],
+            rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
+            use_cpu_initialization=True,
+        )
+    mark_tensor_parallel_params(model)
+    return model
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Set Megatron's ``tensor_model_parallel`` attributes on the split parameters.
+
+    Megatron-Core 0.16 sets them only inside its weight initialisers, which
+    ``perform_initialization=False`` skips (weights come from the checkpoint). Without them its
+    gradient-norm code (and ours) would count sharded parameters as replicated duplicates.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        dim = tp_split_dim(name)
+        if dim is not None and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)

@@ -1,0 +1,93 @@
+"""Test-only loss and batch builders (importable by the spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from nrl_core.data import Batch, pad_sequences
+from nrl_core.interfaces import GlobalBatchStats
+
+
+class TokenMeanNLL:
+    """Token-mean negative log-likelihood over ``loss_mask``, normalised by the GLOBAL token
+    count (the core's loss contract)."""
+
+    needs_reference = False
+    needs_prev_logprobs = False
+
+    def __call__(self, logprobs, batch, stats: GlobalBatchStats):
+        mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+        nll = -(logprobs * mask).sum()
+        return nll / stats.valid_tokens, {
+            "nll_sum": float(nll.detach()),
+            "tokens": float(mask.sum()),
+        }
+
+
+def make_batch(
+    num: int, seed: int = 0, vocab: int = 100, min_len: int = 6, max_len: int = 24
+) -> Batch:
+    """Random sequences of varying lengths with the first 3 tokens as "prompt" (right padded)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num,), generator=g)
+    seqs = [torch.randint(7, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    ids = pad_sequences(seqs, pad_value=0)
+    width = ids.shape[1]
+    pos = torch.arange(width)[None, :]
+    loss_mask = ((pos >= 3) & (pos < lengths[:, None])).float()
+    return Batch(
+        {
+            "input_ids": ids,
+            "lengths": lengths,
+            "loss_mask": loss_mask,
+            "sample_mask": torch.ones(num),
+        }
+    )
+
+
+def stats_for(batch: Batch, max_len: int = 512) -> GlobalBatchStats:
+    """The global normalisers of ``batch``."""
+    mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+    return GlobalBatchStats(
+        valid_tokens=float(mask.sum()),
+        valid_sequences=float((mask.sum(1) > 0).sum()),
+        max_sequence_length=max_len,
+    )
+
+
+class ForwardProbe:
+    """Runs in a spawned rank (torch.distributed set up from the environment): builds the
+    Megatron GPTModel of a HF folder with converted weights and returns its logits next to
+    Hugging Face's, both in float32 on CPU."""
+
+    def __init__(self, path: str, converter: str = "right") -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from nrl_megatron.convert import ModelShape, hf_to_megatron
+        from nrl_megatron.model import build_gpt_model, transformer_config
+        from transformers import AutoModelForCausalLM
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1)
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        shape = ModelShape.from_hf_config(self.hf.config)
+        state = hf_to_megatron(self.hf.state_dict(), shape)
+        if converter == "naive_qkv":
+            # Negative control: [q; k; v] stacked without per-group interleaving.
+            for i in range(shape.num_layers):
+                p = f"model.layers.{i}.self_attn."
+                sd = self.hf.state_dict()
+                state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat(
+                    [sd[p + "q_proj.weight"], sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]
+                )
+        self.model = build_gpt_model(self.hf.config, transformer_config(self.hf.config)).eval()
+        self.model.load_state_dict(state, strict=False)
+
+    def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(megatron_logits, hf_logits)``, each ``[B, T, V]``."""
+        positions = torch.arange(input_ids.shape[1])[None, :].expand(input_ids.shape[0], -1)
+        with torch.no_grad():
+            return self.model(input_ids, positions, None), self.hf(input_ids=input_ids).logits

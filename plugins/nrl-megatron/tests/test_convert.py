@@ -1,0 +1,87 @@
+"""The HF <-> Megatron converter: pure torch, runs with or without megatron-core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nrl_megatron.convert import (
+    ConversionError,
+    ModelShape,
+    fuse_qkv,
+    hf_to_megatron,
+    megatron_to_hf,
+    megatron_to_hf_names,
+    shard_for_tp,
+    split_qkv,
+    unshard_from_tp,
+)
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+
+def _load(path):
+    return load_file(str(path / "model.safetensors")), AutoConfig.from_pretrained(path)
+
+
+@pytest.mark.parametrize("model", ["tiny_path", "tiny_qwen2_path"])
+def test_round_trip_is_bit_exact(model, request):
+    hf, config = _load(request.getfixturevalue(model))
+    shape = ModelShape.from_hf_config(config)
+    for te in (False, True):
+        mg = hf_to_megatron(hf, shape, te=te)
+        back = megatron_to_hf(mg, shape, te=te)
+        assert back.keys() == hf.keys()
+        for name, tensor in hf.items():
+            assert torch.equal(back[name], tensor), name
+        # Every Megatron tensor has a name mapping, and the mapping covers every HF tensor once.
+        names = megatron_to_hf_names(shape, te=te)
+        assert names.keys() == mg.keys()
+        assert sorted(n for hf_names in names.values() for n in hf_names) == sorted(hf)
+
+
+def test_qwen2_shape_has_bias_and_tied_embeddings(tiny_qwen2_path):
+    hf, config = _load(tiny_qwen2_path)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.qkv_bias and shape.tie_word_embeddings
+    mg = hf_to_megatron(hf, shape)
+    assert "output_layer.weight" not in mg
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in mg
+
+
+def test_qkv_interleaving_is_per_query_group():
+    # 4 query heads in 2 groups, head_dim 2: label every row by (kind, head, row).
+    shape = ModelShape(1, 8, 4, 2, 2, 16, 32, False, False)
+    q = torch.arange(8).float()[:, None] + 100  # heads 0..3, rows 100..107
+    k = torch.arange(4).float()[:, None] + 200  # kv heads 0..1
+    v = torch.arange(4).float()[:, None] + 300
+    fused = fuse_qkv(q, k, v, shape)[:, 0].tolist()
+    # group 0: q heads 0,1 then k0 then v0; group 1: q heads 2,3 then k1 then v1
+    assert fused == [100, 101, 102, 103, 200, 201, 300, 301, 104, 105, 106, 107, 202, 203, 302, 303]
+    for got, want in zip(split_qkv(fuse_qkv(q, k, v, shape), shape), (q, k, v), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_tp_sharding_round_trip_and_fc1_layout(tiny_path):
+    hf, config = _load(tiny_path)
+    shape = ModelShape.from_hf_config(config)
+    mg = hf_to_megatron(hf, shape)
+    for name, tensor in mg.items():
+        shards = [shard_for_tp(name, tensor, r, 2) for r in range(2)]
+        assert torch.equal(unshard_from_tp(name, shards), tensor), name
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    rank1 = shard_for_tp(fc1, mg[fc1], 1, 2)
+    half = shape.ffn_hidden_size // 2
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    # Each rank holds [its slice of gate; its slice of up], as ColumnParallelLinear expects.
+    assert torch.equal(rank1, torch.cat([gate[half:], up[half:]]))
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    rows_per_group = (shape.heads_per_group + 2) * shape.head_dim
+    assert torch.equal(shard_for_tp(qkv, mg[qkv], 1, 2), mg[qkv][rows_per_group:])
+
+
+def test_unsupported_architecture_is_a_user_error():
+    class Config:
+        model_type = "gpt2"
+
+    with pytest.raises(ConversionError, match="not supported"):
+        ModelShape.from_hf_config(Config())

@@ -1,0 +1,165 @@
+"""Pure translations between nrl's types and vLLM 0.32's, as plain dicts and duck-typed reads.
+
+Nothing here imports vLLM, so the mapping is tested on machines without the engine: the
+worker builds ``vllm.SamplingParams(**sampling_kwargs(...))`` and ``vllm.LLM(**engine_kwargs(...))``
+and hands vLLM's ``RequestOutput`` objects to :func:`to_generation_output`.
+
+Logprobs (checked against vLLM 0.32.0's ``vllm/v1/sample/sampler.py``): ``raw_logprobs`` is
+``log_softmax(logits)`` *before* temperature; ``processed_logprobs`` is after temperature AND
+top-k/top-p (renormalised over the kept tokens when those are active). The trainer computes
+``log_softmax(logits / T)`` (see the dtensor policy), so ``auto`` picks:
+
+* ``processed_logprobs`` when top-k and top-p are off: exactly ``log_softmax(logits / T)``,
+  with nothing renormalised;
+* ``raw_logprobs`` when top-k or top-p is on and ``T == 1``: not renormalised, equal to the
+  trainer's;
+* ``raw_logprobs`` with top-k/top-p and ``T != 1`` too, but no vLLM mode then matches the
+  trainer (raw lacks the temperature, processed is renormalised): :func:`logprobs_mode` warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from nrl_core.errors import ConfigError
+from nrl_core.interfaces import GenerationOutput, SamplingParams
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
+def logprobs_mode(configured: str, temperature: float, top_p: float, top_k: int) -> str:
+    """The vLLM ``logprobs_mode`` engine argument for ``configured`` (``auto`` or a mode)."""
+    if configured != "auto":
+        if configured not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"generation.vllm.logprobs_mode={configured!r}; use auto or one of "
+                f"{', '.join(LOGPROBS_MODES)}"
+            )
+        return configured
+    truncated = top_p < 1.0 or top_k > 0
+    if not truncated:
+        return "processed_logprobs"
+    if temperature not in (0.0, 1.0):
+        warnings.warn(
+            f"vLLM reports no logprob that matches the trainer's log_softmax(logits / "
+            f"{temperature:g}) when top_p/top_k are on; using raw_logprobs (temperature 1). "
+            "Set generation.temperature=1, or turn top_p/top_k off, for matching logprobs.",
+            stacklevel=2,
+        )
+    return "raw_logprobs"
+
+
+def sampling_kwargs(
+    params: SamplingParams, extra_stop_strings: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request.
+
+    Always one sample per request (``n=1``: the core repeats prompts for GRPO groups), the
+    sampled token's logprob only (``logprobs=0``), stop strings and stop token ids; the stop
+    token is kept in ``token_ids`` (vLLM's default) and, unlike vLLM's default, the stop string
+    stays in the text (ids are what count; the text is only for stop matching).
+    """
+    stops = list(params.stop_strings) + [s for s in (extra_stop_strings or ()) if s]
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        # vLLM 0.32 disables top-k with 0 (or -1).
+        "top_k": params.top_k if params.top_k > 0 else 0,
+        "logprobs": 0,
+        "stop_token_ids": list(params.stop_token_ids),
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+    if stops:
+        kwargs["stop"] = list(dict.fromkeys(stops))
+    else:
+        # Without stop strings nobody reads the text: skip detokenising.
+        kwargs["detokenize"] = False
+    if params.seed is not None:
+        kwargs["seed"] = params.seed
+    return kwargs
+
+
+def per_request_kwargs(
+    params: SamplingParams,
+    n: int,
+    stop_strings: Sequence[Sequence[str] | None] | None = None,
+    seed_offset: int = 0,
+) -> list[dict[str, Any]]:
+    """One :func:`sampling_kwargs` per prompt: per-sample stop strings, and distinct seeds
+    (``seed + i``) so that repeated prompts of a group do not sample identical continuations."""
+    out = []
+    for i in range(n):
+        kw = sampling_kwargs(params, stop_strings[i] if stop_strings else None)
+        if params.seed is not None:
+            kw["seed"] = params.seed + seed_offset + i
+        out.append(kw)
+    return out
+
+
+def engine_kwargs(
+    options: Any, model: str, *, seed: int, generation: Any | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for ``generation.vllm``."""
+    temperature = getattr(generation, "temperature", 1.0)
+    top_p = getattr(generation, "top_p", 1.0)
+    top_k = getattr(generation, "top_k", 0)
+    if options.sleep_level not in (1, 2):
+        raise ConfigError(f"generation.vllm.sleep_level={options.sleep_level}; use 1 or 2")
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "enforce_eager": options.enforce_eager,
+        "dtype": options.dtype,
+        "seed": seed,
+        "logprobs_mode": logprobs_mode(options.logprobs_mode, temperature, top_p, top_k),
+        # Sleep mode frees weights and KV cache while the colocated policy trains.
+        "enable_sleep_mode": bool(options.colocated),
+        # Our own receiver: loads nrl's packed buckets inside each vLLM worker process.
+        "worker_extension_cls": "nrl_vllm.extension.NrlWeightReceiver",
+        # Prompts come as token ids; prefix caching would serve stale KV after a refit unless
+        # reset, which finish_weight_update does.
+        "enable_prefix_caching": True,
+    }
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
+    return kwargs
+
+
+def _sampled_logprob(position: Any, token_id: int) -> float:
+    """The logprob of ``token_id`` from one position of vLLM's ``CompletionOutput.logprobs``
+    (a ``dict[int, Logprob]``; with ``logprobs=0`` it holds just the sampled token)."""
+    entry = position[token_id]
+    return float(entry.logprob if hasattr(entry, "logprob") else entry)
+
+
+def to_generation_output(request_outputs: Sequence[Any]) -> GenerationOutput:
+    """Convert vLLM ``RequestOutput`` objects (one per prompt, in order) to nrl's type.
+
+    Reads ``RequestOutput.outputs[0]`` (``CompletionOutput``: ``token_ids``, ``logprobs``,
+    ``finish_reason``) as defined in vLLM 0.32.0's ``vllm/outputs.py``. ``abort`` (an engine
+    that was stopped mid-request) is an error, not a finish reason the core knows.
+    """
+    token_ids, logprobs, reasons = [], [], []
+    for req in request_outputs:
+        out = req.outputs[0]
+        ids = [int(t) for t in out.token_ids]
+        if out.logprobs is None:
+            raise RuntimeError("vLLM returned no logprobs; the request must set logprobs=0")
+        if len(out.logprobs) != len(ids):
+            raise RuntimeError(
+                f"vLLM returned {len(out.logprobs)} logprobs for {len(ids)} generated tokens"
+            )
+        lps = [_sampled_logprob(pos, t) for pos, t in zip(out.logprobs, ids, strict=True)]
+        reason = out.finish_reason
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request {req.request_id} finished with {reason!r}")
+        token_ids.append(ids)
+        logprobs.append(lps)
+        reasons.append(reason)
+    return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)

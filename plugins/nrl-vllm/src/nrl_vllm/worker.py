@@ -1,0 +1,197 @@
+"""One vLLM engine, driven from a Ray actor in the nrl-vllm venv (``engine`` extra).
+
+The driver never imports this module's engine: :class:`nrl_core.generation.GenerationEngines`
+starts one actor per engine with this class and calls ``generate``, ``sleep``/``wake_up``
+(colocated) and the :class:`nrl_core.weight_sync.BucketReceiver` methods.
+
+Written against vLLM 0.32.0 (``vllm.LLM``, ``vllm.v1.engine.async_llm.AsyncLLM``,
+``LLM.sleep(level)``/``wake_up(tags)``, ``collective_rpc``); see docs/generation-engines.md for
+what has run (nothing, on a GPU, in this repository).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from nrl_core.errors import NotImplementedYet, NrlError
+from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.weight_sync import BucketHandle, BucketMeta, pack_bucket
+from nrl_vllm.config import VllmConfig
+from nrl_vllm.translate import engine_kwargs, per_request_kwargs, to_generation_output
+
+# Set by the core's WorkerGroup for torch.distributed members; the engine actor is not one, and
+# vLLM's own workers would read them as their rendezvous.
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class VllmGenerationWorker:
+    """A vLLM engine (``tensor_parallel_size`` GPUs) behind nrl's generation interface."""
+
+    def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
+        self.options = options or VllmConfig()
+        self.context = context
+        if self.options.expose_http_server:
+            raise NotImplementedYet(
+                "generation.vllm.expose_http_server is not implemented yet; agents must go "
+                "through the environment interface for now"
+            )
+        for var in _DIST_VARS:
+            os.environ.pop(var, None)
+        try:
+            import vllm
+        except ImportError as exc:
+            raise NrlError(
+                "vLLM is not installed in this actor's environment; build it with `nrl venvs "
+                f"build vllm` (or install nrl-vllm[engine]): {exc}"
+            ) from None
+        from nrl_core.testing.tiny import resolve_model_name
+
+        config = context.config
+        generation = getattr(config, "generation", None)
+        model = resolve_model_name(config.policy.model_name)
+        # Each engine gets its own seed stream: data-parallel engines must not sample alike.
+        kwargs = engine_kwargs(
+            self.options, model, seed=context.seed + 1000 * context.rank, generation=generation
+        )
+        self.rank = context.rank
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if self.options.async_engine:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self._loop = asyncio.new_event_loop()
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        else:
+            self.engine = vllm.LLM(**kwargs)
+        self._vllm = vllm
+        self.sleeping = False
+        if self.options.colocated:
+            self.sleep()  # the policy owns the GPU until the first generation
+
+    # -- engine calls, sync or async ----------------------------------------------------------
+
+    def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.engine, method)(*args, **kwargs)
+        if self._loop is not None and asyncio.iscoroutine(result):
+            return self._loop.run_until_complete(result)
+        return result
+
+    def _rpc(self, method: str, *args: Any) -> list:
+        return self._run("collective_rpc", method, args=args)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Continue each prompt (token ids in, token ids and raw logprobs out)."""
+        if not prompts:
+            return GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
+        if self.sleeping:
+            self.wake_up()
+        sampling = [
+            self._vllm.SamplingParams(**kw)
+            for kw in per_request_kwargs(params, len(prompts), stop_strings, 1000 * self.rank)
+        ]
+        inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        if self._loop is None:
+            outputs = self.engine.generate(inputs, sampling, use_tqdm=False)
+        else:
+            outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
+        return to_generation_output(outputs)
+
+    async def _generate_async(self, inputs: list, sampling: list) -> list:
+        async def one(prompt: dict, sp: Any) -> Any:
+            final = None
+            async for out in self.engine.generate(prompt, sp, request_id=uuid.uuid4().hex):
+                final = out
+            return final
+
+        return await asyncio.gather(*(one(p, s) for p, s in zip(inputs, sampling, strict=True)))
+
+    # -- colocation -----------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the GPU for training (level 1: weights to CPU, KV cache dropped; level 2: both
+        dropped, a refit must follow)."""
+        if not self.sleeping:
+            self._run("sleep", level=self.options.sleep_level)
+            self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate weights and KV cache (``tags`` as vLLM: ``weights``, ``kv_cache``)."""
+        self._run("wake_up", tags=tags)
+        if tags is None or set(tags) >= {"weights", "kv_cache"}:
+            self.sleeping = False
+
+    # -- weight sync (nrl_core.weight_sync.BucketReceiver) --------------------------------------
+
+    def begin_weight_update(self) -> None:
+        """Bring back the weights only: the KV cache stays freed while the policy still holds
+        its memory; it comes back on the next ``generate``."""
+        if self.sleeping:
+            self.wake_up(tags=["weights"])
+
+    def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Load one bucket on every tensor-parallel worker of this engine."""
+        received = self._rpc("nrl_receive_bucket", meta, handle)
+        return int(received[0]) if received else 0
+
+    def finish_weight_update(self) -> None:
+        """Drop prefix-cache entries computed with the old weights."""
+        self._run("reset_prefix_cache")
+
+    def update_weights(self, buckets: Iterator[dict[str, Any]]) -> int:
+        """:class:`nrl_core.interfaces.WeightSync` for in-process callers: load buckets of
+        engine-named tensors (CPU or this GPU). Returns the bytes received."""
+        total = 0
+        self.begin_weight_update()
+        for bucket in buckets:
+            flat, meta = pack_bucket(bucket)
+            total += self._load_local(flat, meta)
+        self.finish_weight_update()
+        return total
+
+    def _load_local(self, flat: Any, meta: BucketMeta) -> int:
+        from multiprocessing import shared_memory
+
+        import torch
+
+        from nrl_core.weight_sync import SharedMemoryHandle
+
+        # vLLM's workers are other processes: hand them the bytes through shared memory.
+        shm = shared_memory.SharedMemory(create=True, size=max(1, meta.nbytes))
+        try:
+            view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=meta.nbytes)
+            view.copy_(flat.cpu())
+            del view
+            return self.receive_bucket(meta, SharedMemoryHandle(shm.name))
+        finally:
+            shm.close()
+            shm.unlink()
+
+    def init_weight_sync_group(
+        self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """Join the NCCL refit group (separate GPUs): this engine's TP workers take ranks
+        ``rank_offset .. rank_offset + tp - 1``."""
+        self._rpc("nrl_init_nccl_group", name, master_addr, master_port, rank_offset, world_size)
+
+    def weights_checksum(self) -> dict[str, float]:
+        """Per-parameter sums on the first TP worker (tests)."""
+        return self._rpc("nrl_weights_checksum")[0]
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes."""
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+        if self._loop is not None:
+            self._loop.close()

@@ -1,0 +1,138 @@
+"""Config and output translation for vLLM 0.32.0, without vLLM installed.
+
+The stand-ins below mirror the attribute names of vLLM 0.32.0's ``vllm.outputs.RequestOutput``
+(``request_id``, ``outputs``), ``vllm.outputs.CompletionOutput`` (``token_ids``, ``logprobs``,
+``finish_reason``) and ``vllm.logprobs.Logprob`` (``logprob``, ``rank``). The same functions were
+also checked once against the real classes in the engine venv (docs/generation-engines.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from nrl_vllm.config import VllmConfig
+from nrl_vllm.translate import (
+    engine_kwargs,
+    logprobs_mode,
+    per_request_kwargs,
+    sampling_kwargs,
+    to_generation_output,
+)
+
+from nrl_core.errors import ConfigError
+from nrl_core.interfaces import SamplingParams
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def test_sampling_kwargs_map_every_field():
+    params = SamplingParams(
+        max_new_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=(2, 9),
+        stop_strings=("\n\n",),
+        seed=5,
+    )
+    kw = sampling_kwargs(params, ["</answer>", "\n\n"])
+    assert kw["max_tokens"] == 7 and kw["n"] == 1
+    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] == 20
+    assert kw["stop_token_ids"] == [2, 9]
+    assert kw["stop"] == ["\n\n", "</answer>"]  # merged, deduplicated, order kept
+    assert kw["logprobs"] == 0  # the sampled token's logprob only
+    assert kw["seed"] == 5 and kw["include_stop_str_in_output"] is True
+    assert "detokenize" not in kw
+
+
+def test_greedy_without_stop_strings_skips_detokenising_and_disables_top_k():
+    kw = sampling_kwargs(SamplingParams(temperature=0.0, top_k=0))
+    assert kw["temperature"] == 0.0 and kw["top_k"] == 0
+    assert kw["detokenize"] is False and "stop" not in kw and "seed" not in kw
+
+
+def test_per_request_seeds_differ_and_stop_strings_are_per_sample():
+    kws = per_request_kwargs(SamplingParams(seed=10), 3, [None, ["x"], None], seed_offset=100)
+    assert [k["seed"] for k in kws] == [110, 111, 112]
+    assert "stop" not in kws[0] and kws[1]["stop"] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k", "expected"),
+    [
+        (1.0, 1.0, 0, "processed_logprobs"),
+        (0.6, 1.0, 0, "processed_logprobs"),
+        (1.0, 0.9, 0, "raw_logprobs"),
+        (1.0, 1.0, 50, "raw_logprobs"),
+    ],
+)
+def test_logprobs_mode_auto(temperature, top_p, top_k, expected):
+    assert logprobs_mode("auto", temperature, top_p, top_k) == expected
+
+
+def test_logprobs_mode_warns_when_nothing_matches_the_trainer():
+    with pytest.warns(UserWarning, match="no logprob that matches"):
+        assert logprobs_mode("auto", 0.7, 0.9, 0) == "raw_logprobs"
+
+
+def test_logprobs_mode_rejects_unknown():
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        logprobs_mode("renormalised", 1.0, 1.0, 0)
+
+
+def test_engine_kwargs_from_config():
+    options = VllmConfig(tensor_parallel_size=2, gpu_memory_utilization=0.5, max_model_len=1024)
+    kw = engine_kwargs(options, "/models/x", seed=3)
+    assert kw["model"] == "/models/x" and kw["tensor_parallel_size"] == 2
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["max_model_len"] == 1024
+    assert kw["enable_sleep_mode"] is True and kw["seed"] == 3
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["worker_extension_cls"] == "nrl_vllm.extension.NrlWeightReceiver"
+    separate = engine_kwargs(VllmConfig(colocated=False), "m", seed=0)
+    assert separate["enable_sleep_mode"] is False and "max_model_len" not in separate
+    with pytest.raises(ConfigError, match="sleep_level"):
+        engine_kwargs(VllmConfig(sleep_level=3), "m", seed=0)
+
+
+def _request(rid, ids, lps, reason):
+    positions = [{t: Logprob(lp, rank=1)} for t, lp in zip(ids, lps, strict=True)]
+    return RequestOutput(rid, [CompletionOutput(0, "", ids, sum(lps), positions, reason)])
+
+
+def test_to_generation_output_reads_sampled_logprobs_in_order():
+    out = to_generation_output(
+        [_request("a", [5, 6, 2], [-0.1, -0.2, -0.3], "stop"), _request("b", [7], [-1.5], "length")]
+    )
+    assert out.token_ids == [[5, 6, 2], [7]]
+    assert out.logprobs == [[-0.1, -0.2, -0.3], [-1.5]]
+    assert out.finish_reasons == ["stop", "length"]
+
+
+def test_to_generation_output_rejects_aborted_and_missing_logprobs():
+    with pytest.raises(RuntimeError, match="abort"):
+        to_generation_output([_request("a", [5], [-0.1], "abort")])
+    missing = RequestOutput("m", [CompletionOutput(0, "", [5], None, None, "stop")])
+    with pytest.raises(RuntimeError, match="no logprobs"):
+        to_generation_output([missing])

@@ -1,0 +1,205 @@
+"""SFT: the assistant-only loss mask, chat data mapping, micro-batch invariance, LoRA, and a
+few-step `nrl run sft` on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nrl_core.algorithms.sft import masked_batch
+from nrl_core.chat_data import ChatDataConfig, ChatDataError, ChatDataset, encode_conversation
+from nrl_core.config.schema import PolicyConfig, SFTConfig
+from nrl_core.interfaces import ComponentContext
+from nrl_core.losses.nll import NLLLoss
+from nrl_core.policy import global_batch_stats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path():
+    """The cached tiny model (built once per machine) rather than a fresh build per session."""
+    from nrl_core.testing.tiny import tiny_model_path as cached
+
+    return cached()
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "2+3="},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "+4="},
+    {"role": "assistant", "content": "9"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def test_loss_mask_covers_exactly_the_assistant_messages(tokenizer):
+    ids, mask = encode_conversation(tokenizer, CONVERSATION)
+    # The ids are exactly the chat template's rendering of the whole conversation.
+    full = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(ids) == full
+    trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained == "5<|eos|>9<|eos|>"
+    # The role header comes from the generation prompt and is not trained.
+    header = tokenizer.convert_tokens_to_ids("<|assistant|>")
+    assert all(m == 0 for i, m in zip(ids, mask, strict=True) if i == header)
+
+
+def test_loss_mask_without_chat_template_and_truncation(tokenizer):
+    ids, mask = encode_conversation(tokenizer, CONVERSATION[1:3], use_template=False)
+    assert tokenizer.decode(ids) == "2+3=\n5<|eos|>"
+    assert mask == [0.0] * 5 + [1.0, 1.0]
+    short, short_mask = encode_conversation(tokenizer, CONVERSATION, max_length=6)
+    assert len(short) == len(short_mask) == 6
+
+
+def test_chat_dataset_maps_fields(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}]},
+        {"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "sup"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = ChatDataConfig(
+        path=str(path), messages_field="conversations", role_field="from", content_field="value"
+    )
+    samples = ChatDataset(options, None).load("train")
+    assert samples[0].messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hey"},
+    ]
+    with pytest.raises(KeyError):  # no validation source: the core holds one out
+        ChatDataset(options, None).load("validation")
+    instruct = ChatDataset(ChatDataConfig(prompt_field="q", response_field="a"), None)
+    assert instruct.to_sample({"q": "1+1=", "a": "2"}).messages[1]["content"] == "2"
+    with pytest.raises(ChatDataError, match="messages_field"):
+        ChatDataset(ChatDataConfig(path=str(path)), None).load("train")
+
+
+def test_shipped_chat_data_loads():
+    train = ChatDataset(ChatDataConfig(path="nrl://recipes/data/chat_train.jsonl"), None)
+    samples = train.load("train")
+    assert len(samples) == 384
+    assert all(any(m["role"] == "assistant" for m in s.messages) for s in samples)
+
+
+def make_worker(model_path, *, micro_batch_size=4, seed=0, lora_rank=0, lr=1e-2):
+    """A real dtensor worker in this process (no WORLD_SIZE: single process, no FSDP)."""
+    from nrl_dtensor.config import DTensorConfig
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    config = SFTConfig(
+        seed=seed,
+        policy=PolicyConfig(
+            model_name=str(model_path),
+            train_global_batch_size=8,
+            train_micro_batch_size=micro_batch_size,
+            max_total_sequence_length=64,
+        ),
+    )
+    config.policy.optimizer.lr = lr
+    options = DTensorConfig(lora_rank=lora_rank)
+    return DTensorPolicyWorker(options, ComponentContext(config=config, seed=seed))
+
+
+def chat_batch(tokenizer, count=8):
+    samples = ChatDataset(ChatDataConfig(path="nrl://recipes/data/chat_train.jsonl"), None).load(
+        "train"
+    )[:count]
+    rows = [encode_conversation(tokenizer, s.messages) for s in samples]
+    return masked_batch(rows, tokenizer.pad_token_id)
+
+
+def test_sft_loss_is_invariant_to_micro_batch_size(tiny_model_path, tokenizer):
+    assert "WORLD_SIZE" not in os.environ
+    batch = chat_batch(tokenizer)
+    stats = global_batch_stats(batch, 64)
+    results = {}
+    for size in (1, 3, 8):
+        worker = make_worker(tiny_model_path, micro_batch_size=size)
+        metrics = worker.train(batch, NLLLoss(), stats)
+        results[size] = (metrics, worker.get_logprobs(batch))
+    # The reported loss is the token-mean NLL of the whole batch, computed independently.
+    fresh = make_worker(tiny_model_path)
+    lp = fresh.get_logprobs(batch)
+    expected = float(-(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+    for metrics, after in results.values():
+        assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+        assert metrics["num_valid_tokens"] == float(batch["loss_mask"].sum())
+        assert metrics["grad_norm"] == pytest.approx(results[8][0]["grad_norm"], rel=1e-4)
+        torch.testing.assert_close(after, results[8][1], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(results[8][1], lp)  # the step changed the model
+
+
+@pytest.mark.slow
+def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    worker = make_worker(tiny_model_path, lora_rank=4, lr=5e-3)
+    trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    batch = chat_batch(tokenizer)
+    stats = global_batch_stats(batch, 64)
+    losses = [worker.train(batch, NLLLoss(), stats)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+    worker.export_hf(str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = batch["input_ids"][:2]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ours = worker.get_logprobs(batch.slice(0, 2))
+    mask = torch.arange(ids.shape[1] - 1)[None] < (batch["lengths"][:2, None] - 1)
+    torch.testing.assert_close(lp * mask, ours[:, 1:] * mask, rtol=1e-4, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[name], base.state_dict()[name])
+
+
+def run_cli(algorithm: str, tmp_path: Path, *overrides: str) -> list[dict]:
+    """`nrl run ALGO --config examples/configs/ALGO_tiny_cpu.yaml` in a subprocess; returns
+    the metrics records."""
+    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
+    args = [
+        sys.executable,
+        "-m",
+        "nrl_core.cli",
+        "run",
+        algorithm,
+        "--config",
+        str(REPO / "examples" / "configs" / f"{algorithm}_tiny_cpu.yaml"),
+        f"logger.log_dir={tmp_path}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "cluster.num_cpus=2",
+        *overrides,
+    ]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / f"{algorithm}-tiny-cpu"
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_nrl_run_sft_on_cpu_decreases_the_loss(tmp_path):
+    records = run_cli("sft", tmp_path, "sft.max_num_steps=8", "sft.val_period=4")
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert train[-1]["train/loss"] < 0.8 * train[0]["train/loss"]
+    val = {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+    assert sorted(val) == [0, 4, 8]
+    assert val[8] < val[0]
+    step = tmp_path / "ckpt" / "step_8"
+    assert (step / "config.yaml").is_file() and (step / "policy").is_dir()
