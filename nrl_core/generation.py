@@ -51,7 +51,7 @@ class GenerationEngines:
 
     Args:
         group: one actor per engine, each running the plugin's generation worker (which
-            implements ``generate``, ``sleep`` and :class:`nrl_core.weight_sync.BucketReceiver`).
+            implements ``generate``, ``sleep`` and :class:`nrl_core.interfaces.WeightSync`).
         transport: the refit transport (see :func:`resolve_transport`).
         bucket_bytes: size bound of each refit bucket.
         dtype: the engines' weight dtype (refit casts floating tensors to it), or None.

@@ -11,7 +11,7 @@ the instance of the component's registered config class (``None`` when it regist
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from nrl_core.data import Batch, Message, Sample
+    from nrl_core.weight_sync import BucketHandle, BucketMeta
 
 
 @attrs.frozen
@@ -165,15 +166,27 @@ class GenerationWorker(Protocol):
 
 
 class WeightSync(Protocol):
-    """Brings a generation backend's copy of the weights up to date with the policy.
+    """Receives a policy's current weights into a generation engine that holds its own copy.
 
-    Implemented by generation backends that hold their own weights (vLLM, SGLang); colocated
-    ``torch`` generation shares the policy's weights and needs none.
+    Implemented by the engine workers of backends such as vLLM and SGLang; colocated ``torch``
+    generation shares the policy's weights and needs none. The sender
+    (:class:`nrl_core.weight_sync.WeightSender`) streams the full, unsharded state dict in
+    size-bounded buckets, each a flat buffer plus its layout, through a transport (CUDA IPC,
+    an NCCL broadcast, or shared memory); names are already the engine's. Every call is a plain
+    Ray method call, so nothing here is a generator.
     """
 
-    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> int:
-        """Load the full, unsharded state dict streamed in size-bounded buckets (engine
-        parameter names). Returns the number of bytes received."""
+    def begin_weight_update(self) -> None:
+        """Prepare to receive (wake a sleeping engine's weights, pause generation)."""
+        ...
+
+    def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Load one bucket (``meta``: names, shapes, dtypes, offsets; ``handle``: where its bytes
+        are); return the number of bytes received."""
+        ...
+
+    def finish_weight_update(self) -> None:
+        """Finish: post-process the loaded weights and drop caches built from the old ones."""
         ...
 
 

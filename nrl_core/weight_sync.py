@@ -1,7 +1,7 @@
 """Weight sync ("refit"): moving a policy's current weights into a generation engine.
 
 Kept apart from generation: an engine only has to *receive* buckets (see
-:class:`BucketReceiver`); the policy plugin only has to *yield* its full state dict in
+:class:`~nrl_core.interfaces.WeightSync`); the policy plugin only has to *yield* its full state dict in
 size-bounded buckets with the engine's parameter names (for ``dtensor``: Hugging Face names,
 which both vLLM and SGLang load). Everything in between lives here and is engine-independent:
 
@@ -380,26 +380,6 @@ def destroy_nccl_group(name: str) -> None:
 # Receiving
 
 
-class BucketReceiver(Protocol):
-    """The receiving side of a weight sync: what an engine worker implements.
-
-    All three are called by :class:`WeightSender` through Ray; ``receive_bucket`` once per
-    bucket, with the bucket's layout and a transport handle.
-    """
-
-    def begin_weight_update(self) -> None:
-        """Prepare to receive (wake the weights of a sleeping engine, pause generation)."""
-        ...
-
-    def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
-        """Load one bucket into the engine; return the bytes received."""
-        ...
-
-    def finish_weight_update(self) -> None:
-        """Finish (post-process loaded weights, flush caches that hold stale weights)."""
-        ...
-
-
 def receive_into(meta: BucketMeta, handle: BucketHandle, load, device: Any = None) -> int:
     """Open ``handle``, call ``load(list of (name, tensor))`` with views of the bucket, close.
 
@@ -445,7 +425,7 @@ class WeightSender:
 
     The driver creates it with the engine workers' actor handles (``receivers``: Ray actor
     handles of :class:`nrl_core.distributed.worker_group.WorkerGroup` actors whose worker
-    implements :class:`BucketReceiver`) and passes it to every policy rank's ``push_weights``;
+    implements :class:`~nrl_core.interfaces.WeightSync`) and passes it to every policy rank's ``push_weights``;
     each rank calls :meth:`send` with its bucket iterator.
 
     Args:
@@ -606,7 +586,7 @@ def total_bytes(metas: Sequence[BucketMeta]) -> int:
 class StateDictEndpoint:
     """A Hugging Face model on CPU that can send its weights (like a policy) and receive
     buckets (like an engine): the reference both ends of a transport are tested against, and a
-    template for a new engine's :class:`BucketReceiver`.
+    template for a new engine's :class:`~nrl_core.interfaces.WeightSync`.
 
     Built as ``StateDictEndpoint(model_path, seed)``; a non-None ``seed`` re-initialises the
     weights randomly, so two endpoints start different.

@@ -107,6 +107,7 @@ _EXTRA_COMMAND_MODULES = (
     "nrl_core.cli.plot",
     "nrl_core.cli.new_plugin",
     "nrl_core.cli.convert",
+    "nrl_core.cli.eval",
 )
 
 

@@ -231,6 +231,41 @@ class RMSection:
 
 
 @attrs.define
+class EvalSection:
+    checkpoint: str | None = option(
+        None,
+        (
+            "An nrl checkpoint to evaluate: a `step_N` folder, or a checkpoint directory (its "
+            "newest step). The policy's model keys (backend, model_name, tokenizer_name, "
+            "precision, backend options) come from the config saved in it; unset: evaluate "
+            "`policy.model_name` (a Hugging Face name or folder, or a checkpoint folder)."
+        ),
+    )
+    num_samples: int = option(
+        1,
+        "Responses sampled per problem (n), at `generation.temperature`.",
+        validator=attrs.validators.ge(1),
+    )
+    pass_k: list[int] = option(
+        [],
+        (
+            "The k of each reported pass@k (each at most num_samples); empty: 1 and num_samples. "
+            "Unbiased estimator of Chen et al. (2021) when n > k, any-correct when n == k."
+        ),
+    )
+    correct_threshold: float = option(
+        1.0, "A response is correct when its episode reward is at least this."
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).")
+    batch_size: int = option(
+        256, "Responses rolled out together in one rollout call (0: all at once)."
+    )
+    output: str | None = option(
+        None, "Where eval.json is written (default: <logger.log_dir>/<logger.run_name>/eval.json)."
+    )
+
+
+@attrs.define
 class RunConfig:
     """Sections shared by every algorithm."""
 
@@ -264,6 +299,15 @@ class DPOConfig(RunConfig):
 @attrs.define
 class RMConfig(RunConfig):
     rm: RMSection = option(RMSection(), "The reward-model loop.")
+
+
+@attrs.define
+class EvalConfig(RunConfig):
+    """`nrl eval`: a model (or checkpoint) scored on a dataset's validation split."""
+
+    eval: EvalSection = option(EvalSection(), "What is evaluated and how it is scored.")
+    generation: GenerationConfig = option(GenerationConfig(), "Generation of the responses.")
+    env: EnvConfig = option(EnvConfig(), "The environment that scores the responses.")
 
 
 def portable_config(config: Any, packages: set[str]) -> Any:

@@ -108,6 +108,37 @@ def test_three_steps_write_every_metric_and_change_the_parameters(tmp_path):
     changed = [k for k, v in initial.items() if k in trained and not torch.equal(v, trained[k])]
     assert len(changed) > len(initial) // 2
 
+    # `nrl convert` turns the GRPO checkpoint into a Hugging Face folder with those weights,
+    # hence the same logits.
+    out = tmp_path / "hf"
+    convert = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nrl_core.cli",
+            "convert",
+            str(tmp_path / "ckpt" / "step_3"),
+            "--to",
+            "hf",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NRL_ACTOR_ENV": "system"},
+    )
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path()).eval()
+    reference.load_state_dict({k: v for k, v in trained.items() if k in initial}, strict=False)
+    ids = torch.randint(10, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, reference(ids).logits)
+        assert not torch.equal(
+            exported(ids).logits,
+            AutoModelForCausalLM.from_pretrained(tiny_model_path())(ids).logits,
+        )
+
     # A finished run says so and exits 0 without training.
     again = run_nrl(tmp_path, "grpo.max_num_steps=3", env={"COLUMNS": "200"}, quiet=False)
     assert "already finished" in again.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from nrl_dtensor.worker import DTensorPolicyWorker
 
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.interfaces import GlobalBatchStats
@@ -53,3 +54,11 @@ def stats_for(batch: Batch, max_len: int = 512) -> GlobalBatchStats:
         valid_sequences=float((mask.sum(1) > 0).sum()),
         max_sequence_length=max_len,
     )
+
+
+class InspectableWorker(DTensorPolicyWorker):
+    """The policy worker plus a way for tests to read its full weights through Ray (a Ray
+    method cannot return ``state_dict_buckets``' generator; every rank must iterate it)."""
+
+    def bucket_list(self, bucket_bytes: int) -> list[dict]:
+        return list(self.state_dict_buckets(bucket_bytes))

@@ -8,15 +8,10 @@ from pathlib import Path
 
 import pytest
 
-# --import-mode=importlib keeps test folders off sys.path; the helpers must also be importable
-# by the spawned ranks (which inherit sys.path).
-sys.path.insert(0, str(Path(__file__).parent))
-
-from _group import SpawnPool
-
-# The 2-rank tests run through SpawnPool (torch.multiprocessing spawn + a free port). To run them
-# through the core's Ray worker groups instead, make `start_group` return
-# `WorkerGroup.start(target=..., num_workers=..., args=..., name=...)` — nothing else changes.
+TESTS = Path(__file__).resolve().parent
+# --import-mode=importlib keeps test folders off sys.path; `_helpers` must be importable here
+# and in the Ray actors (through PYTHONPATH, below).
+sys.path.insert(0, str(TESTS))
 
 
 @pytest.fixture(scope="session")
@@ -27,23 +22,28 @@ def tiny_path(tmp_path_factory):
     return tiny_model_path(tmp_path_factory.mktemp("nrl-cache"))
 
 
-@pytest.fixture(scope="session")
-def pool():
-    """Two spawned ranks forming a gloo world, reused by every 2-rank test."""
+@pytest.fixture
+def start_group(ray_cluster):
+    """``start_group(target, args)`` -> a 2-rank worker group of the core (real Ray actors,
+    torch.distributed over gloo), shut down after the test."""
+    from nrl_core.distributed.worker_group import WorkerGroup
+
     # The pytest process itself is the single-process reference: no torch.distributed here.
     assert "WORLD_SIZE" not in os.environ
-    spawned = SpawnPool(2)
-    yield spawned
-    spawned.close()
-
-
-@pytest.fixture
-def start_group(pool):
-    """``start_group(target, args)`` -> a group with run_all/run_sharded/shutdown."""
     groups = []
 
     def start(target: str, args: tuple, name: str = "policy"):
-        group = pool.start(target=target, num_workers=2, args=args, name=name)
+        group = WorkerGroup.start(
+            target,
+            2,
+            args=args,
+            name=name,
+            num_cpus_per_worker=0.25,  # tests hold up to 3 groups at once on 2 CPUs
+            timeout_s=300,
+            env_vars={
+                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+            },
+        )
         groups.append(group)
         return group
 

@@ -15,7 +15,7 @@ from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.interfaces import ComponentContext, SamplingParams
 
-WORKER = "nrl_dtensor.worker:DTensorPolicyWorker"
+WORKER = "_helpers:InspectableWorker"
 
 
 def make_config(
@@ -57,7 +57,7 @@ def local_worker(config, options=None):
 
 def full_params(group) -> dict[str, torch.Tensor]:
     """The unsharded parameters, streamed through ``state_dict_buckets``; checks both ranks agree."""
-    per_rank = group.run_all("state_dict_buckets", 1 << 16)
+    per_rank = group.run_all("bucket_list", 1 << 16)
     merged = [{k: v for bucket in buckets for k, v in bucket.items()} for buckets in per_rank]
     assert merged[0].keys() == merged[1].keys()
     for name in merged[0]:
@@ -237,7 +237,7 @@ def test_bfloat16_and_activation_checkpointing(tiny_path, start_group):
     c = bf16.run_sharded("train", batch.shard(2), TokenMeanNLL(), stats)[0]
     # bfloat16 compute: close to float32, not equal.
     assert abs(c["loss"] - a["loss"]) < 0.05 * abs(a["loss"]) and c["loss"] != a["loss"]
-    buckets = bf16.run_all("state_dict_buckets", 1 << 14)[0]
+    buckets = bf16.run_all("bucket_list", 1 << 14)[0]
     assert len(buckets) > 1
     for bucket in buckets:
         sizes = [t.numel() * t.element_size() for t in bucket.values()]

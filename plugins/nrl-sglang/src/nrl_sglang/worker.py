@@ -80,7 +80,7 @@ class SglangGenerationWorker:
         if tags is None or set(tags) >= {"weights", "kv_cache"}:
             self.released = False
 
-    # -- weight sync (nrl_core.weight_sync.BucketReceiver) --------------------------------------
+    # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
 
     def begin_weight_update(self) -> None:
         """Bring back the weights only; the KV cache returns on the next ``generate``."""

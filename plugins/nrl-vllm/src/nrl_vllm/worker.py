@@ -2,7 +2,7 @@
 
 The driver never imports this module's engine: :class:`nrl_core.generation.GenerationEngines`
 starts one actor per engine with this class and calls ``generate``, ``sleep``/``wake_up``
-(colocated) and the :class:`nrl_core.weight_sync.BucketReceiver` methods.
+(colocated) and the :class:`nrl_core.interfaces.WeightSync` methods.
 
 Written against vLLM 0.32.0 (``vllm.LLM``, ``vllm.v1.engine.async_llm.AsyncLLM``,
 ``LLM.sleep(level)``/``wake_up(tags)``, ``collective_rpc``); see docs/generation-engines.md for
@@ -131,7 +131,7 @@ class VllmGenerationWorker:
         if tags is None or set(tags) >= {"weights", "kv_cache"}:
             self.sleeping = False
 
-    # -- weight sync (nrl_core.weight_sync.BucketReceiver) --------------------------------------
+    # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
 
     def begin_weight_update(self) -> None:
         """Bring back the weights only: the KV cache stays freed while the policy still holds
