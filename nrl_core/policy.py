@@ -13,9 +13,31 @@ from typing import Any
 import torch
 
 from nrl_core.data import Batch
-from nrl_core.distributed.worker_group import Sharded, WorkerGroup
+from nrl_core.distributed.worker_group import ParallelLayout, Sharded, WorkerGroup
 from nrl_core.interfaces import GenerationOutput, GlobalBatchStats, LossFunction, SamplingParams
 from nrl_core.losses import reduce_metrics
+
+
+def policy_layout(options: Any) -> ParallelLayout:
+    """The model-parallel layout a policy's options ask for.
+
+    Policy option classes declare their sizes under the usual names (``tensor_parallel_size``
+    or Megatron's ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``context_parallel_size``); model-parallel peers then receive the same data shard.
+    """
+
+    def size(*names: str) -> int:
+        for name in names:
+            value = getattr(options, name, None)
+            if value:
+                return int(value)
+        return 1
+
+    return ParallelLayout(
+        tp=size("tensor_parallel_size", "tensor_model_parallel_size"),
+        pp=size("pipeline_parallel_size", "pipeline_model_parallel_size"),
+        cp=size("context_parallel_size"),
+    )
 
 
 def global_batch_stats(batch: Batch, max_sequence_length: int) -> GlobalBatchStats:

@@ -176,7 +176,7 @@ class RunSession:
     def _start_policy(self, resources: Any, reserved_cpus: float):
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.distributed.worker_group import WorkerGroup
-        from nrl_core.policy import Policy
+        from nrl_core.policy import Policy, policy_layout
 
         policy = self.config.policy
         spec = self.registry.get("policy", policy.backend, key="policy.backend")
@@ -190,6 +190,7 @@ class RunSession:
         group = WorkerGroup.start(
             spec.target,
             policy.num_workers,
+            layout=policy_layout(policy.options_for()),
             args=(policy.options_for(), self.context_for(spec)),
             name="policy",
             python=actor_python(spec, self.config, policy),

@@ -4,8 +4,10 @@ The checkpoint describes itself: every ``step_N`` folder written by
 :class:`~nrl_core.algorithms.runtime.RunSession` holds the resolved run config
 (``config.yaml``) next to the policy's own files (``policy/``). The command rebuilds that
 policy's workers from the config (any algorithm: GRPO, SFT, DPO, RM), loads the checkpoint
-into them and calls their ``export_hf``. The format is detected from the folder; only the
-``dtensor`` policy's (``torch.distributed.checkpoint``) format exists so far.
+into them and calls their ``export_hf``. The format is detected from the folder's files and
+checked against the config's ``policy.backend``: the ``dtensor`` policy's
+``torch.distributed.checkpoint`` (reshardable: ``--num-workers`` may differ from training) or
+the ``megatron`` policy's one ``rank{N}.pt`` per rank (loaded with as many ranks as wrote it).
 
 Imports stay lazy: ``nrl --help`` must not import torch, ray or transformers.
 """
@@ -42,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="policy ranks to load with (default: as trained; the dtensor format reshards)",
+        help="policy ranks to load with (default: as trained; only the dtensor format reshards)",
     )
     from nrl_core.cli import _plugin_option
 
@@ -87,25 +89,45 @@ def find_step_folder(path: str | Path) -> Path:
     )
 
 
+MEGATRON_RANK_FILE = "rank{}.pt"
+"""The megatron policy's per-rank checkpoint file (``MegatronPolicyWorker.save_checkpoint``)."""
+
+
 def detect_format(step: Path, backend: str) -> str:
-    """The policy checkpoint format in ``step/policy``: ``torch_dcp`` (the dtensor policy)."""
+    """The policy checkpoint format in ``step/policy``: ``torch_dcp`` (the dtensor policy's
+    ``torch.distributed.checkpoint``) or ``megatron_rank`` (one ``rank{N}.pt`` per rank)."""
     from nrl_core.algorithms.runtime import POLICY_CHECKPOINT
-    from nrl_core.errors import ConfigError, NotImplementedYet
+    from nrl_core.errors import ConfigError
 
     folder = step / POLICY_CHECKPOINT
+    found = None
     if (folder / ".metadata").is_file():
-        if backend != "dtensor":
-            raise ConfigError(
-                f"{folder} is a dtensor (torch.distributed.checkpoint) checkpoint but its config "
-                f"names policy.backend={backend}; pass the right run config with --config"
-            )
-        return "torch_dcp"
-    if folder.is_dir() and backend == "megatron":
-        raise NotImplementedYet("converting megatron checkpoints is not implemented yet")
-    raise ConfigError(
-        f"{folder} holds no known policy checkpoint (expected a torch.distributed.checkpoint "
-        "`.metadata` file from the dtensor policy)"
-    )
+        found, expected = "torch_dcp", "dtensor"
+        what = "a dtensor (torch.distributed.checkpoint)"
+    elif (folder / MEGATRON_RANK_FILE.format(0)).is_file():
+        found, expected = "megatron_rank", "megatron"
+        what = "a megatron (rank{N}.pt)"
+    if found is None:
+        raise ConfigError(
+            f"{folder} holds no known policy checkpoint (expected a torch.distributed.checkpoint "
+            "`.metadata` file from the dtensor policy or rank0.pt from the megatron policy)"
+        )
+    if backend != expected:
+        raise ConfigError(
+            f"{folder} is {what} checkpoint but its config names policy.backend={backend}; pass "
+            "the right run config with --config"
+        )
+    return found
+
+
+def megatron_ranks(step: Path) -> int:
+    """How many ranks wrote the megatron checkpoint in ``step`` (``rank0.pt`` .. contiguous)."""
+    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT
+
+    folder, ranks = step / POLICY_CHECKPOINT, 0
+    while (folder / MEGATRON_RANK_FILE.format(ranks)).is_file():
+        ranks += 1
+    return ranks
 
 
 def checkpoint_config(step: Path, registry: Any, config_file: str | None) -> tuple[str, Any]:
@@ -150,9 +172,20 @@ def convert(
 
     step = find_step_folder(checkpoint)
     algorithm, config = checkpoint_config(step, registry, config_file)
-    detect_format(step, config.policy.backend)
+    fmt = detect_format(step, config.policy.backend)
     out = Path(out).resolve()
     policy = config.policy
+    if fmt == "megatron_rank":
+        # One file per rank, no resharding: load with exactly the ranks that wrote it.
+        from nrl_core.errors import ConfigError
+
+        ranks = megatron_ranks(step)
+        if num_workers is not None and num_workers != ranks:
+            raise ConfigError(
+                f"{step} is a megatron checkpoint written by {ranks} ranks and cannot be "
+                f"resharded; drop --num-workers or pass --num-workers {ranks}"
+            )
+        num_workers = ranks
     if num_workers is not None:
         policy = attrs.evolve(policy, num_workers=num_workers)
     with tempfile.TemporaryDirectory(prefix="nrl-convert-") as scratch:

@@ -91,3 +91,30 @@ class ForwardProbe:
         positions = torch.arange(input_ids.shape[1])[None, :].expand(input_ids.shape[0], -1)
         with torch.no_grad():
             return self.model(input_ids, positions, None), self.hf(input_ids=input_ids).logits
+
+
+def greedy_hf(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations under the Hugging Face model (full forward each step, no stops)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new_tokens):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+def sequences_batch(prompts: list[list[int]], generated: list[list[int]]) -> Batch:
+    """``prompt + generated`` rows, right padded, for ``get_logprobs``."""
+    rows = [list(p) + list(g) for p, g in zip(prompts, generated, strict=True)]
+    return Batch(
+        {
+            "input_ids": pad_sequences(rows, pad_value=0),
+            "lengths": torch.tensor([len(r) for r in rows]),
+        }
+    )

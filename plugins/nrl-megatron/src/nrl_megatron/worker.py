@@ -23,6 +23,9 @@ all-reduce) each loss is multiplied by the data-parallel size before ``backward`
 Temperature: logprobs are ``log_softmax(logits / T)`` with ``T`` the run's generation
 temperature (1 when absent or greedy), computed with Megatron's vocab-parallel cross entropy.
 
+Generation: ``generate`` (colocated, what ``generation.backend=torch`` calls on the policy
+workers) samples from this Megatron model itself; see :mod:`nrl_megatron.generation`.
+
 Without ``WORLD_SIZE`` in the environment and no process group, the worker starts a one-rank
 gloo (or NCCL) group on a free local port: Megatron-Core always needs ``parallel_state``.
 """
@@ -33,7 +36,7 @@ import os
 import random
 import socket
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -41,7 +44,13 @@ import torch.distributed as dist
 
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
-from nrl_core.interfaces import ComponentContext, GlobalBatchStats, LossFunction
+from nrl_core.interfaces import (
+    ComponentContext,
+    GenerationOutput,
+    GlobalBatchStats,
+    LossFunction,
+    SamplingParams,
+)
 from nrl_megatron.config import MegatronConfig
 from nrl_megatron.convert import (
     ModelShape,
@@ -124,6 +133,7 @@ class MegatronPolicyWorker:
         generation = getattr(context.config, "generation", None)
         temperature = getattr(generation, "temperature", 1.0) if generation is not None else 1.0
         self.logprob_temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        self._generator = None  # built on the first colocated generate call
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -356,6 +366,32 @@ class MegatronPolicyWorker:
         if self.reference_model is None:
             self.reference_model = self._build_model(trainable=False)
         return self._batched_logprobs(self.reference_model, batch)
+
+    # -- colocated generation ----------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Colocated generation from the policy's current weights (``generation.backend=torch``
+        routes here); see :mod:`nrl_megatron.generation`. Call on all ranks together, each
+        tensor-parallel group with its data-parallel shard of prompts."""
+        if self._generator is None:
+            from nrl_megatron.generation import MegatronGenerator
+
+            self._generator = MegatronGenerator(
+                self.module,
+                self.tokenizer,
+                device=self.device,
+                seed=self.context.seed,
+                dp_rank=self.dp_rank,
+                tp_group=self.tp_group,
+                tp_size=self.tp_size,
+                batch_size=self.policy.logprob_batch_size,
+            )
+        return self._generator.generate(prompts, params, stop_strings)
 
     # -- training --------------------------------------------------------------------------------
 

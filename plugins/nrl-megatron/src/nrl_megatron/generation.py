@@ -1,0 +1,200 @@
+"""Colocated generation on the megatron policy's own ``GPTModel`` (``MegatronPolicyWorker.generate``).
+
+Why a generator here rather than reusing ``nrl_dtensor``'s ``TorchGenerator``: the actor venv
+built for this plugin (nrl-core + nrl-megatron[engine]) has no nrl-dtensor, and exporting to a
+Hugging Face model in-process at every GRPO step would gather the whole model on every rank.
+Sampling straight from the Megatron forward also keeps generation logprobs consistent with
+``get_logprobs`` by construction (same module, same forward, same temperature scaling).
+
+The loop is KV-cache free: each step runs the full forward over the right-padded
+``prompt + generated`` rows that are still going and samples from the logits at each row's last
+valid position. Causal attention means right padding never influences a valid position, so no
+attention mask is needed (as in training). This costs ``O(T^2)`` per sample, which is fine for
+the CPU tests and small runs it exists for; production runs use a separate engine (vLLM/SGLang)
+refitted from ``state_dict_buckets``.
+
+Tensor parallelism: the logits are vocab-sharded; the last-position logits are gathered over the
+tensor-parallel group, tensor-parallel rank 0 samples and broadcasts the tokens, so peers always
+feed identical inputs to the next (collective) forward. Peers hold the same prompts (the core
+gives each tensor-parallel group one data-parallel shard), hence finish together. Forwards only
+communicate inside a tensor-parallel group, so data-parallel groups need no lockstep.
+
+Logprobs: ``log_softmax(logits / T)`` at the sampled id (``T = 1`` when greedy), before top-k /
+top-p truncation, i.e. not renormalised -- the same convention as the torch generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nrl_core.interfaces import GenerationOutput, SamplingParams
+
+RANK_SEED_STRIDE = 1_000_003
+"""Offsets a seed per data-parallel rank so equal prompts on two ranks sample differently."""
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of full-vocabulary ``logits [B, V]``; return
+    ``(tokens, logprobs)`` with ``logprobs = log_softmax(logits / T)`` at the sampled ids
+    (``T = 1`` when greedy), before top-k/top-p truncation."""
+    logits = logits.float()
+    if params.temperature <= 0:
+        token = logits.argmax(dim=-1)
+        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    token = torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=rng).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+class MegatronGenerator:
+    """Samples continuations from a Megatron ``GPTModel`` (see the module docstring).
+
+    Args:
+        model: the bare ``GPTModel`` (``parallel_output=True``: vocab-sharded logits).
+        tokenizer: decodes generated ids for stop strings; its EOS always stops a sample.
+        device: where the forward runs.
+        seed: the default stream's seed (used when ``SamplingParams.seed`` is None).
+        dp_rank: this rank's data-parallel index (offsets every seed).
+        tp_group, tp_size: the tensor-parallel group the forward is collective over.
+        batch_size: prompts generated together (bounds the activations of one forward).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        seed: int,
+        dp_rank: int = 0,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        batch_size: int = 64,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dp_rank = dp_rank
+        self.tp_group = tp_group
+        self.tp_size = tp_size
+        self.batch_size = max(1, batch_size)
+        self._default_rng = torch.Generator(device=device)
+        self._default_rng.manual_seed(seed + RANK_SEED_STRIDE * dp_rank)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else 0
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Continue each prompt (call on every tensor-parallel peer with the same prompts)."""
+        stops = [
+            tuple(params.stop_strings) + tuple((stop_strings[i] if stop_strings else None) or ())
+            for i in range(len(prompts))
+        ]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("cannot generate from an empty prompt; give at least one token")
+        rng = self._default_rng
+        if params.seed is not None:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed + RANK_SEED_STRIDE * self.dp_rank)
+        out = GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompts), self.batch_size):
+                    sl = slice(start, start + self.batch_size)
+                    ids, lps, why = self._generate_chunk(prompts[sl], stops[sl], params, rng)
+                    out.token_ids.extend(ids)
+                    out.logprobs.extend(lps)
+                    out.finish_reasons.extend(why)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _last_logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """Full-vocabulary logits ``[B, V]`` at the last token of each row."""
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        width = int(lengths.max())
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device)[None, :].expand(len(rows), -1)
+        logits = self.model(ids, positions, None)  # [B, W, V / tp]
+        last = logits[torch.arange(len(rows), device=self.device), lengths - 1].float()
+        if self.tp_size > 1:
+            # A plain all-gather: Megatron's gather_from_tensor_model_parallel_region allocates
+            # its output on torch.cuda.current_device() (0.16.1), which fails on CPU.
+            shards = [torch.empty_like(last) for _ in range(self.tp_size)]
+            dist.all_gather(shards, last.contiguous(), group=self.tp_group)
+            last = torch.cat(shards, dim=-1)
+        return last
+
+    def _agree(self, token: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel rank 0's tokens on every peer (the next forward is collective)."""
+        if self.tp_size == 1:
+            return token
+        dist.broadcast(token, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return token
+
+    def _generate_chunk(self, prompts, stops, params: SamplingParams, rng: torch.Generator):
+        batch = len(prompts)
+        rows = [list(p) for p in prompts]
+        prompt_lens = [len(r) for r in rows]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        reasons = ["length"] * batch
+        stop_ids = set(params.stop_token_ids) | set(self.eos_token_ids)
+        # Decode only a tail window: a stop string completing at this step lies within it.
+        window = max((len(s) for row in stops for s in row), default=0) + 2
+        active = list(range(batch))
+        for _ in range(int(params.max_new_tokens)):
+            if not active:
+                break
+            logits = self._last_logits([rows[i] for i in active])
+            token, logprob = sample(logits, params, rng)
+            token = self._agree(token.contiguous())
+            still = []
+            for i, tok, lp in zip(active, token.tolist(), logprob.tolist(), strict=True):
+                rows[i].append(tok)
+                logprobs[i].append(lp)
+                generated = rows[i][prompt_lens[i] :]
+                hit = tok in stop_ids
+                if not hit and stops[i]:
+                    tail = self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
+                    hit = any(s in tail for s in stops[i])
+                if hit:
+                    reasons[i] = "stop"
+                else:
+                    still.append(i)
+            active = still
+        return (
+            [rows[i][prompt_lens[i] :] for i in range(batch)],
+            logprobs,
+            reasons,
+        )

@@ -1,0 +1,204 @@
+"""``nrl run grpo policy.backend=megatron`` and ``nrl convert`` through the real CLI, on CPU.
+
+The run is what the ``plugin-megatron`` nox session can hold: this venv's own CLI with
+``NRL_ACTOR_ENV=system`` (driver and policy actors in one venv), 2 policy ranks (data parallel
+over gloo, inside Ray actors), colocated generation on the Megatron model (``generation.backend``
+``torch`` routes to ``MegatronPolicyWorker.generate``; the nox session installs nrl-dtensor,
+which registers that backend). nrl-math-env is not installed there, so a fixture plugin (a
+dist-info folder on PYTHONPATH) registers a tiny prompt set and an environment whose reward
+varies between samples, so that GRPO advantages, and hence updates, are non-zero.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import make_batch
+from conftest import requires_megatron
+from test_megatron import WORKER, context, make_config, megatron_options
+
+pytestmark = [
+    requires_megatron,
+    pytest.mark.skipif(
+        importlib.util.find_spec("nrl_dtensor") is None,
+        reason="nrl-dtensor (the `torch` generation backend) not installed; nox installs it",
+    ),
+]
+
+FIXTURE_PLUGIN = '''
+from nrl_core import hookimpl
+from nrl_core.data import Sample
+from nrl_core.interfaces import EnvStep
+
+
+class TinyPrompts:
+    """a+b= prompts (answers unused by the reward below)."""
+
+    def __init__(self, options=None, context=None):
+        pass
+
+    def load(self, split):
+        n = 64 if split == "train" else 8
+        return [
+            Sample(messages=[{"role": "user", "content": f"{i % 5}+{i % 3}="}],
+                   answer=str(i % 5 + i % 3), task="add")
+            for i in range(n)
+        ]
+
+
+class EvenCharacters:
+    """Reward: the share of characters with an even code point (varies between samples)."""
+
+    def __init__(self, options=None, context=None):
+        pass
+
+    def step(self, conversations, metadata):
+        steps = []
+        for conversation in conversations:
+            text = conversation[-1]["content"]
+            reward = sum(ord(c) % 2 == 0 for c in text) / max(1, len(text))
+            steps.append(EnvStep(reward=reward, terminated=True))
+        return steps
+
+
+@hookimpl
+def nrl_register_datasets(register):
+    register("tiny_prompts", "nrl_megatron_fixture:TinyPrompts", description="test prompts")
+
+
+@hookimpl
+def nrl_register_environments(register):
+    register("even_characters", "nrl_megatron_fixture:EvenCharacters", description="test reward")
+'''
+
+CONFIG = """
+grpo:
+  max_num_steps: 3
+  val_period: 0
+  sft_warmup_steps: 0
+  num_prompts_per_step: 4
+  num_generations_per_prompt: 4
+policy:
+  backend: megatron
+  num_workers: 2
+  train_global_batch_size: 16
+  train_micro_batch_size: 4
+data:
+  dataset: tiny_prompts
+env:
+  name: even_characters
+cluster:
+  num_cpus: 2
+"""
+
+
+def nrl(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """This venv's CLI with the fixture plugin installed and every actor in this venv."""
+    env = {
+        **os.environ,
+        "NRL_ACTOR_ENV": "system",
+        "PYTHONPATH": os.pathsep.join([str(root / "site"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "nrl_core.cli", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo-megatron")
+    dist_info = root / "site" / "nrl_megatron_fixture-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nrl-megatron-fixture\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[nrl.plugins]\nmegatron_fixture = nrl_megatron_fixture\n"
+    )
+    (root / "site" / "nrl_megatron_fixture.py").write_text(textwrap.dedent(FIXTURE_PLUGIN))
+    (root / "grpo.yaml").write_text(CONFIG)
+    nrl(
+        root,
+        "run",
+        "grpo",
+        "-q",
+        "--config",
+        str(root / "grpo.yaml"),
+        f"logger.log_dir={root / 'logs'}",
+        "logger.run_name=run",
+        f"checkpointing.checkpoint_dir={root / 'ckpt'}",
+    )
+    return root
+
+
+def test_three_grpo_steps_train_the_megatron_policy(grpo_run):
+    from nrl_megatron.convert import ModelShape, hf_to_megatron
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.testing.tiny import resolve_model_name
+
+    lines = (grpo_run / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        # Generation and training logprobs come from the same Megatron forward: ratio ~1.
+        assert record["train/gen_logprob_error"] == pytest.approx(1.0, abs=1e-3)
+        assert record["train/env_errors"] == 0
+        assert 0 < record["train/reward_mean"] < 1
+        assert record["train/grad_norm"] > 0
+        assert record["timing/generation_s"] > 0
+
+    # One file per rank; both data-parallel replicas hold the same, trained, weights.
+    policy = grpo_run / "ckpt" / "step_3" / "policy"
+    assert sorted(p.name for p in policy.iterdir()) == ["rank0.pt", "rank1.pt"]
+    states = [torch.load(policy / f"rank{r}.pt", weights_only=False)["model"] for r in (0, 1)]
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_name("tiny"))
+    initial = hf_to_megatron(hf.state_dict(), ModelShape.from_hf_config(hf.config))
+    changed = [k for k, v in initial.items() if not torch.equal(v, states[0][k])]
+    assert len(changed) > len(initial) // 2
+    assert all(torch.equal(states[0][k], states[1][k]) for k in initial)
+
+
+def test_convert_exports_the_same_logits(grpo_run, pool2, start_group):
+    from transformers import AutoModelForCausalLM
+
+    out = grpo_run / "hf"
+    done = nrl(grpo_run, "convert", str(grpo_run / "ckpt"), "--to", "hf", str(out))
+    assert f"wrote {out}" in done.stdout
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+    # The checkpoint loaded into Megatron ranks (same layout as the run: 2 data-parallel ranks).
+    config = make_config("tiny")
+    group = start_group(pool2, WORKER, (megatron_options(), context(config)))
+    group.run_all("load_checkpoint", str(grpo_run / "ckpt" / "step_3" / "policy"))
+    batch = make_batch(6, seed=7)
+    want = group.run_sharded("get_logprobs", [batch, batch])[0]
+
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(exported(input_ids=ids).logits[:, :-1].float(), -1)
+    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    # A megatron checkpoint does not reshard: a different rank count is a one-line error.
+    env = {**os.environ, "NRL_ACTOR_ENV": "system", "PYTHONPATH": str(grpo_run / "site")}
+    command = [sys.executable, "-m", "nrl_core.cli", "convert", str(grpo_run / "ckpt"), str(out)]
+    refused = subprocess.run(
+        [*command, "--num-workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert refused.returncode != 0
+    assert "cannot be resharded; drop --num-workers or pass --num-workers 2" in refused.stderr
