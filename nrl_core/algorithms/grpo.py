@@ -141,6 +141,8 @@ class GRPOTrainer:
         train_s = time.perf_counter() - start
 
         metrics = {f"train/{k}": v for k, v in train.items()}
+        # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
+        metrics.setdefault("train/kl", float("nan"))
         metrics.update(episode_metrics("train", data.episodes, s))
         step_s = time.perf_counter() - step_start
         tokens = sum(len(e.token_ids) for e in data.episodes)

@@ -7,7 +7,6 @@ never initialises ``torch.distributed`` and hosts the single-process dtensor ref
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,19 +17,7 @@ import pytest
 # by the spawned ranks (which inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _group import SpawnPool
-
-
-def _have_megatron() -> bool:
-    try:  # find_spec of a submodule raises when the parent package is missing
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-HAVE_MEGATRON = _have_megatron()
-NO_MEGATRON = "megatron-core not installed (run nox -s plugin-megatron)"
-requires_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason=NO_MEGATRON)
+from _megatron_group import SpawnPool
 
 
 def pytest_configure(config):

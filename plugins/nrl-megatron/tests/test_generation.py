@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import greedy_hf, sequences_batch
-from conftest import requires_megatron
+from _megatron_helpers import greedy_hf, requires_megatron, sequences_batch
 from test_megatron import WORKER, context, make_config, megatron_options
 
 from nrl_core.interfaces import SamplingParams

@@ -8,8 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from _helpers import TokenMeanNLL, make_batch, stats_for
-from conftest import HAVE_MEGATRON, NO_MEGATRON
+from _megatron_helpers import HAVE_MEGATRON, NO_MEGATRON, TokenMeanNLL, make_batch, stats_for
 
 if not HAVE_MEGATRON:
     pytest.skip(NO_MEGATRON, allow_module_level=True)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import make_batch
-from conftest import requires_megatron
+from _megatron_helpers import make_batch, requires_megatron
 from test_megatron import WORKER, context, make_config, megatron_options
 
 pytestmark = [

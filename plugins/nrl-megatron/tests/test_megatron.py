@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import TokenMeanNLL, make_batch, stats_for
-from conftest import requires_megatron
+from _megatron_helpers import TokenMeanNLL, make_batch, requires_megatron, stats_for
 from safetensors.torch import load_file
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
@@ -61,7 +60,7 @@ def dtensor_worker(config):
 def test_forward_matches_hugging_face(model, request, pool1, start_group):
     path = str(request.getfixturevalue(model))
     ids = torch.randint(7, 100, (3, 21), generator=torch.Generator().manual_seed(0))
-    probe = start_group(pool1, "_helpers:ForwardProbe", (path,), name="probe")
+    probe = start_group(pool1, "_megatron_helpers:ForwardProbe", (path,), name="probe")
     megatron_logits, hf_logits = probe.run_all("logits", ids)[0]
     assert hf_logits.abs().max() > 0.05  # a real signal, not an all-zero output
     torch.testing.assert_close(megatron_logits, hf_logits, rtol=0, atol=1e-5)
@@ -70,7 +69,9 @@ def test_forward_matches_hugging_face(model, request, pool1, start_group):
 def test_forward_negative_control_naive_qkv_differs(tiny_path, pool1, start_group):
     # Proves the forward comparison can fail: un-interleaved QKV gives different logits.
     ids = torch.randint(7, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    probe = start_group(pool1, "_helpers:ForwardProbe", (str(tiny_path), "naive_qkv"), name="bad")
+    probe = start_group(
+        pool1, "_megatron_helpers:ForwardProbe", (str(tiny_path), "naive_qkv"), name="bad"
+    )
     megatron_logits, hf_logits = probe.run_all("logits", ids)[0]
     assert (megatron_logits - hf_logits).abs().max() > 1e-3
 

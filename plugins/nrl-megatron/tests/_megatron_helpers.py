@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.interfaces import GlobalBatchStats
+
+
+def _have_megatron() -> bool:
+    try:  # find_spec of a submodule raises when the parent package is missing
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+HAVE_MEGATRON = _have_megatron()
+NO_MEGATRON = "megatron-core not installed (run nox -s plugin-megatron)"
+requires_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason=NO_MEGATRON)
 
 
 class TokenMeanNLL:
