@@ -171,3 +171,15 @@ def pad_sequences(
         if len(seq):
             out[i, : len(seq)] = torch.as_tensor(seq, dtype=dtype)
     return out
+
+
+def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """Split ``items`` into ``parts`` contiguous chunks whose sizes differ by at most one (some
+    may be empty): how prompts and environment batches are spread over workers."""
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append(list(items[start:end]))
+        start = end
+    return chunks

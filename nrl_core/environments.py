@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from nrl_core.data import split_even
 from nrl_core.interfaces import ComponentContext, EnvStep
 from nrl_core.registry import resolve_target
 
@@ -141,7 +142,7 @@ class EnvironmentPool:
                 known = ", ".join(sorted(self.groups))
                 raise KeyError(f"no environment serves task {task!r}; configured: {known}")
             index = [i for i, t in enumerate(tasks) if t == task]
-            shards = _split([(conversations[i], metadata[i]) for i in index], group.dp_size)
+            shards = split_even([(conversations[i], metadata[i]) for i in index], group.dp_size)
             outputs = group.run_sharded(
                 "step", [([c for c, _ in shard], [m for _, m in shard]) for shard in shards]
             )
@@ -156,14 +157,3 @@ class EnvironmentPool:
     def shutdown(self) -> None:
         for group in self.groups.values():
             group.shutdown()
-
-
-def _split(items: list, parts: int) -> list[list]:
-    """Split into ``parts`` contiguous chunks whose sizes differ by at most one."""
-    size, extra = divmod(len(items), parts)
-    chunks, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        chunks.append(items[start:end])
-        start = end
-    return chunks

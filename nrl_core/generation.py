@@ -18,20 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from nrl_core.data import split_even
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
 from nrl_core.weight_sync import NameMap, RefitStats, WeightSender
-
-
-def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(list(items[start:end]))
-        start = end
-    return out
 
 
 def resolve_transport(configured: str, *, colocated: bool, on_gpu: bool) -> str:
@@ -94,10 +85,10 @@ class GenerationEngines:
     ) -> GenerationOutput:
         """Continue every prompt; engine ``i`` gets the ``i``-th contiguous shard."""
         n = self.num_engines
-        prompt_shards = _split_even(list(prompts), n)
+        prompt_shards = split_even(list(prompts), n)
         stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
         parts = self.group.run_sharded(
-            "generate", prompt_shards, params, Sharded(_split_even(stops, n))
+            "generate", prompt_shards, params, Sharded(split_even(stops, n))
         )
         if self.colocated:
             self.group.run_all("sleep")  # hand the GPUs back to the policy for training

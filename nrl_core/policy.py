@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.data import Batch
+from nrl_core.data import Batch, split_even
 from nrl_core.distributed.worker_group import ParallelLayout, Sharded, WorkerGroup
 from nrl_core.interfaces import GenerationOutput, GlobalBatchStats, LossFunction, SamplingParams
 from nrl_core.losses import reduce_metrics
@@ -69,17 +69,6 @@ def pad_to_multiple(batch: Batch, multiple: int) -> tuple[Batch, int]:
     if "sample_mask" not in batch:
         batch = Batch({**batch.tensors, "sample_mask": torch.ones(real)}, batch.metadata)
     return Batch.concat([batch, filler]), real
-
-
-def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    """Contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    size, extra = divmod(len(items), parts)
-    chunks, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        chunks.append(list(items[start:end]))
-        start = end
-    return chunks
 
 
 class Policy:
