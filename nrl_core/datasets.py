@@ -4,6 +4,7 @@ resumable, seeded order."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nrl_core.config.schema import DataConfig
@@ -33,13 +34,26 @@ def _loader(
     return spec.load()(options, context)
 
 
+PromptFilter = Callable[[list[Sample], str], list[Sample]]
+"""Called with a split's samples and its name (``"train"`` / ``"validation"``); returns those
+kept (see :class:`PromptLengthFilter`)."""
+
+
 def load_splits(
-    data: DataConfig, registry: Registry, context: ComponentContext
+    data: DataConfig,
+    registry: Registry,
+    context: ComponentContext,
+    *,
+    prompt_filter: PromptFilter | None = None,
 ) -> tuple[list[Sample], list[Sample]]:
     """The train and validation samples of ``data``.
 
     Validation comes from ``data.val_dataset``, else from the dataset's own ``validation``
     split, else from a seeded ``data.val_fraction`` of the training samples.
+    ``prompt_filter`` runs on each split after the hold-out (so which samples are held out
+    does not depend on it) and before validation is cut to ``data.max_val_samples`` (so the
+    validation set stays full when some prompts are dropped). The training split may come
+    back empty then; the caller says why.
     """
     loader = _loader(data.dataset, data, registry, context, "data.dataset")
     train = list(loader.load("train"))
@@ -61,7 +75,60 @@ def load_splits(
             val = [train[i] for i in order[:cut]]
             held = set(order[:cut])
             train = [s for i, s in enumerate(train) if i not in held]
+    if prompt_filter is not None:
+        train = prompt_filter(train, "train")
+        val = prompt_filter(val, "validation")
     return train, val[: data.max_val_samples]
+
+
+def drop_overlong_prompts(
+    samples: Sequence[Sample], prompt_lengths: Sequence[int], max_prompt_length: int
+) -> tuple[list[Sample], int]:
+    """``(kept, dropped)``: the samples whose prompt has at most ``max_prompt_length`` tokens,
+    in order, and how many were dropped. ``prompt_lengths[i]`` is sample i's encoded length."""
+    if len(samples) != len(prompt_lengths):
+        raise ValueError(f"{len(samples)} samples but {len(prompt_lengths)} prompt lengths")
+    kept = [
+        sample
+        for sample, length in zip(samples, prompt_lengths, strict=True)
+        if length <= max_prompt_length
+    ]
+    return kept, len(samples) - len(kept)
+
+
+class PromptLengthFilter:
+    """Drops the prompts that leave too little room for a response, and counts them.
+
+    A GRPO sequence is the prompt plus at most ``policy.max_total_sequence_length`` tokens in
+    all; a prompt longer than that minus ``generation.max_new_tokens`` cannot get a full
+    response, and one at or over the limit none at all. Such samples would only add truncated
+    (or empty) responses, so they are dropped when the data is loaded.
+
+    Args:
+        prompt_lengths: the encoded prompt length of each sample (as the rollout encodes it).
+        max_prompt_length: the longest prompt kept, in tokens (may be <= 0: nothing is kept).
+    """
+
+    def __init__(
+        self, prompt_lengths: Callable[[Sequence[Sample]], list[int]], max_prompt_length: int
+    ) -> None:
+        self.prompt_lengths = prompt_lengths
+        self.max_prompt_length = max_prompt_length
+        self.dropped: dict[str, int] = {}
+        """Prompts dropped per split name."""
+        self.total: dict[str, int] = {}
+        """Prompts seen per split name."""
+        self.shortest: dict[str, int] = {}
+        """The shortest prompt seen per split name (tokens), for the error message."""
+
+    def __call__(self, samples: list[Sample], split: str) -> list[Sample]:
+        lengths = self.prompt_lengths(samples)
+        kept, dropped = drop_overlong_prompts(samples, lengths, self.max_prompt_length)
+        self.dropped[split] = self.dropped.get(split, 0) + dropped
+        self.total[split] = self.total.get(split, 0) + len(samples)
+        if lengths:
+            self.shortest[split] = min(self.shortest.get(split, lengths[0]), *lengths)
+        return kept
 
 
 class DataStream:

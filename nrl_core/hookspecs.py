@@ -31,9 +31,11 @@ def nrl_register_policies(register: Register) -> None:
     """Register policy (trainer) backends, selected by ``policy.backend``.
 
     The target is a per-rank worker class honouring
-    :class:`nrl_core.interfaces.PolicyWorker`: it loads a model, computes logprobs and trains
-    on its shard of each batch, saves and exports checkpoints. The core starts one per rank in
-    a worker group and does the sharding. Options come from ``policy.<name>``.
+    :class:`nrl_core.interfaces.PolicyWorker`: per rank, it loads a model, computes logprobs
+    of a micro batch, runs forward + backward of a micro batch and the optimizer step, saves
+    and exports checkpoints. The core starts one per rank in a worker group and owns the rest
+    of a training step (sharding, micro batches, loss normalisation, metric reduction; see
+    :mod:`nrl_core.training`). Options come from ``policy.<name>``.
     """
 
 

@@ -11,7 +11,7 @@ the instance of the component's registered config class (``None`` when it regist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -64,8 +64,12 @@ class LossFunction(Protocol):
 
     The returned loss of one micro batch must already be divided by the global normaliser in
     ``stats`` (not by the micro batch's own counts), so that the sum over micro batches and
-    data-parallel ranks equals the loss of the global batch. Metrics follow the same rule: each
-    value is an additive contribution, and the core sums them across micro batches and ranks.
+    data-parallel ranks equals the loss of the global batch. Metrics are reduced by the core
+    over micro batches and ranks (:func:`nrl_core.training.reduce_metrics`): by default each
+    value is an additive contribution (summed); a loss declares other reductions in the
+    optional ``metric_reductions`` mapping (metric name -> ``"sum"``, ``"mean"``, ``"max"`` or
+    ``"min"``; undeclared keys ending in ``_max`` / ``_min`` take the max / min). The ``loss``
+    metric is always the value of the returned loss (set by the core).
     """
 
     needs_reference: bool
@@ -77,33 +81,53 @@ class LossFunction(Protocol):
         self, logprobs: torch.Tensor, batch: Batch, stats: GlobalBatchStats
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Return ``(loss, metrics)`` for one micro batch; ``logprobs`` is ``[B, T]`` aligned
-        with ``batch["input_ids"]`` and carries the graph for backward."""
+        with ``batch["input_ids"]`` (0 on padding) and carries the graph for backward."""
         ...
 
 
 class PolicyWorker(Protocol):
     """One rank of a policy (trainer). Built as ``Cls(options, context)`` in a Ray actor.
 
+    A policy plugin owns per-rank compute only: a forward for logprobs, a forward + backward
+    for one micro batch, the optimizer step, and state I/O. The core
+    (:mod:`nrl_core.training`, :class:`nrl_core.policy.Policy`) shards batches over
+    data-parallel ranks, splits micro batches, normalises the loss, accumulates and reduces
+    metrics; every method here is called on all ranks together (tensor-parallel peers with the
+    same data), the same number of times on every rank.
+
     ``torch.distributed`` is already configured through the environment variables ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Every method below
-    receives this rank's shard of the global batch (the core shards by data-parallel rank) and
-    must be called on all ranks together.
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+
+    Contract on gradients: the worker's gradient reduction AVERAGES over data-parallel ranks
+    (what FSDP and DDP do); the core multiplies each loss by the data-parallel size to undo it.
     """
 
-    def get_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Per-token logprobs ``[B, T]`` of ``batch["input_ids"]`` under the current weights."""
+    def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of ``micro_batch["input_ids"]`` (``T`` its width;
+        position 0 holds 0), without a graph, under the current weights or, with
+        ``reference``, the frozen reference weights (``policy.model_name`` unless
+        :meth:`set_reference` named others). Values past ``lengths`` are ignored."""
         ...
 
-    def get_reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The same under the frozen reference weights (built on first use)."""
+    def forward_backward(
+        self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Training forward of ``micro_batch`` (train mode, with a graph): compute its
+        per-token logprobs ``[B, T]`` as :meth:`compute_logprobs` does, call ``loss`` on them
+        exactly once, and back-propagate the scalar it returns. Gradients accumulate over calls
+        until :meth:`optimizer_step`."""
         ...
 
-    def train(
-        self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats
-    ) -> dict[str, float]:
-        """One optimizer step on this rank's shard: micro batches, gradient accumulation,
-        clipping, optimizer and scheduler step. Returns additive metric contributions plus
-        ``grad_norm`` and ``lr`` (identical on every rank)."""
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the accumulated gradients to ``policy.max_grad_norm`` (0: no clipping), step the
+        optimizer and the learning-rate schedule, and zero the gradients. Returns
+        ``grad_norm`` (before clipping, over the whole model) and ``lr`` (the rate this step
+        used), identical on every rank."""
+        ...
+
+    def set_reference(self, model_path: str) -> None:
+        """Load the Hugging Face folder ``model_path`` as the frozen reference (used by
+        ``compute_logprobs(..., reference=True)``), sharded like the policy."""
         ...
 
     def save_checkpoint(self, path: str) -> None:
@@ -118,6 +142,9 @@ class PolicyWorker(Protocol):
         """Write a Hugging Face folder (safetensors, config, tokenizer) loadable by
         ``from_pretrained``."""
         ...
+
+    # Optional: ``generate(prompts, params, stop_strings)`` as in :class:`GenerationWorker`,
+    # for colocated generation on the policy's own weights (``generation.backend=torch``).
 
 
 # ---------------------------------------------------------------------------------------------

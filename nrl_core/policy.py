@@ -2,7 +2,8 @@
 
 It owns what is written once for every policy plugin: sharding batches over data-parallel
 ranks (padding them to equal shards with masked rows), the global loss normalisers, splitting a
-step's samples into optimizer steps, and reducing metrics.
+step's samples into optimizer steps and each rank's shard into micro batches, and reducing
+metrics (the per-rank half is :mod:`nrl_core.training`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ from typing import Any
 import torch
 
 from nrl_core.data import Batch, split_even
-from nrl_core.distributed.worker_group import ParallelLayout, Sharded, WorkerGroup
+from nrl_core.distributed.worker_group import ParallelLayout, Sharded
 from nrl_core.interfaces import GenerationOutput, GlobalBatchStats, LossFunction, SamplingParams
-from nrl_core.losses import reduce_metrics
+from nrl_core.training import (
+    combine_optimizer_steps,
+    declared_reductions,
+    logprobs_on_rank,
+    reduce_metrics,
+    split_micro_batches,
+    train_on_rank,
+)
 
 
 def policy_layout(options: Any) -> ParallelLayout:
@@ -64,7 +72,8 @@ def pad_to_multiple(batch: Batch, multiple: int) -> tuple[Batch, int]:
     if not missing:
         return batch, real
     filler = batch.select([0] * missing)
-    filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
+    if "loss_mask" in filler:
+        filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
     filler["sample_mask"] = torch.zeros(missing, dtype=torch.float32)
     if "sample_mask" not in batch:
         batch = Batch({**batch.tensors, "sample_mask": torch.ones(real)}, batch.metadata)
@@ -75,49 +84,118 @@ class Policy:
     """A policy's worker group, seen as one model.
 
     Args:
-        group: the policy ranks (workers honouring :class:`nrl_core.interfaces.PolicyWorker`).
+        group: the policy ranks (workers honouring :class:`nrl_core.interfaces.PolicyWorker`):
+            a :class:`~nrl_core.distributed.worker_group.WorkerGroup`, or an
+            :class:`~nrl_core.distributed.worker_group.InProcessGroup` around one worker.
         max_sequence_length: the Dr. GRPO length normaliser (``policy.max_total_sequence_length``).
         train_global_batch_size: samples per optimizer step.
+        train_micro_batch_size: samples per forward/backward on one rank.
+        logprob_batch_size: samples per forward when computing logprobs.
+        micro_batch_token_budget: pack training micro batches up to this many tokens instead
+            (``None``: by ``train_micro_batch_size``).
     """
 
     def __init__(
-        self, group: WorkerGroup, *, max_sequence_length: int, train_global_batch_size: int
+        self,
+        group: Any,
+        *,
+        max_sequence_length: int,
+        train_global_batch_size: int,
+        train_micro_batch_size: int = 4,
+        logprob_batch_size: int = 8,
+        micro_batch_token_budget: int | None = None,
     ) -> None:
         self.group = group
         self.max_sequence_length = max_sequence_length
         self.train_global_batch_size = train_global_batch_size
+        self.train_micro_batch_size = train_micro_batch_size
+        self.logprob_batch_size = logprob_batch_size
+        self.micro_batch_token_budget = micro_batch_token_budget
+
+    @classmethod
+    def from_config(cls, group: Any, policy: Any) -> Policy:
+        """A facade with the batch sizes of a ``policy`` config section."""
+        return cls(
+            group,
+            max_sequence_length=policy.max_total_sequence_length,
+            train_global_batch_size=policy.train_global_batch_size,
+            train_micro_batch_size=policy.train_micro_batch_size,
+            logprob_batch_size=policy.logprob_batch_size,
+            micro_batch_token_budget=policy.micro_batch_token_budget,
+        )
 
     @property
     def dp_size(self) -> int:
         return self.group.dp_size
 
-    def _sharded_call(self, method: str, batch: Batch, *args: Any) -> tuple[list[Any], int]:
+    def _shards(self, batch: Batch) -> tuple[list[Batch], int]:
         padded, real = pad_to_multiple(batch, self.dp_size)
-        return self.group.run_sharded(method, padded.shard(self.dp_size), *args), real
+        return padded.shard(self.dp_size), real
 
     def get_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of ``batch`` (under the reference weights if asked)."""
-        method = "get_reference_logprobs" if reference else "get_logprobs"
-        parts, real = self._sharded_call(method, batch)
+        shards, real = self._shards(batch)
+        chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
         width = batch["input_ids"].shape[1]
-        out = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
-        return out[:real]
+        num_chunks = max(len(c) for c in chunks)
+        parts = self.group.run_sharded(logprobs_on_rank, chunks, num_chunks, width, reference)
+        return torch.cat(parts)[:real]
 
     def train(self, batch: Batch, loss_fn: LossFunction) -> dict[str, float]:
         """Optimizer steps over ``batch`` in chunks of ``train_global_batch_size`` samples.
 
         Each optimizer step's loss is normalised over that step's samples (on every rank).
-        Returns the metrics of the steps: losses and additive metrics averaged over the steps,
-        ``*_max``/``*_min`` reduced with max/min, and ``lr`` after the last step.
+        Returns the step's metrics reduced over micro batches and ranks as each metric declares
+        (see :func:`nrl_core.training.reduce_metrics`), combined over the optimizer steps by
+        :func:`nrl_core.training.combine_optimizer_steps`, plus ``grad_norm`` and ``lr``.
         """
+        declared = declared_reductions(loss_fn)
         per_step = []
         for start in range(0, len(batch), self.train_global_batch_size):
             chunk = batch.slice(start, min(start + self.train_global_batch_size, len(batch)))
             stats = global_batch_stats(chunk, self.max_sequence_length)
-            results, _ = self._sharded_call("train", chunk, loss_fn, stats)
-            # Workers all-reduce their metrics; every DP shard reports the global values.
-            per_step.append(results[0])
-        return average_steps(per_step)
+            shards, _ = self._shards(chunk)
+            plans = [
+                split_micro_batches(
+                    shard,
+                    size=self.train_micro_batch_size,
+                    token_budget=self.micro_batch_token_budget,
+                )
+                for shard in shards
+            ]
+            num_micro_batches = max(len(p) for p in plans)
+            results = self.group.run_sharded(
+                train_on_rank, plans, num_micro_batches, loss_fn, stats, float(self.dp_size)
+            )
+            metrics = reduce_metrics(
+                [m for result in results for m in result.micro_batch_metrics], declared
+            )
+            metrics.update(grad_norm=results[0].grad_norm, lr=results[0].lr)
+            per_step.append(metrics)
+        return combine_optimizer_steps(per_step, declared)
+
+    def snapshot_reference(self, path: str) -> None:
+        """Make the current weights the frozen reference from now on.
+
+        They are exported to the Hugging Face folder ``path`` (kept, so that a resumed run
+        loads the same reference; written under a temporary name and renamed when complete)
+        and every rank rebuilds its reference from it.
+        """
+        import shutil
+        import uuid
+        from pathlib import Path
+
+        final = Path(path)
+        tmp = final.with_name(f".tmp_{final.name}_{uuid.uuid4().hex[:8]}")
+        self.export_hf(str(tmp))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self.set_reference(str(final))
+
+    def set_reference(self, path: str) -> None:
+        """Use the Hugging Face folder ``path`` as the frozen reference model."""
+        self.group.run_all("set_reference", path)
 
     def generate(
         self,
@@ -148,17 +226,3 @@ class Policy:
 
     def shutdown(self) -> None:
         self.group.shutdown()
-
-
-def average_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
-    """Combine the metrics of several optimizer steps of one RL step."""
-    if not per_step:
-        return {}
-    last = per_step[-1]
-    out = reduce_metrics(per_step)
-    for key in out:
-        if not key.endswith(("_max", "_min")):
-            out[key] /= len(per_step)
-    if "lr" in last:
-        out["lr"] = last["lr"]  # the schedule's value after the step, not an average
-    return out

@@ -30,6 +30,7 @@ from nrl_core.algorithms.rollout import (
 from nrl_core.algorithms.runtime import RunSession
 from nrl_core.config.schema import GRPOConfig
 from nrl_core.data import Batch, pad_sequences
+from nrl_core.errors import NrlError
 from nrl_core.interfaces import SamplingParams
 from nrl_core.registry import Registry
 
@@ -214,11 +215,32 @@ class GRPOTrainer:
             losses.append(s.policy.train(batch, nll)["loss"])
         # The warm-up drew from the training stream; GRPO starts from its beginning.
         s.train_stream.load_state({"epoch": 0, "position": 0})
+        if s.loss_fn.needs_reference:
+            # The KL penalty keeps GRPO near the model it starts from: the warmed-up one.
+            s.policy.snapshot_reference(str(self.warmup_reference_path))
         return {
             "warmup/loss_first": losses[0],
             "warmup/loss_last": losses[-1],
             "warmup/steps": float(len(losses)),
         }
+
+    @property
+    def warmup_reference_path(self):
+        """Where the reference snapshot taken after the warm-up is kept (beside the step
+        checkpoints, so that a resumed run measures the KL against the same model)."""
+        return self.session.checkpoints.root / "reference_after_warmup"
+
+    def _restore_warmup_reference(self) -> None:
+        if self.grpo.sft_warmup_steps <= 0 or not self.session.loss_fn.needs_reference:
+            return
+        path = self.warmup_reference_path
+        if not (path / "config.json").is_file():
+            raise NrlError(
+                f"resuming a run with grpo.sft_warmup_steps > 0 and a KL penalty needs the "
+                f"reference snapshot taken after the warm-up, and {path} is missing; start over "
+                "with checkpointing.resume=never"
+            )
+        self.session.policy.set_reference(str(path))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -232,10 +254,14 @@ class GRPOTrainer:
                 "to continue, or use checkpointing.resume=never to start over."
             )
             return 0
+        if start_step > 0:
+            self._restore_warmup_reference()
         if start_step == 0:
             metrics = self.sft_warmup()
             if grpo.val_period > 0:
                 metrics.update(self.validate(0))
+            # What loading the data dropped (overlong prompts), once per run.
+            metrics.update(getattr(s, "data_metrics", {}))
             if metrics:
                 s.log(0, metrics)
         with s.progress(grpo.max_num_steps, start_step) as advance:

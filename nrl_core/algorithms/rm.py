@@ -8,40 +8,30 @@ head's value at its last valid token (see :mod:`nrl_core.reward_model`). One ste
 ``-log sigmoid(s_c - s_r)``. Validation reports the loss and the accuracy on held-out pairs
 (``val/accuracy``). ``nrl convert`` turns a checkpoint into a Hugging Face
 ``AutoModelForSequenceClassification`` folder that the ``reward_model`` environment loads.
+The loop is :class:`~nrl_core.algorithms.supervised.SupervisedTrainer`'s.
 """
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Sequence
 
 import torch
 
-from nrl_core.algorithms.dpo import PairEncoder, check_pair_layout
-from nrl_core.algorithms.runtime import RunSession
-from nrl_core.algorithms.sft import OfflineTrainer
+from nrl_core.algorithms.supervised import PairTrainer
 from nrl_core.config.schema import RMConfig
 from nrl_core.data import Batch, Sample, pad_sequences
-from nrl_core.policy import global_batch_stats
 from nrl_core.registry import Registry
 from nrl_core.reward_model import BradleyTerryLoss, last_token_mask
 
 
-class RMTrainer(PairEncoder, OfflineTrainer):
-    """Bradley-Terry reward-model training over a :class:`RunSession`."""
+class RMTrainer(PairTrainer):
+    """Bradley-Terry reward-model training (the validation metrics are the loss's: loss,
+    accuracy and margin; the scalar-head workers' ``get_logprobs`` returns per-token values)."""
 
     algorithm = "rm"
-    progress_fields = (
-        ("train/loss", "loss"),
-        ("train/accuracy", "acc"),
-        ("val/accuracy", "val acc"),
-        ("timing/step_s", "s/step"),
-    )
 
-    def __init__(self, session: RunSession) -> None:
-        super().__init__(session)
-        self.loss_fn = BradleyTerryLoss(None, session.context)
+    def build_loss(self):
+        return BradleyTerryLoss(None, self.session.context)
 
     def batch(self, samples: Sequence[Sample]) -> Batch:
         """Rows ``2i``/``2i + 1``: chosen/rejected, scored at their last token."""
@@ -56,36 +46,10 @@ class RMTrainer(PairEncoder, OfflineTrainer):
             }
         )
 
-    def train_step(self, step: int) -> dict[str, float]:
-        s = self.session
-        batch = self.batch(s.train_stream.take(self.config.policy.train_global_batch_size // 2))
-        start = time.perf_counter()
-        metrics = {f"train/{k}": v for k, v in s.policy.train(batch, self.loss_fn).items()}
-        metrics["timing/train_s"] = time.perf_counter() - start
-        return metrics
-
-    def validate(self, step: int) -> dict[str, float]:
-        """Bradley-Terry loss, accuracy and margin on the held-out pairs."""
-        s = self.session
-        if not s.val_samples:
-            return {}
-        batch = self.batch(s.val_samples)
-        values = s.policy.get_logprobs(batch)  # scalar-head workers return per-token values
-        stats = global_batch_stats(batch, self.config.policy.max_total_sequence_length)
-        with torch.no_grad():
-            _, metrics = self.loss_fn(values, batch, stats)
-        return {f"val/{k}": v for k, v in metrics.items()}
-
 
 def run(config: RMConfig, registry: Registry, *, verbose: bool = False, quiet: bool = False) -> int:
     """``nrl run rm``."""
-    check_pair_layout(config)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    with RunSession.open(config, registry, algorithm="rm", verbose=verbose, quiet=quiet) as s:
-        if s.finished_early:
-            return 0
-        return RMTrainer(s).fit()
+    return RMTrainer.run(config, registry, verbose=verbose, quiet=quiet)
 
 
 __all__ = ["RMTrainer", "run"]

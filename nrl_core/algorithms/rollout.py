@@ -59,19 +59,85 @@ class ChatCodec:
     def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
         return self._encode(self._render(messages, add_generation_prompt=True))
 
+    def prompt_lengths(self, samples: Sequence[Sample], chunk_size: int = 1024) -> list[int]:
+        """``len(encode_prompt(prompt_messages(sample)))`` for each sample.
+
+        The texts are tokenised ``chunk_size`` (>= 1) at a time: one batched call of a fast
+        tokenizer is much quicker than one call per prompt on a large dataset, and gives the
+        same ids (no padding, no special tokens added).
+        """
+        texts = [
+            self._render(self.prompt_messages(sample), add_generation_prompt=True)
+            for sample in samples
+        ]
+        lengths: list[int] = []
+        for start in range(0, len(texts), max(1, chunk_size)):
+            encoded = self.tokenizer(texts[start : start + chunk_size], add_special_tokens=False)
+            lengths.extend(len(ids) for ids in encoded["input_ids"])
+        return lengths
+
     def encode_observation(self, history: Sequence[Message], observation: Message) -> list[int]:
         """The ids that follow ``history`` when ``observation`` is appended and the model is
-        prompted again: only the new text, so earlier ids are never re-tokenised."""
+        prompted again: only the new text, so earlier ids are never re-tokenised.
+
+        Normally that is the text the template adds to ``history``'s rendering. Templates that
+        rewrite earlier turns once a new message follows (Qwen3 and DeepSeek-R1 strip
+        ``<think>...</think>`` from past assistant turns) make the two renderings differ before
+        the new text; then see :meth:`_observation_turn`.
+        """
         before = self._render(history, add_generation_prompt=False)
         after = self._render([*history, observation], add_generation_prompt=True)
         if after.startswith(before):
             return self._encode(after[len(before) :])
-        # Templates that rewrite earlier turns (e.g. dropping old reasoning) cannot be diffed;
-        # fall back to rendering the new message on its own.
-        return self._encode(self._render([observation], add_generation_prompt=True))
+        return self._observation_turn(observation)
+
+    def _observation_turn(self, observation: Message) -> list[int]:
+        """The template's ids for ``observation`` as a turn that follows an assistant turn,
+        without the conversation's opening (BOS, a default system prompt).
+
+        Rendering the observation alone would put the template's opening in the middle of the
+        sequence. Instead a fixed stand-in exchange, a user prompt and an assistant reply with
+        no reasoning block (so there is nothing for the template to rewrite), is rendered with
+        and without the observation, and the text after the stand-in reply is compared: the
+        reply's own closing (end-of-turn marker and separator, as in ``before``) is common to
+        both, the rest is the observation's turn and the next generation prompt. Anchoring on
+        the reply rather than on the whole prefix keeps working when the template renders the
+        LAST assistant turn differently from earlier ones (Qwen3 adds an empty think block to
+        the last one only). The common part is measured in token ids, not characters, so a
+        closing that differs inside a special token (``<|end|>`` vs ``<|eot|>``) is never cut
+        in the middle. The real history is not used: whatever the template does to it, those
+        ids are already in the sequence and must stay as they were generated.
+        """
+        exchange: list[Message] = [
+            {"role": "user", "content": _STAND_IN_PROMPT},
+            {"role": "assistant", "content": _STAND_IN_REPLY},
+        ]
+        before = self._render(exchange, add_generation_prompt=False)
+        after = self._render([*exchange, observation], add_generation_prompt=True)
+        if _STAND_IN_REPLY in before and _STAND_IN_REPLY in after:
+            before = before[before.index(_STAND_IN_REPLY) + len(_STAND_IN_REPLY) :]
+            after = after[after.index(_STAND_IN_REPLY) + len(_STAND_IN_REPLY) :]
+        before_ids, after_ids = self._encode(before), self._encode(after)
+        return after_ids[_common_prefix_length(before_ids, after_ids) :]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+_STAND_IN_PROMPT = "nrl stand-in prompt"
+_STAND_IN_REPLY = "nrl stand-in reply"
+"""Contents of the exchange that :meth:`ChatCodec._observation_turn` renders: plain text that no
+template rewrites and no observation or preamble is expected to contain."""
+
+
+def _common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
+    """How many leading items ``left`` and ``right`` share."""
+    size = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        size += 1
+    return size
 
 
 @attrs.define
@@ -143,8 +209,18 @@ def rollout(
     max_turns: int,
     max_total_length: int,
 ) -> list[Episode]:
-    """Roll ``episodes`` out in place until every one is done; returns them."""
+    """Roll ``episodes`` out in place until every one is done; returns them.
+
+    No episode grows past ``max_total_length`` tokens: generation is cut to the budget left,
+    an observation that would fill it ends the episode, and an episode with no budget left
+    (a prompt at or over the limit) ends as truncated without generating; its prompt is cut
+    to the limit so the training batch stays within it (it has no generated token, so it
+    carries no loss either way).
+    """
     for turn in range(max_turns):
+        for episode in episodes:
+            if not episode.done and len(episode.token_ids) >= max_total_length:
+                _end_over_budget(episode, max_total_length)
         active = [e for e in episodes if not e.done]
         if not active:
             break
@@ -156,7 +232,7 @@ def rollout(
         for episode, ids, logprobs, reason in zip(
             active, output.token_ids, output.logprobs, output.finish_reasons, strict=True
         ):
-            budget = max_total_length - len(episode.token_ids)
+            budget = max_total_length - len(episode.token_ids)  # >= 1: checked above
             if len(ids) > budget:
                 ids, logprobs, reason = ids[:budget], logprobs[:budget], "length"
             episode.append(ids, generated=True, logprobs=logprobs)
@@ -194,6 +270,19 @@ def rollout(
             episode.messages.append({**observation, "token_ids": obs_ids})
             episode.stop_strings = result.step.stop_strings
     return episodes
+
+
+def _end_over_budget(episode: Episode, max_total_length: int) -> None:
+    """End an episode that has no token of budget left, as truncated by the length limit."""
+    if len(episode.token_ids) > max_total_length:
+        # Only a prompt can be over the limit (later turns are cut to the budget), so only
+        # masked prompt ids are dropped here.
+        del episode.token_ids[max_total_length:]
+        del episode.loss_mask[max_total_length:]
+        del episode.gen_logprobs[max_total_length:]
+        episode.prompt_length = min(episode.prompt_length, max_total_length)
+    episode.done = episode.truncated = True
+    episode.finish_reason = "length"
 
 
 def episodes_to_batch(

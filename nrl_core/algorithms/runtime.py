@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import statistics
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.checkpoint import CheckpointManager
 from nrl_core.config.loader import dump_config
 from nrl_core.config.schema import ComponentSection, RunConfig, portable_config
-from nrl_core.datasets import DataStream, load_splits
+from nrl_core.datasets import DataStream, PromptLengthFilter, load_splits
+from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
 from nrl_core.registry import Registry
@@ -85,6 +87,8 @@ class RunSession:
         self.codec: ChatCodec | None = None
         self.val_samples: list = []
         self.train_stream: DataStream | None = None
+        self.data_metrics: dict[str, float] = {}
+        """Counts from loading the data (prompts dropped as too long), logged at step 0."""
 
     @classmethod
     @contextlib.contextmanager
@@ -128,6 +132,9 @@ class RunSession:
 
     def _setup(self) -> None:
         config, registry = self.config, self.registry
+        # Data first: a dataset the run cannot use is a config error, reported before the run
+        # directory, Ray or any worker exists (it needs only the driver's tokenizer).
+        self._load_data()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(config, registry))
         self.metrics = MetricsLogger(
@@ -145,22 +152,6 @@ class RunSession:
         self._closers.append(self.cluster.shutdown)
         self.cluster_resources = resources
 
-        from transformers import AutoTokenizer
-
-        model_path = resolve_model_name(config.policy.model_name)
-        tokenizer_path = resolve_model_name(config.policy.tokenizer_name or model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.codec = ChatCodec(
-            self.tokenizer,
-            apply_chat_template=config.data.apply_chat_template,
-            system_prompt=config.data.system_prompt,
-        )
-
-        train, self.val_samples = load_splits(config.data, registry, self.context)
-        self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
-
         env = getattr(config, "env", None)
         env_cpus = ENV_CPUS_PER_WORKER * env.num_workers if env is not None else 0.0
         self.policy = self._start_policy(resources, env_cpus)
@@ -172,6 +163,73 @@ class RunSession:
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
             self._restore()
+
+    def _load_data(self) -> None:
+        """The tokenizer, the chat codec and the train / validation samples.
+
+        For GRPO, prompts that leave fewer than ``generation.max_new_tokens`` tokens before
+        ``policy.max_total_sequence_length`` are dropped (see
+        :class:`~nrl_core.datasets.PromptLengthFilter`), with a one-line warning, and counted
+        in :attr:`data_metrics`: ``data/prompts_dropped_overlong`` for the training split and
+        ``data/val_prompts_dropped_overlong`` for validation. A training split with no prompt
+        left is a :class:`~nrl_core.errors.ConfigError`.
+        """
+        from transformers import AutoTokenizer
+
+        config = self.config
+        model_path = resolve_model_name(config.policy.model_name)
+        tokenizer_path = resolve_model_name(config.policy.tokenizer_name or model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.codec = ChatCodec(
+            self.tokenizer,
+            apply_chat_template=config.data.apply_chat_template,
+            system_prompt=config.data.system_prompt,
+        )
+
+        prompt_filter = None
+        if hasattr(config, "grpo") and hasattr(config, "generation"):
+            prompt_filter = PromptLengthFilter(
+                self.codec.prompt_lengths,
+                config.policy.max_total_sequence_length - config.generation.max_new_tokens,
+            )
+        train, self.val_samples = load_splits(
+            config.data, self.registry, self.context, prompt_filter=prompt_filter
+        )
+        if prompt_filter is not None:
+            self._report_dropped_prompts(prompt_filter, train)
+        self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
+
+    def _report_dropped_prompts(self, prompt_filter: PromptLengthFilter, train: list) -> None:
+        """Fail when no training prompt fits, warn when some were dropped, keep the counts."""
+        config = self.config
+        limit = (
+            f"policy.max_total_sequence_length={config.policy.max_total_sequence_length} minus "
+            f"generation.max_new_tokens={config.generation.max_new_tokens}"
+        )
+        dropped = prompt_filter.dropped.get("train", 0)
+        val_dropped = prompt_filter.dropped.get("validation", 0)
+        if not train:
+            raise ConfigError(
+                f"every one of the {prompt_filter.total.get('train', 0)} training prompts of "
+                f"data.dataset={config.data.dataset} is longer than "
+                f"{prompt_filter.max_prompt_length} tokens ({limit}; the shortest has "
+                f"{prompt_filter.shortest.get('train', 0)}); raise "
+                "policy.max_total_sequence_length or lower generation.max_new_tokens"
+            )
+        self.data_metrics = {
+            "data/prompts_dropped_overlong": float(dropped),
+            "data/val_prompts_dropped_overlong": float(val_dropped),
+        }
+        if (dropped or val_dropped) and not self.console.quiet:
+            print(
+                f"warning: dropped {dropped} of {prompt_filter.total.get('train', 0)} training "
+                f"and {val_dropped} of {prompt_filter.total.get('validation', 0)} validation "
+                f"prompts longer than {prompt_filter.max_prompt_length} tokens ({limit}); raise "
+                "policy.max_total_sequence_length to keep them",
+                file=sys.stderr,
+            )
 
     def _start_policy(self, resources: Any, reserved_cpus: float):
         from nrl_core.distributed.actor_env import actor_python
@@ -199,11 +257,7 @@ class RunSession:
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(group.shutdown)
-        return Policy(
-            group,
-            max_sequence_length=policy.max_total_sequence_length,
-            train_global_batch_size=policy.train_global_batch_size,
-        )
+        return Policy.from_config(group, policy)
 
     def _start_environments(self, env: Any):
         from nrl_core.distributed.actor_env import actor_python

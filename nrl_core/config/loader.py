@@ -26,6 +26,7 @@ from cattrs.errors import (
 )
 
 from nrl_core.config.schema import ALGORITHM_CONFIGS, ComponentSection, RunConfig
+from nrl_core.config.validation import validate_run_config
 from nrl_core.errors import ConfigError
 from nrl_core.registry import Registry
 
@@ -337,7 +338,9 @@ def resolve_config(
     defaults: Mapping[str, Any] | None = None,
 ) -> RunConfig:
     """Build the run config of ``algorithm``: class defaults < ``defaults`` (the algorithm's
-    embedded recipe) < ``config_file`` (with its ``defaults:`` chain) < ``overrides``."""
+    embedded recipe) < ``config_file`` (with its ``defaults:`` chain) < ``overrides``; then
+    check the settings that span sections
+    (:func:`~nrl_core.config.validation.validate_run_config`)."""
     try:
         cls = ALGORITHM_CONFIGS[algorithm]
     except KeyError:
@@ -348,7 +351,9 @@ def resolve_config(
     if config_file is not None:
         data = deep_merge(data, load_config_file(config_file))
     data = apply_overrides(data, overrides)
-    return ConfigConverter(registry).structure(data, cls)
+    config = ConfigConverter(registry).structure(data, cls)
+    validate_run_config(config)
+    return config
 
 
 def dump_config(config: Any, registry: Registry | None = None) -> str:

@@ -87,6 +87,13 @@ class PolicyConfig(ComponentSection):
     num_workers: int = option(1, "Number of policy ranks (Ray actors), one per GPU on GPU.")
     train_global_batch_size: int = option(32, "Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = option(4, "Samples per forward/backward on one rank.")
+    micro_batch_token_budget: int | None = option(
+        None,
+        (
+            "If set (>= 1), pack training micro batches up to this many unpadded tokens "
+            "(longest first) instead of train_micro_batch_size samples."
+        ),
+    )
     logprob_batch_size: int = option(8, "Samples per forward when computing logprobs.")
     max_total_sequence_length: int = option(512, "Longest prompt + response, in tokens.")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables clipping).")

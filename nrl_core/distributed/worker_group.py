@@ -18,7 +18,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +115,11 @@ class _WorkerActor:
         cls = resolve_target(target, what="worker class")
         self.worker = cls(*args, **kwargs)
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, method: Method, args: tuple, kwargs: dict) -> Any:
+        return _invoke(self.worker, method, args, kwargs)
 
-    def call_sharded(self, method: str, item: Any, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(item, *args, **kwargs)
+    def call_sharded(self, method: Method, item: Any, args: tuple, kwargs: dict) -> Any:
+        return _invoke(self.worker, method, (item, *args), kwargs)
 
     def close(self) -> None:
         close = getattr(self.worker, "shutdown", None)
@@ -130,6 +130,22 @@ class _WorkerActor:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+Method = str | Callable[..., Any]
+"""What a group call runs on each worker: the name of a worker method, or a function importable
+in the actor (the core's per-rank code, e.g. :func:`nrl_core.training.train_on_rank`), called
+as ``function(worker, *args)``."""
+
+
+def _invoke(worker: Any, method: Method, args: tuple, kwargs: dict) -> Any:
+    if callable(method):
+        return method(worker, *args, **kwargs)
+    return getattr(worker, method)(*args, **kwargs)
+
+
+def _method_name(method: Method) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
 
 def _fd_path(fd: int) -> str | None:
@@ -316,14 +332,15 @@ class WorkerGroup:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+    def run_all(self, method: Method, *args: Any, **kwargs: Any) -> list:
         """Call ``method(*args, **kwargs)`` on every worker; results in rank order."""
         args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
         return self._gather(
-            [a.call.remote(method, args_ref, kwargs_ref) for a in self.actors], method
+            [a.call.remote(method, args_ref, kwargs_ref) for a in self.actors],
+            _method_name(method),
         )
 
-    def run_sharded(self, method: str, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
+    def run_sharded(self, method: Method, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
         """Call ``method(data[dp_rank], *args, **kwargs)`` on every worker.
 
         ``data`` has one item per data-parallel shard; further arguments wrapped in
@@ -334,7 +351,7 @@ class WorkerGroup:
         for what in (data, *(v.items for v in sharded)):
             if len(what) != self.dp_size:
                 raise NrlError(
-                    f"{self.name}.{method}: got {len(what)} shards for dp_size="
+                    f"{self.name}.{_method_name(method)}: got {len(what)} shards for dp_size="
                     f"{self.dp_size}; split the data into exactly dp_size items"
                 )
         items = [ray.put(item) for item in data]
@@ -354,16 +371,16 @@ class WorkerGroup:
             )
             for rank, a in enumerate(self.actors)
         ]
-        results = self._gather(refs, method)
+        results = self._gather(refs, _method_name(method))
         step = self.layout.model_parallel_size
         return [results[d * step] for d in range(self.dp_size)]
 
-    def run_one(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_one(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the worker of ``rank`` only."""
         if not 0 <= rank < self.num_workers:
             raise NrlError(f"{self.name} has ranks 0..{self.num_workers - 1}; got rank {rank}")
         ref = self.actors[rank].call.remote(method, args, kwargs)
-        return self._gather([ref], method, ranks=[rank])[0]
+        return self._gather([ref], _method_name(method), ranks=[rank])[0]
 
     def shutdown(self, timeout_s: float = 30) -> None:
         """Let workers clean up (``worker.shutdown()`` if defined), then kill the actors."""
@@ -467,3 +484,38 @@ class WorkerGroup:
         logs = [p for p in self.infos[rank].logs if p]
         where = f"\nworker logs: {', '.join(logs)}" if logs else ""
         return f"{where}\n--- worker log (tail) ---\n{tail}" if tail else where
+
+
+class InProcessGroup:
+    """One worker object in this process, behind the calls of :class:`WorkerGroup`.
+
+    For single-process use and tests: the core's facades (:class:`nrl_core.policy.Policy`) then
+    run the same per-rank code on a worker built directly, without Ray.
+    """
+
+    def __init__(self, worker: Any, name: str = "worker") -> None:
+        self.worker = worker
+        self.name = name
+        self.layout = ParallelLayout()
+        self.dp_size = 1
+        self.num_workers = 1
+
+    def run_all(self, method: Method, *args: Any, **kwargs: Any) -> list:
+        return [_invoke(self.worker, method, args, kwargs)]
+
+    def run_sharded(self, method: Method, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
+        if len(data) != 1:
+            raise NrlError(f"{self.name}: an in-process group takes 1 shard; got {len(data)}")
+        args = tuple(_shard_of(a, 0) for a in args)
+        kwargs = {k: _shard_of(v, 0) for k, v in kwargs.items()}
+        return [_invoke(self.worker, method, (data[0], *args), kwargs)]
+
+    def run_one(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
+        if rank != 0:
+            raise NrlError(f"{self.name} has rank 0 only; got rank {rank}")
+        return _invoke(self.worker, method, args, kwargs)
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        close = getattr(self.worker, "shutdown", None)
+        if callable(close):
+            close()

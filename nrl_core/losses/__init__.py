@@ -10,13 +10,15 @@ them from the run config without importing torch); this package imports nothing 
 
 Metric convention shared by all losses: every metric is an additive contribution already
 divided by the global normaliser, so the core SUMS it over micro batches and data-parallel
-ranks; keys ending in ``_max`` are reduced with ``max`` and keys ending in ``_min`` with ``min``.
+ranks, unless the loss declares another reduction in its ``metric_reductions`` mapping (see
+:func:`nrl_core.training.reduce_metrics`).
 """
 
 from nrl_core.losses.config import (
     ClippedPGConfig,
     DPOLossConfig,
     NLLConfig,
+    resolve_aggregation,
     resolve_is_correction,
     resolved_clipped_pg_config,
 )
@@ -25,27 +27,7 @@ __all__ = [
     "ClippedPGConfig",
     "DPOLossConfig",
     "NLLConfig",
-    "reduce_metrics",
+    "resolve_aggregation",
     "resolve_is_correction",
     "resolved_clipped_pg_config",
 ]
-
-
-def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Combine the metrics of several micro batches or ranks the way the losses intend.
-
-    Keys ending in ``_max`` take the maximum, keys ending in ``_min`` the minimum, every other
-    key the sum. A key missing from some parts is reduced over the parts that have it.
-    """
-    out: dict[str, float] = {}
-    for part in parts:
-        for key, value in part.items():
-            if key not in out:
-                out[key] = value
-            elif key.endswith("_max"):
-                out[key] = max(out[key], value)
-            elif key.endswith("_min"):
-                out[key] = min(out[key], value)
-            else:
-                out[key] += value
-    return out

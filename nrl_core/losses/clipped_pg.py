@@ -4,19 +4,20 @@ Per valid token (``m_it > 0``), with ``rho_it = exp(logp_it - old_it)``::
 
     L_it = max(-A_i * rho_it, -A_i * clip(rho_it, 1 - eps_low, 1 + eps_high))
     L_it = min(L_it, -A_i * c)                  if dual clip and A_i < 0
-    L_it = L_it + kl_coef * KL_it               if kl_coef > 0
     L_it = w_it * L_it                          if an importance-sampling correction is on
+    L_it = L_it + kl_coef * KL_it               if kl_coef > 0 (never weighted by w_it)
 
 and the loss is ``aggregate(L, m)`` over the global batch (see
 :func:`nrl_core.losses.common.aggregate`). ``old`` is ``prev_logprobs`` when the batch carries
 them; otherwise the step is taken as fully on-policy and ``old = sg(logp)`` (``rho`` is 1 with
 the exact policy gradient). GSPO (``ratio_level="sequence"``) replaces ``rho_it`` by the
 sequence ratio ``s_i = exp(mean_t(logp_it - old_it))`` and ``A_i`` by the sequence's mean
-advantage, so ``L_it`` is the same for every token of a sequence.
+advantage, so ``L_it`` is the same for every token of a sequence; its default aggregation
+(``auto``) is then the per-sequence ``seq_mean_token_mean``.
 
-Metrics are additive contributions (already divided by the global normaliser), except the keys
-ending in ``_max`` / ``_min``, which the core must reduce with max / min over micro batches and
-ranks. See :class:`ClippedPGLoss` for the list.
+Metrics are additive contributions (already divided by the global normaliser), except the ones
+:attr:`ClippedPGLoss.metric_reductions` declares as max / min over micro batches and ranks. See
+:class:`ClippedPGLoss` for the list.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ import torch
 from nrl_core.data import Batch
 from nrl_core.interfaces import GlobalBatchStats
 from nrl_core.losses.common import aggregate, sequence_mean, token_mean_metric, token_weights
-from nrl_core.losses.config import ClippedPGConfig, resolve_is_correction
+from nrl_core.losses.config import ClippedPGConfig, resolve_aggregation, resolve_is_correction
 
-__all__ = ["ClippedPGConfig", "ClippedPGLoss", "kl_penalty", "resolve_is_correction"]
+__all__ = [
+    "ClippedPGConfig",
+    "ClippedPGLoss",
+    "kl_penalty",
+    "resolve_aggregation",
+    "resolve_is_correction",
+]
 
 KL_LOG_RATIO_CLAMP = 20.0
 """``|ref - logp|`` is clamped to this before exponentiating, so k3 cannot overflow."""
@@ -70,7 +77,9 @@ class ClippedPGLoss:
 
     ``is_correction="auto"`` should be resolved by the core before the loss is built (see
     :func:`resolve_is_correction`); an unresolved ``auto`` acts as ``token_truncate`` on batches
-    that carry ``gen_logprobs`` and as ``none`` on batches that do not.
+    that carry ``gen_logprobs`` and as ``none`` on batches that do not. ``aggregation="auto"``
+    needs no run information and is resolved here as well (see
+    :func:`nrl_core.losses.config.resolve_aggregation`).
 
     Metrics (additive: the core sums them over micro batches and ranks):
 
@@ -89,6 +98,13 @@ class ClippedPGLoss:
     tokens; the sequence ratio for GSPO) and ``gen_logprob_error_max``. They are left out of a
     micro batch with no valid token.
     """
+
+    metric_reductions = {
+        "ratio_max": "max",
+        "ratio_min": "min",
+        "gen_logprob_error_max": "max",
+    }
+    """How the core combines these metrics over micro batches and ranks (others are summed)."""
 
     def __init__(self, options: ClippedPGConfig | None = None, context: Any = None) -> None:
         self.options = options if options is not None else ClippedPGConfig()
@@ -129,6 +145,16 @@ class ClippedPGLoss:
             dual_capped = (advantages < 0) & (cap < per_token)
             per_token = torch.where(dual_capped, cap, per_token)
 
+        # The IS weight corrects the policy-gradient estimate for sampling from the generator
+        # instead of the trainer's policy; it weights the PG term only. The KL penalty is a
+        # regulariser of the current policy towards the reference, estimated on the same
+        # tokens, and stays unweighted (NeMo RL does the same): a masked token (w = 0) still
+        # feels the KL pull, and a truncated weight does not double it.
+        mode = self._is_mode(batch)
+        weights, weight_limited = self._is_weights(batch, old, mask, mode)
+        if weights is not None:
+            per_token = per_token * weights
+
         kl = None
         ref = batch.get("ref_logprobs")
         if ref is not None:
@@ -142,12 +168,7 @@ class ClippedPGLoss:
                 raise KeyError("kl_coef > 0 needs 'ref_logprobs' in the batch")
             per_token = per_token + opts.kl_coef * kl
 
-        mode = self._is_mode(batch)
-        weights, weight_limited = self._is_weights(batch, old, mask, mode)
-        if weights is not None:
-            per_token = per_token * weights
-
-        loss = aggregate(per_token, mask, stats, opts.aggregation)
+        loss = aggregate(per_token, mask, stats, resolve_aggregation(opts))
 
         with torch.no_grad():
             metrics: dict[str, float] = {

@@ -18,6 +18,11 @@ from nrl_core.config.schema import option
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
+ClippedPGAggregation = Literal[
+    "auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+]
+CLIPPED_PG_AGGREGATIONS: tuple[str, ...] = ("auto", *AGGREGATIONS)
+
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
@@ -60,11 +65,12 @@ class ClippedPGConfig:
 
     The defaults are classic GRPO with token-mean aggregation and no KL term. Published variants:
 
-    * DAPO: ``clip_eps_high=0.28``, ``aggregation=token_mean`` (plus dynamic sampling and
-      overlong filtering, which live in :mod:`nrl_core.algorithms.advantages`).
+    * DAPO: ``clip_eps_high=0.28``, ``aggregation=token_mean`` (what ``auto`` gives with token
+      ratios; plus dynamic sampling and overlong filtering, which live in
+      :mod:`nrl_core.algorithms.advantages`).
     * Dr. GRPO: ``aggregation=seq_mean_token_sum_norm`` (and ``normalize_rewards=False``).
-    * GSPO: ``ratio_level=sequence``, ``clip_eps_low=3e-4``, ``clip_eps_high=4e-4``,
-      ``aggregation=seq_mean_token_mean``.
+    * GSPO: ``ratio_level=sequence``, ``clip_eps_low=3e-4``, ``clip_eps_high=4e-4``
+      (``aggregation=auto`` then resolves to ``seq_mean_token_mean``).
     """
 
     clip_eps_low: float = option(
@@ -96,13 +102,15 @@ class ClippedPGConfig:
         "`k3` = exp(d) - 1 - d.",
         validator=attrs.validators.in_(KL_ESTIMATORS),
     )
-    aggregation: Aggregation = option(
-        "token_mean",
+    aggregation: ClippedPGAggregation = option(
+        "auto",
         "How per-token losses become one number: `token_mean` (sum / global "
         "valid tokens), `seq_mean_token_mean` (token mean inside each sequence, then mean over "
         "global valid sequences), `seq_mean_token_sum_norm` (Dr. GRPO: sum / (global valid "
-        "sequences * max_total_sequence_length)).",
-        validator=attrs.validators.in_(AGGREGATIONS),
+        "sequences * max_total_sequence_length)). `auto` is `seq_mean_token_mean` with "
+        "`ratio_level=sequence` (GSPO aggregates per sequence) and `token_mean` otherwise; "
+        "`token_mean` with `ratio_level=sequence` is refused (it weights sequences by length).",
+        validator=attrs.validators.in_(CLIPPED_PG_AGGREGATIONS),
     )
     ratio_level: RatioLevel = option(
         "token",
@@ -150,6 +158,15 @@ class ClippedPGConfig:
                 f"is_mask_low ({self.is_mask_low}) must not exceed is_mask_high "
                 f"({self.is_mask_high})"
             )
+        # GSPO's sequence ratio is one number per sequence; a token mean would count a
+        # sequence once per token, i.e. weight long responses more (NeMo RL makes sequence
+        # ratios and a token-level loss mutually exclusive for the same reason).
+        if self.ratio_level == "sequence" and self.aggregation == "token_mean":
+            raise ValueError(
+                "aggregation=token_mean cannot be used with ratio_level=sequence (GSPO "
+                "aggregates per sequence; a token mean weights sequences by their length); "
+                "set aggregation=auto or seq_mean_token_mean"
+            )
 
 
 def resolve_is_correction(config: ClippedPGConfig | str, colocated: bool) -> str:
@@ -169,9 +186,26 @@ def resolve_is_correction(config: ClippedPGConfig | str, colocated: bool) -> str
     return "none" if colocated else "token_truncate"
 
 
+def resolve_aggregation(config: ClippedPGConfig) -> str:
+    """The concrete aggregation of ``config``.
+
+    ``"auto"`` becomes ``"seq_mean_token_mean"`` with ``ratio_level="sequence"`` (GSPO: one
+    ratio, hence one loss term, per sequence) and ``"token_mean"`` with token ratios. Any
+    explicit choice is returned unchanged.
+    """
+    if config.aggregation != "auto":
+        return config.aggregation
+    return "seq_mean_token_mean" if config.ratio_level == "sequence" else "token_mean"
+
+
 def resolved_clipped_pg_config(config: ClippedPGConfig, colocated: bool) -> ClippedPGConfig:
-    """A copy of ``config`` with ``is_correction`` resolved (see :func:`resolve_is_correction`)."""
-    return attrs.evolve(config, is_correction=resolve_is_correction(config, colocated))
+    """A copy of ``config`` with ``is_correction`` (see :func:`resolve_is_correction`) and
+    ``aggregation`` (see :func:`resolve_aggregation`) resolved."""
+    return attrs.evolve(
+        config,
+        is_correction=resolve_is_correction(config, colocated),
+        aggregation=resolve_aggregation(config),
+    )
 
 
 @attrs.define

@@ -1,40 +1,22 @@
-"""DPO: pair encoding, the DPO loss on real batches through the worker, and a few-step
+"""DPO: pair encoding, the DPO loss on real batches through the policy, and a few-step
 `nrl run dpo` on CPU."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from nrl_core.algorithms.dpo import check_pair_layout
-from nrl_core.algorithms.sft import masked_batch
+from nrl_core.algorithms.supervised import masked_batch
 from nrl_core.chat_data import (
     PreferenceDataConfig,
     PreferenceDataset,
     encode_conversation,
 )
-from nrl_core.config.schema import DPOConfig, PolicyConfig, SFTConfig
+from nrl_core.config.schema import DPOConfig, PolicyConfig
 from nrl_core.errors import ConfigError
-from nrl_core.interfaces import ComponentContext
 from nrl_core.losses.config import DPOLossConfig
 from nrl_core.losses.preference import DPOLoss
-from nrl_core.policy import global_batch_stats
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_path():
-    """The cached tiny model (built once per machine) rather than a fresh build per session."""
-    from nrl_core.testing.tiny import tiny_model_path as cached
-
-    return cached()
 
 
 def test_preference_rows_strip_a_repeated_prompt():
@@ -79,76 +61,34 @@ def pair_batch(tokenizer, count=8):
     return masked_batch(rows, tokenizer.pad_token_id)
 
 
-def test_dpo_steps_through_the_worker_raise_the_margin(tiny_model_path):
+def test_dpo_steps_through_the_worker_raise_the_margin(tiny_model_path, make_policy):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    worker = make_worker(tiny_model_path, micro_batch_size=4, lr=3e-3)
+    policy = make_policy(tiny_model_path, micro_batch_size=4, lr=3e-3)
     batch = pair_batch(tokenizer)
-    batch["ref_logprobs"] = worker.get_reference_logprobs(batch)
-    stats = global_batch_stats(batch, 64)
+    batch["ref_logprobs"] = policy.get_logprobs(batch, reference=True)
     loss_fn = DPOLoss(DPOLossConfig(beta=0.1, sft_loss_weight=0.5))
-    first = worker.train(batch, loss_fn, stats)
+    first = policy.train(batch, loss_fn)
     # Policy == reference before the first update: margin 0, loss log 2 (+ the SFT term).
     assert first["reward_margin"] == pytest.approx(0.0, abs=1e-5)
     assert first["preference_loss"] == pytest.approx(float(torch.log(torch.tensor(2.0))), rel=1e-5)
     assert first["loss"] == pytest.approx(first["preference_loss"] + 0.5 * first["sft_loss"])
     for _ in range(3):
-        last = worker.train(batch, loss_fn, stats)
+        last = policy.train(batch, loss_fn)
     assert last["reward_margin"] > 0.05
     assert last["preference_loss"] < first["preference_loss"]
     assert last["preference_accuracy"] > 0.5
 
 
 @pytest.mark.slow
-def test_nrl_run_dpo_on_cpu_decreases_the_loss(tmp_path):
-    records = run_cli("dpo", tmp_path, "dpo.max_num_steps=8", "dpo.val_period=4")
+def test_nrl_run_dpo_on_cpu_decreases_the_loss(run_cli):
+    records = run_cli("dpo", "dpo.max_num_steps=8", "dpo.val_period=4")
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, 9))
     assert train[0]["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference
+    assert {"timing/logprobs_s", "timing/train_s", "timing/step_s"} <= train[0].keys()
     assert train[-1]["train/loss"] < train[0]["train/loss"] - 0.1
     val = [r for r in records if "val/preference_accuracy" in r]
     assert [r["step"] for r in val] == [0, 4, 8]
     assert val[-1]["val/reward_margin"] > val[0]["val/reward_margin"]
-
-
-def run_cli(algorithm: str, tmp_path: Path, *overrides: str) -> list[dict]:
-    """`nrl run ALGO --config examples/configs/ALGO_tiny_cpu.yaml` in a subprocess; returns
-    the metrics records."""
-    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
-    args = [
-        sys.executable,
-        "-m",
-        "nrl_core.cli",
-        "run",
-        algorithm,
-        "--config",
-        str(REPO / "examples" / "configs" / f"{algorithm}_tiny_cpu.yaml"),
-        f"logger.log_dir={tmp_path}",
-        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-        "cluster.num_cpus=2",
-        *overrides,
-    ]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / f"{algorithm}-tiny-cpu"
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def make_worker(model_path, *, micro_batch_size=4, seed=0, lora_rank=0, lr=1e-2):
-    """A real dtensor worker in this process (no WORLD_SIZE: single process, no FSDP)."""
-    from nrl_dtensor.config import DTensorConfig
-    from nrl_dtensor.worker import DTensorPolicyWorker
-
-    config = SFTConfig(
-        seed=seed,
-        policy=PolicyConfig(
-            model_name=str(model_path),
-            train_global_batch_size=8,
-            train_micro_batch_size=micro_batch_size,
-            max_total_sequence_length=64,
-        ),
-    )
-    config.policy.optimizer.lr = lr
-    options = DTensorConfig(lora_rank=lora_rank)
-    return DTensorPolicyWorker(options, ComponentContext(config=config, seed=seed))

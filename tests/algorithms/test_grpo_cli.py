@@ -92,6 +92,15 @@ def test_three_steps_write_every_metric_and_change_the_parameters(tmp_path):
         assert record["train/gen_logprob_error"] == pytest.approx(1.0, abs=1e-3)
         assert record["train/env_errors"] == 0
         assert record["timing/step_s"] >= record["timing/train_s"] > 0
+        # One optimizer step per rollout: the step is on-policy, every ratio is 1; the extremes
+        # are reduced as extremes over the 2 ranks' micro batches (a sum would give 2.0).
+        assert record["train/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert record["train/ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    # The reference is the model after the supervised warm-up, so the first GRPO step starts
+    # at zero KL (measured against the pre-warm-up model it was ~1e-3).
+    assert abs(records[1]["train/kl"]) < 1e-6
+    assert records[2]["train/kl"] > 0
+    assert (tmp_path / "ckpt" / "reference_after_warmup" / "model.safetensors").is_file()
     assert "val/accuracy" in records[-1] and "val/arithmetic/accuracy" in records[-1]
     assert (tmp_path / "run" / "config.yaml").is_file()
 

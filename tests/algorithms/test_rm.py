@@ -1,13 +1,9 @@
-"""Reward models: the scalar head's scores, Bradley-Terry training through the worker, the
+"""Reward models: the scalar head's scores, Bradley-Terry training through the policy, the
 `reward_model` environment on an exported folder, and a few-step `nrl run rm` on CPU."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,20 +21,14 @@ from nrl_core.reward_model import (
     sequence_scores,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(scope="module")
-def tiny_model_path():
-    """The cached tiny model (built once per machine) rather than a fresh build per session."""
-    from nrl_core.testing.tiny import tiny_model_path as cached
-
-    return cached()
-
-
-def rm_worker(model_path, lr=3e-3):
+def rm_policy(model_path, lr=3e-3):
+    """The core's policy facade over a single-process dtensor worker with an RM config."""
     from nrl_dtensor.config import DTensorConfig
     from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.distributed.worker_group import InProcessGroup
+    from nrl_core.policy import Policy
 
     config = RMConfig(
         policy=PolicyConfig(
@@ -46,7 +36,8 @@ def rm_worker(model_path, lr=3e-3):
         )
     )
     config.policy.optimizer.lr = lr
-    return DTensorPolicyWorker(DTensorConfig(), ComponentContext(config=config, seed=3))
+    worker = DTensorPolicyWorker(DTensorConfig(), ComponentContext(config=config, seed=3))
+    return Policy.from_config(InProcessGroup(worker), config.policy)
 
 
 def pairs(tokenizer, start=0, count=8):
@@ -74,19 +65,19 @@ def test_rm_training_and_the_reward_model_environment(tiny_model_path, tmp_path)
 
     assert "WORLD_SIZE" not in os.environ
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    worker = rm_worker(tiny_model_path)
-    assert worker.scalar_head  # `auto` picks the scalar head for an RM config
+    policy = rm_policy(tiny_model_path)
+    assert policy.group.worker.scalar_head  # `auto` picks the scalar head for an RM config
     batch, _ = pairs(tokenizer)
     stats = global_batch_stats(batch, 64)
     assert stats.valid_sequences == 16
     loss_fn = BradleyTerryLoss()
-    losses = [worker.train(batch, loss_fn, stats)["loss"] for _ in range(8)]
+    losses = [policy.train(batch, loss_fn)["loss"] for _ in range(8)]
     assert losses[-1] < losses[0]
 
-    # Export, then score held-out pairs with the environment: the same scores as the worker.
-    worker.export_hf(str(tmp_path / "rm"))
+    # Export, then score held-out pairs with the environment: the same scores as the policy.
+    policy.export_hf(str(tmp_path / "rm"))
     held_out, conversations = pairs(tokenizer, start=100, count=4)
-    ours = sequence_scores(worker.get_logprobs(held_out), held_out)
+    ours = sequence_scores(policy.get_logprobs(held_out), held_out)
     env = RewardModelEnvironment(RewardModelEnvConfig(path=str(tmp_path / "rm"), batch_size=3))
     steps = env.step(conversations, [{}] * len(conversations))
     torch.testing.assert_close(torch.tensor([s.reward for s in steps]), ours, atol=1e-4, rtol=1e-4)
@@ -99,35 +90,13 @@ def test_rm_training_and_the_reward_model_environment(tiny_model_path, tmp_path)
 
 
 @pytest.mark.slow
-def test_nrl_run_rm_on_cpu_decreases_the_loss(tmp_path):
-    records = run_cli("rm", tmp_path, "rm.max_num_steps=8", "rm.val_period=4")
+def test_nrl_run_rm_on_cpu_decreases_the_loss(run_cli):
+    records = run_cli("rm", "rm.max_num_steps=8", "rm.val_period=4")
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, 9))
     first, last = train[0]["train/loss"], train[-1]["train/loss"]
+    assert {"timing/train_s", "timing/step_s", "train/accuracy"} <= train[0].keys()
     assert last < first
     val = [r for r in records if "val/accuracy" in r]
     assert [r["step"] for r in val] == [0, 4, 8]
     assert val[-1]["val/loss"] < val[0]["val/loss"]
-
-
-def run_cli(algorithm: str, tmp_path: Path, *overrides: str) -> list[dict]:
-    """`nrl run ALGO --config examples/configs/ALGO_tiny_cpu.yaml` in a subprocess; returns
-    the metrics records."""
-    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
-    args = [
-        sys.executable,
-        "-m",
-        "nrl_core.cli",
-        "run",
-        algorithm,
-        "--config",
-        str(REPO / "examples" / "configs" / f"{algorithm}_tiny_cpu.yaml"),
-        f"logger.log_dir={tmp_path}",
-        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-        "cluster.num_cpus=2",
-        *overrides,
-    ]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / f"{algorithm}-tiny-cpu"
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nrl_core.algorithms.rollout import ChatCodec, episodes_to_batch, rollout, start_episodes
+from nrl_core.algorithms.rollout import (
+    ChatCodec,
+    Episode,
+    episodes_to_batch,
+    rollout,
+    start_episodes,
+)
 from nrl_core.data import Sample
-from nrl_core.environments import EnvironmentActor
-from nrl_core.interfaces import ComponentContext, SamplingParams
+from nrl_core.environments import EnvironmentActor, StepResult
+from nrl_core.interfaces import ComponentContext, EnvStep, GenerationOutput, SamplingParams
 from nrl_core.testing.environments import CountdownEnvironment, FlakyEnvironment
 
 
@@ -121,3 +127,207 @@ def test_environment_errors_cost_only_the_failing_samples():
     assert [r.error is not None for r in results] == [False, True, False, False]
     assert "odd answer 3" in results[1].error and "environments.py" in results[1].error
     assert isinstance(actor.env, FlakyEnvironment)
+
+
+# --------------------------------------------------------------------------------------------
+# Scripted generation and environments (no model): exact control over lengths and ids.
+
+
+class ScriptedGenerator:
+    """Returns the next scripted response for every prompt and records what it was asked."""
+
+    def __init__(self, *responses: list[int]) -> None:
+        self.responses = list(responses)
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompts, params, stop_strings=None) -> GenerationOutput:
+        self.calls.append([list(p) for p in prompts])
+        ids = self.responses[min(len(self.calls), len(self.responses)) - 1]
+        return GenerationOutput(
+            token_ids=[list(ids) for _ in prompts],
+            logprobs=[[-0.5] * len(ids) for _ in prompts],
+            finish_reasons=["stop" for _ in prompts],
+        )
+
+
+class ScriptedPool:
+    """Answers every step with ``observation`` (None ends the episode) and reward 1."""
+
+    def __init__(self, observation=None, turns_before_end: int = 100) -> None:
+        self.observation = observation
+        self.turns_before_end = turns_before_end
+        self.calls = 0
+
+    def step(self, tasks, conversations, metadata):
+        self.calls += 1
+        end = self.calls >= self.turns_before_end
+        return [
+            StepResult(EnvStep(reward=1.0, terminated=end, observation=self.observation))
+            for _ in tasks
+        ]
+
+
+class IdCodec:
+    """The rollout's codec interface over raw ids: observations are always ``[90, 91]``."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def encode_observation(self, history, observation):
+        return [90, 91]
+
+
+def episode_with_prompt(length: int) -> Episode:
+    return Episode(
+        group=0,
+        task="t",
+        messages=[{"role": "user", "content": "x"}],
+        metadata={},
+        token_ids=list(range(1, length + 1)),
+        prompt_length=length,
+    )
+
+
+def test_a_prompt_at_or_over_the_limit_ends_truncated_without_generating():
+    # Limit 8: a 10-token prompt (over), an 8-token prompt (no budget left) and a 2-token one.
+    # Before the fix the 10-token prompt had budget -2 and ids[:-2] kept 3 of the 5 generated
+    # ids: a 13-token sequence.
+    over, full, short = episode_with_prompt(10), episode_with_prompt(8), episode_with_prompt(2)
+    generator = ScriptedGenerator([41, 42, 43, 44, 45])
+    rollout(
+        [over, full, short],
+        generator.generate,
+        ScriptedPool(),
+        IdCodec(),
+        SamplingParams(max_new_tokens=5),
+        max_turns=1,
+        max_total_length=8,
+    )
+    assert generator.calls == [[[1, 2]]]  # only the prompt with room is generated for
+    for episode in (over, full):
+        assert episode.done and episode.truncated and episode.finish_reason == "length"
+        assert episode.turns == 0 and episode.response_length == 0
+        assert len(episode.token_ids) == len(episode.loss_mask) == len(episode.gen_logprobs) == 8
+        assert episode.prompt_length == 8
+    assert over.token_ids == list(range(1, 9))  # the prompt cut to the limit, nothing generated
+    assert short.token_ids == [1, 2, 41, 42, 43, 44, 45] and not short.truncated
+    batch = episodes_to_batch([over, full, short], torch.zeros(3), pad_token_id=0)
+    assert batch["input_ids"].shape[1] == 8 and batch["loss_mask"][:2].sum() == 0
+
+
+def test_multi_turn_never_exceeds_the_limit():
+    # Limit 12, prompt 3, 4 ids per turn, a 2-id observation: 3 + 4 + 2 = 9, then the second
+    # turn is cut to the 3 ids left and the episode ends as truncated at exactly 12.
+    episode = episode_with_prompt(3)
+    generator = ScriptedGenerator([41, 42, 43, 44])
+    rollout(
+        [episode],
+        generator.generate,
+        ScriptedPool(observation={"role": "user", "content": "more"}),
+        IdCodec(),
+        SamplingParams(max_new_tokens=4),
+        max_turns=5,
+        max_total_length=12,
+    )
+    assert episode.token_ids == [1, 2, 3, 41, 42, 43, 44, 90, 91, 41, 42, 43]
+    assert episode.done and episode.truncated and episode.finish_reason == "length"
+    assert episode.turns == 2
+    assert episode.loss_mask == [0.0] * 3 + [1.0] * 4 + [0.0] * 2 + [1.0] * 3
+
+
+def test_prompt_lengths_match_the_encoded_prompts():
+    from nrl_core.testing.tiny import build_tokenizer
+
+    codec = ChatCodec(build_tokenizer(), system_prompt="Be brief.")
+    samples = [Sample([{"role": "user", "content": "1+2=" * n}], answer="3") for n in (1, 4, 9)]
+    expected = [len(codec.encode_prompt(codec.prompt_messages(s))) for s in samples]
+    assert codec.prompt_lengths(samples, chunk_size=2) == expected
+    assert expected[0] < expected[1] < expected[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Chat templates that rewrite history (Qwen3 / DeepSeek-R1 drop earlier reasoning).
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# BOS, a default system prompt when the conversation has none, and <think>...</think> removed
+# from every assistant turn but the last one (the reasoning of past turns is not shown again).
+THINK_STRIPPING_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|system|>' + '" + DEFAULT_SYSTEM + "' + eos_token }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + content + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# The same, and like Qwen3 the LAST assistant turn always shows a think block (an empty one
+# when it has none), so even a conversation without reasoning renders differently once a new
+# message follows it.
+LAST_TURN_THINK_TEMPLATE = THINK_STRIPPING_TEMPLATE.replace(
+    "{% endif %}{{ '<|' + message['role']",
+    "{% elif message['role'] == 'assistant' and loop.last and '</think>' not in content %}"
+    "{% set content = '<think></think>' + content %}"
+    "{% endif %}{{ '<|' + message['role']",
+)
+
+
+@pytest.mark.parametrize("template", [THINK_STRIPPING_TEMPLATE, LAST_TURN_THINK_TEMPLATE])
+def test_observation_ids_after_a_history_rewriting_template(template):
+    from nrl_core.testing.tiny import build_tokenizer
+
+    assert "elif" in LAST_TURN_THINK_TEMPLATE  # its edit of the first template applied
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = template
+    codec = ChatCodec(tokenizer)
+    eos = tokenizer.eos_token_id
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    first = [*encode("<think>hmm</think>3"), eos]
+    second = [*encode("5"), eos]
+    observation = {"role": "user", "content": "again"}
+    samples = [Sample([{"role": "user", "content": "1+2="}], answer="3")]
+    episodes = start_episodes(samples, codec, repeats=1)
+    prompt_ids = list(episodes[0].token_ids)
+    rollout(
+        episodes,
+        ScriptedGenerator(first, second).generate,
+        ScriptedPool(observation=observation, turns_before_end=2),
+        codec,
+        SamplingParams(max_new_tokens=32),
+        max_turns=3,
+        max_total_length=512,
+    )
+    episode = episodes[0]
+    assert episode.turns == 2 and episode.done and not episode.truncated
+
+    # The template does rewrite the history here, so the diff of the two renderings fails and
+    # the fallback is what this test exercises.
+    history = [{"role": m["role"], "content": m["content"]} for m in episode.messages[:2]]
+    before = tokenizer.apply_chat_template(history, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        [*history, observation], tokenize=False, add_generation_prompt=True
+    )
+    assert not after.startswith(before)
+
+    obs_ids = episode.messages[2]["token_ids"]
+    # Exactly the observation's turn and the next generation prompt: no BOS, no system preamble
+    # in the middle of the sequence.
+    assert obs_ids == encode("<|user|>again<|eos|><|assistant|>")
+    assert tokenizer.bos_token_id not in obs_ids
+    assert DEFAULT_SYSTEM not in tokenizer.decode(obs_ids)
+    assert tokenizer.convert_tokens_to_ids("<|system|>") not in obs_ids
+    # Token ids end to end: the prompt, the generated ids, the observation ids, the generated ids.
+    assert episode.token_ids == prompt_ids + first + obs_ids + second
+    assert episode.loss_mask == (
+        [0.0] * len(prompt_ids) + [1.0] * len(first) + [0.0] * len(obs_ids) + [1.0] * len(second)
+    )
+    assert codec.encode_observation(episode.messages[:2], observation) == obs_ids

@@ -5,30 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from nrl_core.algorithms.sft import masked_batch
+from nrl_core.algorithms.supervised import masked_batch
 from nrl_core.chat_data import ChatDataConfig, ChatDataError, ChatDataset, encode_conversation
-from nrl_core.config.schema import PolicyConfig, SFTConfig
-from nrl_core.interfaces import ComponentContext
 from nrl_core.losses.nll import NLLLoss
-from nrl_core.policy import global_batch_stats
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_path():
-    """The cached tiny model (built once per machine) rather than a fresh build per session."""
-    from nrl_core.testing.tiny import tiny_model_path as cached
-
-    return cached()
-
 
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
@@ -96,25 +79,6 @@ def test_shipped_chat_data_loads():
     assert all(any(m["role"] == "assistant" for m in s.messages) for s in samples)
 
 
-def make_worker(model_path, *, micro_batch_size=4, seed=0, lora_rank=0, lr=1e-2):
-    """A real dtensor worker in this process (no WORLD_SIZE: single process, no FSDP)."""
-    from nrl_dtensor.config import DTensorConfig
-    from nrl_dtensor.worker import DTensorPolicyWorker
-
-    config = SFTConfig(
-        seed=seed,
-        policy=PolicyConfig(
-            model_name=str(model_path),
-            train_global_batch_size=8,
-            train_micro_batch_size=micro_batch_size,
-            max_total_sequence_length=64,
-        ),
-    )
-    config.policy.optimizer.lr = lr
-    options = DTensorConfig(lora_rank=lora_rank)
-    return DTensorPolicyWorker(options, ComponentContext(config=config, seed=seed))
-
-
 def chat_batch(tokenizer, count=8):
     samples = ChatDataset(ChatDataConfig(path="nrl://recipes/data/chat_train.jsonl"), None).load(
         "train"
@@ -123,17 +87,16 @@ def chat_batch(tokenizer, count=8):
     return masked_batch(rows, tokenizer.pad_token_id)
 
 
-def test_sft_loss_is_invariant_to_micro_batch_size(tiny_model_path, tokenizer):
+def test_sft_loss_is_invariant_to_micro_batch_size(tiny_model_path, tokenizer, make_policy):
     assert "WORLD_SIZE" not in os.environ
     batch = chat_batch(tokenizer)
-    stats = global_batch_stats(batch, 64)
     results = {}
     for size in (1, 3, 8):
-        worker = make_worker(tiny_model_path, micro_batch_size=size)
-        metrics = worker.train(batch, NLLLoss(), stats)
-        results[size] = (metrics, worker.get_logprobs(batch))
+        policy = make_policy(tiny_model_path, micro_batch_size=size)
+        metrics = policy.train(batch, NLLLoss())
+        results[size] = (metrics, policy.get_logprobs(batch))
     # The reported loss is the token-mean NLL of the whole batch, computed independently.
-    fresh = make_worker(tiny_model_path)
+    fresh = make_policy(tiny_model_path)
     lp = fresh.get_logprobs(batch)
     expected = float(-(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
     for metrics, after in results.values():
@@ -145,23 +108,24 @@ def test_sft_loss_is_invariant_to_micro_batch_size(tiny_model_path, tokenizer):
 
 
 @pytest.mark.slow
-def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, tokenizer, tmp_path):
+def test_lora_trains_adapters_only_and_exports_merged_weights(
+    tiny_model_path, tokenizer, tmp_path, make_policy
+):
     from transformers import AutoModelForCausalLM
 
-    worker = make_worker(tiny_model_path, lora_rank=4, lr=5e-3)
-    trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
+    policy = make_policy(tiny_model_path, lora_rank=4, lr=5e-3)
+    trainable = [n for n, p in policy.group.worker.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     batch = chat_batch(tokenizer)
-    stats = global_batch_stats(batch, 64)
-    losses = [worker.train(batch, NLLLoss(), stats)["loss"] for _ in range(5)]
+    losses = [policy.train(batch, NLLLoss())["loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
-    worker.export_hf(str(tmp_path / "hf"))
+    policy.export_hf(str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = batch["input_ids"][:2]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ours = worker.get_logprobs(batch.slice(0, 2))
+    ours = policy.get_logprobs(batch.slice(0, 2))
     mask = torch.arange(ids.shape[1] - 1)[None] < (batch["lengths"][:2, None] - 1)
     torch.testing.assert_close(lp * mask, ours[:, 1:] * mask, rtol=1e-4, atol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -169,35 +133,13 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(tiny_model_path, t
     assert not torch.equal(model.state_dict()[name], base.state_dict()[name])
 
 
-def run_cli(algorithm: str, tmp_path: Path, *overrides: str) -> list[dict]:
-    """`nrl run ALGO --config examples/configs/ALGO_tiny_cpu.yaml` in a subprocess; returns
-    the metrics records."""
-    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
-    args = [
-        sys.executable,
-        "-m",
-        "nrl_core.cli",
-        "run",
-        algorithm,
-        "--config",
-        str(REPO / "examples" / "configs" / f"{algorithm}_tiny_cpu.yaml"),
-        f"logger.log_dir={tmp_path}",
-        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-        "cluster.num_cpus=2",
-        *overrides,
-    ]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / f"{algorithm}-tiny-cpu"
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
-def test_nrl_run_sft_on_cpu_decreases_the_loss(tmp_path):
-    records = run_cli("sft", tmp_path, "sft.max_num_steps=8", "sft.val_period=4")
+def test_nrl_run_sft_on_cpu_decreases_the_loss(tmp_path, run_cli):
+    records = run_cli("sft", "sft.max_num_steps=8", "sft.val_period=4")
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, 9))
     assert train[-1]["train/loss"] < 0.8 * train[0]["train/loss"]
+    assert {"timing/train_s", "throughput/tokens_per_s", "timing/step_s"} <= train[0].keys()
     val = {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
     assert sorted(val) == [0, 4, 8]
     assert val[8] < val[0]

@@ -64,8 +64,11 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     ids, _ = encode_conversation(worker.tokenizer, sample.load("train")[0].messages)
     input_ids = torch.tensor([ids])
     from nrl_core.data import Batch
+    from nrl_core.distributed.worker_group import InProcessGroup
+    from nrl_core.policy import Policy
 
-    ours = worker.get_logprobs(Batch({"input_ids": input_ids, "lengths": torch.tensor([len(ids)])}))
+    batch = Batch({"input_ids": input_ids, "lengths": torch.tensor([len(ids)])})
+    ours = Policy.from_config(InProcessGroup(worker), saved.policy).get_logprobs(batch)
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

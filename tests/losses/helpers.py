@@ -8,7 +8,7 @@ import torch
 
 from nrl_core.data import Batch
 from nrl_core.interfaces import GlobalBatchStats
-from nrl_core.losses import reduce_metrics
+from nrl_core.training import reduce_metrics
 
 T = torch.float64
 

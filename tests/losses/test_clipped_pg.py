@@ -11,7 +11,11 @@ import torch
 
 from nrl_core.interfaces import GlobalBatchStats, LossFunction
 from nrl_core.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss, kl_penalty
-from nrl_core.losses.config import resolve_is_correction, resolved_clipped_pg_config
+from nrl_core.losses.config import (
+    resolve_aggregation,
+    resolve_is_correction,
+    resolved_clipped_pg_config,
+)
 from tests.losses.helpers import (
     global_stats,
     leaf,
@@ -295,10 +299,34 @@ def test_gspo_small_epsilons_clip_the_sequence_ratio():
     assert grad.abs().sum() == 0
 
 
-def test_gspo_with_token_mean_weights_sequences_by_length():
+def test_gspo_default_aggregation_is_per_sequence():
+    # aggregation=auto with ratio_level=sequence is seq_mean_token_mean: each sequence counts
+    # once, whatever its length (a token mean would give (3 * -s0 + 0.8) / 4 here).
     options = ClippedPGConfig(ratio_level="sequence", is_correction="none")
-    loss, _, _ = run(options, *gspo_rows())
-    assert loss == pytest.approx((3 * -math.exp(0.1) + 0.8) / 4, abs=1e-12)
+    assert options.aggregation == "auto"
+    loss, grad, _ = run(options, *gspo_rows())
+    s0 = math.exp(0.1)
+    assert loss == pytest.approx((-s0 + 0.8) / 2, abs=1e-12)
+    assert grad.tolist()[0] == pytest.approx([0.0] + [-s0 / 6] * 3, abs=1e-12)
+
+
+def test_gspo_refuses_token_mean_aggregation():
+    with pytest.raises(ValueError, match="aggregation=token_mean cannot be used with ratio_level"):
+        ClippedPGConfig(ratio_level="sequence", aggregation="token_mean")
+    # Dr. GRPO's constant normaliser stays available to GSPO.
+    ClippedPGConfig(ratio_level="sequence", aggregation="seq_mean_token_sum_norm")
+
+
+def test_auto_aggregation_resolution():
+    assert resolve_aggregation(ClippedPGConfig()) == "token_mean"
+    assert resolve_aggregation(ClippedPGConfig(ratio_level="sequence")) == "seq_mean_token_mean"
+    explicit = ClippedPGConfig(ratio_level="sequence", aggregation="seq_mean_token_sum_norm")
+    assert resolve_aggregation(explicit) == "seq_mean_token_sum_norm"
+    resolved = resolved_clipped_pg_config(ClippedPGConfig(ratio_level="sequence"), colocated=True)
+    assert (resolved.aggregation, resolved.is_correction) == ("seq_mean_token_mean", "none")
+    # Token ratios with the default: token mean, as before `auto` existed.
+    loss, _, _ = run(ClippedPGConfig(is_correction="none"), *two_rows())
+    assert loss == pytest.approx(-10 / 4, abs=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,6 +399,105 @@ def test_is_correction_modes(options, weights, limited):
     # exp(|old - gen|) = 3, 1.5, 1 / 0.4 = 2.5 whatever the mode.
     assert metrics["gen_logprob_error"] == pytest.approx((3.0 + 1.5 + 2.5) / 3)
     assert metrics["gen_logprob_error_max"] == pytest.approx(3.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The IS weight multiplies the policy-gradient term only, never the KL penalty:
+#   L_t = w_t * PG_t + beta * KL_t
+# Row: A = +1 and ratio 1 (prev == logp), so PG_t = -1; w = exp(old - gen) = 3, 1.5, 0.4 (W);
+# d = ref - logp = 0.5, -1, 2 (D); beta = 0.1; token_mean over the 3 tokens.
+# Every number below is written out by hand from those inputs.
+
+BETA = 0.1
+KL_SUMS = {
+    # k1 = -d: -0.5 + 1 - 2
+    "k1": -0.5 + 1.0 - 2.0,
+    # k2 = d^2 / 2: 0.125 + 0.5 + 2
+    "k2": 0.125 + 0.5 + 2.0,
+    # k3 = e^d - 1 - d: (e^0.5 - 1.5) + (e^-1 - 1 + 1) + (e^2 - 3)
+    "k3": (math.exp(0.5) - 1.5) + math.exp(-1.0) + (math.exp(2.0) - 3.0),
+}
+KL_GRADS = {
+    # d KL / d logp (d = ref - logp): k1 -> 1, k2 -> -d, k3 -> 1 - e^d
+    "k1": [1.0, 1.0, 1.0],
+    "k2": [-0.5, 1.0, -2.0],
+    "k3": [1.0 - math.exp(0.5), 1.0 - math.exp(-1.0), 1.0 - math.exp(2.0)],
+}
+IS_WEIGHTS = [
+    pytest.param(dict(is_correction="none"), [1.0, 1.0, 1.0], id="none"),
+    # min(w, 2)
+    pytest.param(dict(is_correction="token_truncate"), [2.0, 1.5, 0.4], id="token_truncate"),
+    # w inside [0.5, 5], else 0
+    pytest.param(dict(is_correction="token_mask"), [3.0, 1.5, 0.0], id="token_mask"),
+    # geometric mean (3 * 1.5 * 0.4)^(1/3) = 1.8^(1/3) ~ 1.216 < 2
+    pytest.param(
+        dict(is_correction="sequence_truncate"), [1.8 ** (1 / 3)] * 3, id="sequence_truncate-geo"
+    ),
+    # product 3 * 1.5 * 0.4 = 1.8, truncated at C = 1.5
+    pytest.param(
+        dict(is_correction="sequence_truncate", is_sequence_weight="product", is_truncate_c=1.5),
+        [1.5] * 3,
+        id="sequence_truncate-product",
+    ),
+    # geometric mean 1.216 outside [0.5, 1.1]: the whole sequence's PG term is masked
+    pytest.param(
+        dict(is_correction="sequence_mask", is_mask_high=1.1), [0.0] * 3, id="sequence_mask-geo"
+    ),
+    # product 1.8 inside [0.5, 5]: kept
+    pytest.param(
+        dict(is_correction="sequence_mask", is_sequence_weight="product"),
+        [1.8] * 3,
+        id="sequence_mask-product",
+    ),
+]
+
+
+def kl_is_row():
+    old = [0.0, -1.0, -2.0, -0.5]
+    logprobs = leaf([old])
+    batch = make_batch(
+        loss_mask=[[0, 1, 1, 1]],
+        prev_logprobs=[old],
+        gen_logprobs=[[0.0, -1.0 - LOG(3.0), -2.0 - LOG(1.5), -0.5 - LOG(0.4)]],
+        ref_logprobs=[[0.0, -1.0 + 0.5, -2.0 - 1.0, -0.5 + 2.0]],
+        advantages=[1.0],
+    )
+    stats = GlobalBatchStats(valid_tokens=3, valid_sequences=1, max_sequence_length=8)
+    return logprobs, batch, stats
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize(("is_options", "weights"), IS_WEIGHTS)
+def test_is_weight_scales_the_pg_term_but_not_the_kl_term(estimator, is_options, weights):
+    options = ClippedPGConfig(kl_coef=BETA, kl_estimator=estimator, **is_options)
+    loss, grad, metrics = run(options, *kl_is_row())
+    # sum_t (w_t * -1 + beta * KL_t) / 3
+    assert loss == pytest.approx((-sum(weights) + BETA * KL_SUMS[estimator]) / 3, abs=1e-12)
+    # d/dlogp_t = (w_t * -A * rho_t + beta * dKL_t) / 3 with the weights detached
+    expected_grad = [(-w + BETA * g) / 3 for w, g in zip(weights, KL_GRADS[estimator], strict=True)]
+    assert grad.tolist()[0] == pytest.approx([0.0, *expected_grad], abs=1e-12)
+    assert metrics["kl"] == pytest.approx(KL_SUMS[estimator] / 3, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "is_correction", ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+)
+def test_kl_only_loss_is_the_same_under_every_is_correction(is_correction):
+    # A = 0, k1 = logp - ref = 1 on the one token, beta = 0.1, w = exp(old - gen) = 4:
+    # the loss is beta * k1 = 0.1 whatever the correction does to w (4, 2 or 0).
+    logprobs = leaf([[0.0, -1.0]])
+    batch = make_batch(
+        loss_mask=[[0, 1]],
+        prev_logprobs=[[0.0, -1.0]],
+        gen_logprobs=[[0.0, -1.0 - LOG(4.0)]],
+        ref_logprobs=[[0.0, -2.0]],
+        advantages=[0.0],
+    )
+    stats = GlobalBatchStats(valid_tokens=1, valid_sequences=1, max_sequence_length=8)
+    options = ClippedPGConfig(kl_coef=0.1, kl_estimator="k1", is_correction=is_correction)
+    loss, grad, _ = run(options, logprobs, batch, stats)
+    assert loss == pytest.approx(0.1, abs=1e-12)
+    assert grad.tolist()[0] == pytest.approx([0.0, 0.1], abs=1e-12)
 
 
 def test_is_weight_uses_trainer_logprobs_when_on_policy_shortcut():
@@ -460,7 +587,17 @@ CONTRACT_OPTIONS = [
             kl_coef=0.02,
             kl_estimator="k1",
         ),
-        id="gspo-token-mean-seqtrunc",
+        id="gspo-auto-seqtrunc",
+    ),
+    pytest.param(
+        dict(
+            ratio_level="sequence",
+            aggregation="seq_mean_token_sum_norm",
+            is_correction="token_truncate",
+            kl_coef=0.05,
+            kl_estimator="k3",
+        ),
+        id="gspo-sum-norm-tis-k3",
     ),
 ]
 

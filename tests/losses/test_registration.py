@@ -9,7 +9,6 @@ import pytest
 
 from nrl_core.config.loader import resolve_config
 from nrl_core.interfaces import LossFunction
-from nrl_core.losses import reduce_metrics
 from nrl_core.plugins import PluginHost
 
 
@@ -50,11 +49,3 @@ def test_registration_and_configs_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_reduce_metrics_sums_except_max_and_min():
-    parts = [
-        {"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5},
-        {"loss": 0.5, "ratio_max": 3.0, "ratio_min": 0.7, "kl": 0.1},
-    ]
-    assert reduce_metrics(parts) == {"loss": 1.5, "ratio_max": 3.0, "ratio_min": 0.5, "kl": 0.1}

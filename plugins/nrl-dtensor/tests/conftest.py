@@ -27,6 +27,7 @@ def start_group(ray_cluster):
     """``start_group(target, args)`` -> a 2-rank worker group of the core (real Ray actors,
     torch.distributed over gloo), shut down after the test."""
     from nrl_core.distributed.worker_group import WorkerGroup
+    from nrl_core.policy import policy_layout
 
     # The pytest process itself is the single-process reference: no torch.distributed here.
     assert "WORLD_SIZE" not in os.environ
@@ -38,6 +39,7 @@ def start_group(ray_cluster):
             2,
             args=args,
             name=name,
+            layout=policy_layout(args[0]),  # tensor-parallel peers share a shard, as in a run
             num_cpus_per_worker=0.25,  # tests hold up to 3 groups at once on 2 CPUs
             timeout_s=300,
             env_vars={

@@ -7,13 +7,20 @@ Tolerances: float32 on CPU. Sharding changes the order of floating-point reducti
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _helpers import TokenMeanNLL, make_batch, stats_for
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
 from nrl_core.data import Batch, pad_sequences
+from nrl_core.distributed.worker_group import InProcessGroup
 from nrl_core.interfaces import ComponentContext, SamplingParams
+from nrl_core.policy import Policy
+
+# Every test here starts 2-rank Ray worker groups: `slow` lets CI's `plugin-dtensor` session
+# (which runs after the dev-env suite already ran these) keep to the quick checks.
+pytestmark = pytest.mark.slow
 
 WORKER = "_helpers:InspectableWorker"
 
@@ -22,6 +29,7 @@ def make_config(
     path,
     *,
     mbs=4,
+    token_budget=None,
     warmup=0,
     temperature=1.0,
     precision="float32",
@@ -34,6 +42,7 @@ def make_config(
     policy = PolicyConfig(
         model_name=str(path),
         train_micro_batch_size=mbs,
+        micro_batch_token_budget=token_budget,
         logprob_batch_size=4,
         precision=precision,
         max_grad_norm=max_grad_norm,
@@ -55,6 +64,18 @@ def local_worker(config, options=None):
     return DTensorPolicyWorker(options or DTensorConfig(), context(config))
 
 
+def local_policy(config, options=None) -> Policy:
+    """The core's policy facade over a single-process worker: the same training-step code as a
+    worker group runs."""
+    return Policy.from_config(InProcessGroup(local_worker(config, options)), config.policy)
+
+
+def group_policy(start_group, config, options=None, name="policy") -> Policy:
+    """The core's policy facade over a 2-rank worker group."""
+    group = start_group(WORKER, (options or DTensorConfig(), context(config)), name=name)
+    return Policy.from_config(group, config.policy)
+
+
 def full_params(group) -> dict[str, torch.Tensor]:
     """The unsharded parameters, streamed through ``state_dict_buckets``; checks both ranks agree."""
     per_rank = group.run_all("bucket_list", 1 << 16)
@@ -69,46 +90,69 @@ def test_two_ranks_match_one_rank(tiny_path, start_group):
     config = make_config(tiny_path)
     batch = make_batch(8, seed=1)
     stats = stats_for(batch)
-    single = local_worker(config)
-    expected = single.train(batch, TokenMeanNLL(), stats)
+    single = local_policy(config)
+    expected = single.train(batch, TokenMeanNLL())
     expected_lp = single.get_logprobs(batch)
 
-    group = start_group(WORKER, (DTensorConfig(), context(config)))
-    results = group.run_sharded("train", batch.shard(2), TokenMeanNLL(), stats)
-    # Metrics are global sums, identical on every rank.
-    assert results[0] == results[1]
-    got = results[0]
+    policy = group_policy(start_group, config)
+    got = policy.train(batch, TokenMeanNLL())
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
+    # Additive metrics are summed over micro batches and ranks: each token counted once.
     assert got["tokens"] == expected["tokens"] == stats.valid_tokens
     assert got["lr"] == expected["lr"] == 1e-3
     # The same update: logprobs after the step agree.
-    lps = torch.cat(group.run_sharded("get_logprobs", batch.shard(2)))
+    lps = policy.get_logprobs(batch)
     torch.testing.assert_close(lps, expected_lp, rtol=0, atol=1e-5)
     # Padding and position 0 hold exactly 0.
     valid = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
     assert (lps[~valid] == 0).all() and (lps[:, 0] == 0).all() and (lps[:, 1] < 0).all()
 
 
+def test_max_and_min_metrics_are_extremes_over_micro_batches_and_ranks(tiny_path, start_group):
+    """2 ranks x 2 micro batches: ``ratio_max`` / ``ratio_min`` / ``gen_logprob_error_max`` are
+    the extremes over every valid token of the step, not sums of per-micro-batch extremes."""
+    from nrl_core.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss
+
+    config = make_config(tiny_path, mbs=2)
+    policy = group_policy(start_group, config)
+    batch = make_batch(8, seed=7)
+    current = policy.get_logprobs(batch)
+    g = torch.Generator().manual_seed(0)
+    shift = torch.rand(current.shape, generator=g) - 0.5  # log-ratios in [-0.5, 0.5)
+    gen_shift = torch.rand(current.shape, generator=g) * 0.3
+    batch["prev_logprobs"] = current - shift
+    batch["gen_logprobs"] = current - shift - gen_shift
+    batch["advantages"] = torch.randn(len(batch), generator=g)
+    loss = ClippedPGLoss(ClippedPGConfig(is_correction="none"))
+    got = policy.train(batch, loss)
+
+    valid = batch["loss_mask"].bool()
+    assert got["ratio_max"] == pytest.approx(float(shift[valid].exp().max()), abs=1e-4)
+    assert got["ratio_min"] == pytest.approx(float(shift[valid].exp().min()), abs=1e-4)
+    assert got["gen_logprob_error_max"] == pytest.approx(
+        float(gen_shift[valid].exp().max()), abs=1e-4
+    )
+    assert got["ratio_min"] < 1.0 < got["ratio_max"] < 1.7
+
+
 def test_micro_batch_size_and_token_budget_do_not_change_the_step(tiny_path, start_group):
     batch = make_batch(8, seed=2, min_len=4, max_len=30)
-    stats = stats_for(batch)
-    shards = batch.shard(2)
     outcomes = {}
     variants = {
-        "mbs1": (1, DTensorConfig()),
-        "mbs4": (4, DTensorConfig()),
+        "mbs1": {"mbs": 1},
+        "mbs4": {"mbs": 4},
         # Packs by tokens: the ranks end up with different numbers of micro batches.
-        "budget": (4, DTensorConfig(micro_batch_token_budget=30)),
+        "budget": {"mbs": 4, "token_budget": 30},
     }
-    for name, (mbs, options) in variants.items():
+    for name, sizes in variants.items():
         # Plain SGD without clipping: the update is proportional to the gradient, so a wrongly
         # scaled loss shows in the parameters (Adam and clipping would hide a scale error).
-        config = make_config(tiny_path, mbs=mbs, optimizer="sgd", lr=0.5, max_grad_norm=0.0)
-        group = start_group(WORKER, (options, context(config)), name=name)
-        metrics = group.run_sharded("train", shards, TokenMeanNLL(), stats)[0]
-        outcomes[name] = (metrics, full_params(group))
-        group.shutdown()
+        config = make_config(tiny_path, optimizer="sgd", lr=0.5, max_grad_norm=0.0, **sizes)
+        policy = group_policy(start_group, config, name=name)
+        metrics = policy.train(batch, TokenMeanNLL())
+        outcomes[name] = (metrics, full_params(policy.group))
+        policy.shutdown()
     ref_metrics, ref_params = outcomes["mbs4"]
     for name in ("mbs1", "budget"):
         metrics, params = outcomes[name]
@@ -139,7 +183,7 @@ def test_generation_logprobs_match_training_logprobs(tiny_path, start_group):
         batch = Batch(
             {"input_ids": pad_sequences(seqs), "lengths": torch.tensor([len(s) for s in seqs])}
         )
-        lp = group.run_sharded("get_logprobs", [batch, batch])[0]
+        lp = Policy.from_config(group, config.policy).get_logprobs(batch)
         for i, (p, t) in enumerate(zip(shard, out.token_ids, strict=True)):
             train_lp = lp[i, len(p) : len(p) + len(t)]
             assert len(t) > 0
@@ -154,33 +198,31 @@ def test_checkpoint_round_trip_reference_and_export(tiny_path, start_group, tmp_
 
     config = make_config(tiny_path, warmup=3)
     batch1, batch2 = make_batch(8, seed=3), make_batch(8, seed=4)
-    group = start_group(WORKER, (DTensorConfig(), context(config)), name="a")
-    initial_lp = torch.cat(group.run_sharded("get_logprobs", batch1.shard(2)))
-    first = group.run_sharded("train", batch1.shard(2), TokenMeanNLL(), stats_for(batch1))[0]
+    policy = group_policy(start_group, config, name="a")
+    initial_lp = policy.get_logprobs(batch1)
+    first = policy.train(batch1, TokenMeanNLL())
     assert abs(first["lr"] - 1e-3 / 3) < 1e-12  # warm-up: step 1 of 3
-    group.run_all("save_checkpoint", str(tmp_path / "ckpt"))
+    policy.save_checkpoint(str(tmp_path / "ckpt"))
 
-    restored = start_group(WORKER, (DTensorConfig(), context(config)), name="b")
-    restored.run_all("load_checkpoint", str(tmp_path / "ckpt"))
-    lp_a = torch.cat(group.run_sharded("get_logprobs", batch2.shard(2)))
-    lp_b = torch.cat(restored.run_sharded("get_logprobs", batch2.shard(2)))
-    assert torch.equal(lp_a, lp_b)
+    restored = group_policy(start_group, config, name="b")
+    restored.load_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(policy.get_logprobs(batch2), restored.get_logprobs(batch2))
     # The next step (optimizer moments, scheduler position) is identical too.
-    step_a = group.run_sharded("train", batch2.shard(2), TokenMeanNLL(), stats_for(batch2))[0]
-    step_b = restored.run_sharded("train", batch2.shard(2), TokenMeanNLL(), stats_for(batch2))[0]
+    step_a = policy.train(batch2, TokenMeanNLL())
+    step_b = restored.train(batch2, TokenMeanNLL())
     assert step_a == step_b and abs(step_a["lr"] - 2e-3 / 3) < 1e-12
-    params_a, params_b = full_params(group), full_params(restored)
+    params_a, params_b = full_params(policy.group), full_params(restored.group)
     for key in params_a:
         assert torch.equal(params_a[key], params_b[key]), key
 
     # The reference stays at the initial weights after training.
-    ref_lp = torch.cat(restored.run_sharded("get_reference_logprobs", batch1.shard(2)))
+    ref_lp = restored.get_logprobs(batch1, reference=True)
     torch.testing.assert_close(ref_lp, initial_lp, rtol=0, atol=1e-6)
-    trained_lp = torch.cat(restored.run_sharded("get_logprobs", batch1.shard(2)))
+    trained_lp = restored.get_logprobs(batch1)
     assert (trained_lp - initial_lp).abs().max() > 1e-3
 
     # export_hf reloads through from_pretrained and computes the same logprobs.
-    restored.run_all("export_hf", str(tmp_path / "hf"))
+    restored.export_hf(str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     for key, value in model.state_dict().items():
         assert torch.equal(value, params_b[key]), key
@@ -196,18 +238,42 @@ def test_checkpoint_round_trip_reference_and_export(tiny_path, start_group, tmp_
     assert (tmp_path / "hf" / "tokenizer.json").exists()
 
 
+def test_reference_snapshot_follows_the_weights_it_was_taken_from(tiny_path, start_group, tmp_path):
+    """``snapshot_reference`` (GRPO after a supervised warm-up) makes the current weights the
+    frozen reference: reference logprobs equal the policy's then, and stay put after a step."""
+    config = make_config(tiny_path)
+    batch = make_batch(8, seed=8)
+    policy = group_policy(start_group, config)
+    initial = policy.get_logprobs(batch)
+    policy.train(batch, TokenMeanNLL())
+    trained = policy.get_logprobs(batch)
+    assert (trained - initial).abs().max() > 1e-3
+    policy.snapshot_reference(str(tmp_path / "reference"))
+    assert (tmp_path / "reference" / "model.safetensors").exists()
+    torch.testing.assert_close(
+        policy.get_logprobs(batch, reference=True), trained, rtol=0, atol=1e-6
+    )
+    policy.train(batch, TokenMeanNLL())
+    torch.testing.assert_close(
+        policy.get_logprobs(batch, reference=True), trained, rtol=0, atol=1e-6
+    )
+    assert (policy.get_logprobs(batch) - trained).abs().max() > 1e-3
+
+
 def test_tensor_parallel_matches_single_process(tiny_path, start_group):
     config = make_config(tiny_path)
     batch = make_batch(4, seed=5)
     stats = stats_for(batch)
-    single = local_worker(config)
+    single = local_policy(config)
     expected_lp = single.get_logprobs(batch)
-    expected = single.train(batch, TokenMeanNLL(), stats)
+    expected = single.train(batch, TokenMeanNLL())
     # tp=2 on 2 ranks: one data-parallel shard, given to both tensor-parallel peers.
-    group = start_group(WORKER, (DTensorConfig(tensor_parallel_size=2), context(config)))
-    lps = group.run_sharded("get_logprobs", [batch, batch])
-    torch.testing.assert_close(lps[0], expected_lp, rtol=0, atol=1e-5)
-    got = group.run_sharded("train", [batch, batch], TokenMeanNLL(), stats)[0]
+    options = DTensorConfig(tensor_parallel_size=2)
+    group = start_group(WORKER, (options, context(config)))
+    policy = Policy.from_config(group, config.policy)
+    assert policy.dp_size == 1
+    torch.testing.assert_close(policy.get_logprobs(batch), expected_lp, rtol=0, atol=1e-5)
+    got = policy.train(batch, TokenMeanNLL())
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
     assert got["tokens"] == stats.valid_tokens  # counted once, not once per TP peer
@@ -215,29 +281,21 @@ def test_tensor_parallel_matches_single_process(tiny_path, start_group):
 
 def test_bfloat16_and_activation_checkpointing(tiny_path, start_group):
     batch = make_batch(4, seed=6)
-    stats = stats_for(batch)
-    plain = start_group(WORKER, (DTensorConfig(), context(make_config(tiny_path))), name="plain")
-    ckpt = start_group(
-        WORKER,
-        (
-            DTensorConfig(activation_checkpointing=True, cpu_offload=True),
-            context(make_config(tiny_path)),
-        ),
-        name="ckpt",
-    )
-    a = plain.run_sharded("train", batch.shard(2), TokenMeanNLL(), stats)[0]
-    b = ckpt.run_sharded("train", batch.shard(2), TokenMeanNLL(), stats)[0]
+    config = make_config(tiny_path)
+    plain = group_policy(start_group, config, name="plain")
+    checkpointed = DTensorConfig(activation_checkpointing=True, cpu_offload=True)
+    ckpt = group_policy(start_group, config, checkpointed, name="ckpt")
+    a = plain.train(batch, TokenMeanNLL())
+    b = ckpt.train(batch, TokenMeanNLL())
     assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
-    bf16 = start_group(
-        WORKER,
-        (DTensorConfig(), context(make_config(tiny_path, precision="bfloat16"))),
-        name="bf16",
+    bf16 = group_policy(
+        start_group, make_config(tiny_path, precision="bfloat16"), DTensorConfig(), name="bf16"
     )
-    c = bf16.run_sharded("train", batch.shard(2), TokenMeanNLL(), stats)[0]
+    c = bf16.train(batch, TokenMeanNLL())
     # bfloat16 compute: close to float32, not equal.
     assert abs(c["loss"] - a["loss"]) < 0.05 * abs(a["loss"]) and c["loss"] != a["loss"]
-    buckets = bf16.run_all("bucket_list", 1 << 14)[0]
+    buckets = bf16.group.run_all("bucket_list", 1 << 14)[0]
     assert len(buckets) > 1
     for bucket in buckets:
         sizes = [t.numel() * t.element_size() for t in bucket.values()]

@@ -58,7 +58,11 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
                 result = None
             else:
                 method, args = payload
-                result = getattr(instances[key], method)(*args)
+                # A method name, or a core per-rank function called as fn(worker, *args).
+                if callable(method):
+                    result = method(instances[key], *args)
+                else:
+                    result = getattr(instances[key], method)(*args)
                 if inspect.isgenerator(result):
                     result = list(result)
             conn.send(("ok", result))
@@ -99,14 +103,15 @@ class SpawnPool:
         return results
 
     def start(
-        self, target: str, num_workers: int, args: tuple = (), name: str = "group"
+        self, target: str, num_workers: int, args: tuple = (), name: str = "group", tp: int = 1
     ) -> SpawnGroup:
-        """Build ``target(*args)`` in every process; same signature as ``WorkerGroup.start``."""
+        """Build ``target(*args)`` in every process; same signature as ``WorkerGroup.start``
+        (``tp``: tensor-parallel peers, adjacent ranks, share a data-parallel shard)."""
         assert num_workers == self.num_workers, "the pool's size is fixed"
         self._groups += 1
         key = f"{name}-{self._groups}"
         self._call("start", key, [(target, args)] * self.num_workers)
-        return SpawnGroup(self, key)
+        return SpawnGroup(self, key, tp)
 
     def close(self) -> None:
         """Stop the processes."""
@@ -121,16 +126,22 @@ class SpawnPool:
 class SpawnGroup:
     """One worker instance per pool process; the WorkerGroup calling API."""
 
-    def __init__(self, pool: SpawnPool, key: str) -> None:
-        self.pool, self.key = pool, key
+    def __init__(self, pool: SpawnPool, key: str, tp: int = 1) -> None:
+        self.pool, self.key, self.tp = pool, key, tp
+        self.dp_size = pool.num_workers // tp
 
-    def run_all(self, method: str, *args) -> list:
+    def run_all(self, method, *args) -> list:
         """Call ``method(*args)`` on every rank; return the per-rank results."""
         return self.pool._call("call", self.key, [(method, args)] * self.pool.num_workers)
 
-    def run_sharded(self, method: str, items: list, *args) -> list:
-        """Call ``method(items[rank], *args)`` on every rank."""
-        return self.pool._call("call", self.key, [(method, (item, *args)) for item in items])
+    def run_sharded(self, method, items: list, *args) -> list:
+        """Call ``method(items[dp_rank], *args)`` on every rank; like ``WorkerGroup``, return
+        the result of the first rank of each data-parallel shard."""
+        assert len(items) == self.dp_size, (len(items), self.dp_size)
+        payloads = [
+            (method, (items[rank // self.tp], *args)) for rank in range(self.pool.num_workers)
+        ]
+        return self.pool._call("call", self.key, payloads)[:: self.tp]
 
     def shutdown(self) -> None:
         """Drop the instances (the processes stay for the next group)."""

@@ -33,7 +33,9 @@ class TokenMeanNLL:
     def __call__(self, logprobs, batch, stats: GlobalBatchStats):
         mask = batch["loss_mask"] * batch["sample_mask"][:, None]
         nll = -(logprobs * mask).sum()
+        # Like every real loss, it reports its own value as `loss` too.
         return nll / stats.valid_tokens, {
+            "loss": float(nll.detach()) / stats.valid_tokens,
             "nll_sum": float(nll.detach()),
             "tokens": float(mask.sum()),
         }

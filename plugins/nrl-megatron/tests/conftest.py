@@ -73,7 +73,9 @@ def start_group():
     groups = []
 
     def start(pool, target: str, args: tuple, name: str = "policy"):
-        group = pool.start(target=target, num_workers=pool.num_workers, args=args, name=name)
+        # Tensor-parallel peers share a data-parallel shard, as in a run's worker group.
+        tp = getattr(args[0], "tensor_model_parallel_size", 1) if args else 1
+        group = pool.start(target=target, num_workers=pool.num_workers, args=args, name=name, tp=tp)
         groups.append(group)
         return group
 

@@ -12,6 +12,7 @@ from _megatron_helpers import greedy_hf, requires_megatron, sequences_batch
 from test_megatron import WORKER, context, make_config, megatron_options
 
 from nrl_core.interfaces import SamplingParams
+from nrl_core.policy import Policy
 
 pytestmark = requires_megatron
 
@@ -38,16 +39,17 @@ def test_greedy_matches_hugging_face(tp, tiny_path, pool1, pool2, start_group):
     pool = pool1 if tp == 1 else pool2
     group = start_group(pool, WORKER, (megatron_options(tp), context(make_config(tiny_path))))
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
-    # Spawned pools take one item per rank: tensor-parallel peers get the same prompts.
-    outs = group.run_sharded("generate", [prompts] * pool.num_workers, params)
+    # One item per data-parallel shard: tensor-parallel peers get the same prompts.
+    outs = group.run_sharded("generate", [prompts] * group.dp_size, params)
     out = outs[0]
     assert all(o == out for o in outs)
     assert out.token_ids == want
     assert out.finish_reasons == ["stop" if t[-1] == eos else "length" for t in want]
     # Greedy logprobs are log_softmax(logits) at T=1, what get_logprobs computes at T=1.
-    lp = group.run_sharded("get_logprobs", [sequences_batch(prompts, out.token_ids)] * len(outs))
+    policy = Policy.from_config(group, make_config(tiny_path).policy)
+    lp = policy.get_logprobs(sequences_batch(prompts, out.token_ids))
     for i, (p, g) in enumerate(zip(prompts, out.token_ids, strict=True)):
-        got = lp[0][i, len(p) : len(p) + len(g)]
+        got = lp[i, len(p) : len(p) + len(g)]
         torch.testing.assert_close(got, torch.tensor(out.logprobs[i]), rtol=0, atol=1e-5)
 
 
@@ -59,7 +61,9 @@ def test_sampled_logprobs_match_training_logprobs_and_are_seeded(tiny_path, pool
     out = group.run_all("generate", prompts, params)[0]
     assert all(1 <= len(t) <= 10 for t in out.token_ids)
     assert [len(t) for t in out.token_ids] == [len(lp) for lp in out.logprobs]
-    lp = group.run_all("get_logprobs", sequences_batch(prompts, out.token_ids))[0]
+    lp = Policy.from_config(group, config.policy).get_logprobs(
+        sequences_batch(prompts, out.token_ids)
+    )
     for i, (p, g) in enumerate(zip(prompts, out.token_ids, strict=True)):
         got = lp[i, len(p) : len(p) + len(g)]
         torch.testing.assert_close(got, torch.tensor(out.logprobs[i]), rtol=0, atol=1e-5)

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from _megatron_helpers import HAVE_MEGATRON, NO_MEGATRON, TokenMeanNLL, make_batch, stats_for
+from _megatron_helpers import HAVE_MEGATRON, NO_MEGATRON, TokenMeanNLL, make_batch
 
 if not HAVE_MEGATRON:
     pytest.skip(NO_MEGATRON, allow_module_level=True)
@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA", allow_module_level=True)
 
 from test_megatron import WORKER, context, make_config, megatron_options
+
+from nrl_core.policy import Policy
 
 pytestmark = pytest.mark.gpu
 
@@ -30,12 +32,12 @@ def test_te_spec_logprobs_match_local_spec(tiny_path, pool1, start_group):
     config = make_config(tiny_path)
     batch = make_batch(4, seed=5)
     local = start_group(pool1, WORKER, (megatron_options(), context(config)), name="local")
-    want = local.run_all("get_logprobs", batch)[0]
+    want = Policy.from_config(local, config.policy).get_logprobs(batch)
     local.shutdown()
     te = start_group(
         pool1, WORKER, (MegatronConfig(transformer_engine=True), context(config)), name="te"
     )
-    got = te.run_all("get_logprobs", batch)[0]
+    got = Policy.from_config(te, config.policy).get_logprobs(batch)
     # TE kernels (fused attention, fused layernorm-linear) reorder reductions: 1e-3 in float32.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     # The exported HF names come back from the TE layout (layer norms inside linear_qkv/fc1).
@@ -47,13 +49,12 @@ def test_te_spec_logprobs_match_local_spec(tiny_path, pool1, start_group):
 def test_tp2_distributed_optimizer_matches_one_gpu(tiny_path, pool1, pool2, start_group):
     config = make_config(tiny_path)
     batch = make_batch(8, seed=6)
-    stats = stats_for(batch)
     single = start_group(pool1, WORKER, (megatron_options(), context(config)), name="single")
-    want = single.run_all("train", batch, TokenMeanNLL(), stats)[0]
+    want = Policy.from_config(single, config.policy).train(batch, TokenMeanNLL())
     group = start_group(pool2, WORKER, (megatron_options(2), context(config)))
-    got = group.run_sharded("train", [batch, batch], TokenMeanNLL(), stats)
-    assert got[0]["loss"] == pytest.approx(want["loss"], rel=1e-4)
-    assert got[0]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+    got = Policy.from_config(group, config.policy).train(batch, TokenMeanNLL())
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
 
 @pytest.mark.skipif(
@@ -73,7 +74,7 @@ def test_refit_into_vllm_gives_same_greedy_tokens(tiny_path, tmp_path, pool1, st
     config = make_config(tiny_path)
     group = start_group(pool1, WORKER, (megatron_options(), context(config)))
     batch = make_batch(8, seed=7)
-    group.run_all("train", batch, TokenMeanNLL(), stats_for(batch))
+    Policy.from_config(group, config.policy).train(batch, TokenMeanNLL())
     group.run_all("export_hf", str(tmp_path / "hf"))
     buckets = group.run_all("state_dict_buckets", 1 << 20)[0]
 

@@ -24,6 +24,8 @@ import torch
 from _megatron_helpers import make_batch, requires_megatron
 from test_megatron import WORKER, context, make_config, megatron_options
 
+from nrl_core.policy import Policy
+
 pytestmark = [
     requires_megatron,
     pytest.mark.skipif(
@@ -180,7 +182,7 @@ def test_convert_exports_the_same_logits(grpo_run, pool2, start_group):
     group = start_group(pool2, WORKER, (megatron_options(), context(config)))
     group.run_all("load_checkpoint", str(grpo_run / "ckpt" / "step_3" / "policy"))
     batch = make_batch(6, seed=7)
-    want = group.run_sharded("get_logprobs", [batch, batch])[0]
+    want = Policy.from_config(group, config.policy).get_logprobs(batch)
 
     ids = batch["input_ids"]
     with torch.no_grad():

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import TokenMeanNLL, make_batch, requires_megatron, stats_for
+from _megatron_helpers import TokenMeanNLL, make_batch, requires_megatron
 from safetensors.torch import load_file
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
+from nrl_core.distributed.worker_group import InProcessGroup
 from nrl_core.interfaces import ComponentContext
+from nrl_core.policy import Policy
 
 pytestmark = requires_megatron
 
@@ -76,29 +78,61 @@ def test_forward_negative_control_naive_qkv_differs(tiny_path, pool1, start_grou
     assert (megatron_logits - hf_logits).abs().max() > 1e-3
 
 
+def policy(group, config) -> Policy:
+    """The core's policy facade (the training step every run uses) over a test group."""
+    return Policy.from_config(group, config.policy)
+
+
 def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
     config = make_config(tiny_path, temperature=0.7)
     batch = make_batch(8, seed=1)
-    stats = stats_for(batch)
-    reference = dtensor_worker(config)
+    reference = Policy.from_config(InProcessGroup(dtensor_worker(config)), config.policy)
     want_lp = reference.get_logprobs(batch)
-    want = reference.train(batch, TokenMeanNLL(), stats)
+    want = reference.train(batch, TokenMeanNLL())
     want_after = reference.get_logprobs(batch)
 
-    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
-    got_lp = group.run_all("get_logprobs", batch)[0]
+    megatron = policy(start_group(pool1, WORKER, (megatron_options(), context(config))), config)
+    got_lp = megatron.get_logprobs(batch)
     torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
-    got = group.run_all("train", batch, TokenMeanNLL(), stats)[0]
+    got = megatron.train(batch, TokenMeanNLL())
     for key in ("loss", "nll_sum", "tokens", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
     assert got["lr"] == want["lr"]
-    got_after = group.run_all("get_logprobs", batch)[0]
+    got_after = megatron.get_logprobs(batch)
     assert (got_after - got_lp).abs().max() > 1e-4  # the step changed the model
     torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
     # The reference stays at the initial weights.
     torch.testing.assert_close(
-        group.run_all("get_reference_logprobs", batch)[0], want_lp, rtol=0, atol=1e-5
+        megatron.get_logprobs(batch, reference=True), want_lp, rtol=0, atol=1e-5
     )
+
+
+def test_reported_loss_is_the_computed_loss(tiny_path, pool2, start_group):
+    """The reported ``loss`` is the token-mean NLL the step back-propagated, counted once (the
+    loss function's own ``loss`` metric is not added to it), over 2 ranks x 2 micro batches."""
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=5)
+    megatron = policy(start_group(pool2, WORKER, (megatron_options(), context(config))), config)
+    before = megatron.get_logprobs(batch)
+    mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+    computed = float(-(before * mask).sum() / mask.sum())
+    got = megatron.train(batch, TokenMeanNLL())
+    assert got["loss"] == pytest.approx(computed, rel=1e-5)
+    assert got["tokens"] == float(mask.sum())
+
+
+def test_reference_snapshot(tiny_path, tmp_path, pool1, start_group):
+    config = make_config(tiny_path)
+    batch = make_batch(8, seed=6)
+    megatron = policy(start_group(pool1, WORKER, (megatron_options(), context(config))), config)
+    megatron.train(batch, TokenMeanNLL())
+    trained = megatron.get_logprobs(batch)
+    megatron.snapshot_reference(str(tmp_path / "reference"))
+    megatron.train(batch, TokenMeanNLL())
+    torch.testing.assert_close(
+        megatron.get_logprobs(batch, reference=True), trained, rtol=0, atol=1e-5
+    )
+    assert (megatron.get_logprobs(batch) - trained).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("tp", [2, 1])
@@ -106,10 +140,11 @@ def test_two_ranks_match_one_rank(tp, tiny_path, pool1, pool2, start_group):
     """TP=2 (both ranks get the whole batch) or DP=2 (each gets half) vs one rank."""
     config = make_config(tiny_path)
     batch = make_batch(8, seed=2)
-    stats = stats_for(batch)
-    single = start_group(pool1, WORKER, (megatron_options(), context(config)), name="single")
-    want = single.run_all("train", batch, TokenMeanNLL(), stats)[0]
-    want_lp = single.run_all("get_logprobs", batch)[0]
+    single = policy(
+        start_group(pool1, WORKER, (megatron_options(), context(config)), name="single"), config
+    )
+    want = single.train(batch, TokenMeanNLL())
+    want_lp = single.get_logprobs(batch)
 
     group = start_group(pool2, WORKER, (megatron_options(tp), context(config)))
     # Before training, the streamed export (TP shards gathered, converted back to HF names)
@@ -121,21 +156,21 @@ def test_two_ranks_match_one_rank(tp, tiny_path, pool1, pool2, start_group):
         for name, tensor in checkpoint.items():
             assert torch.equal(exported[name], tensor), name
 
-    shards = [batch, batch] if tp == 2 else batch.shard(2)
-    results = group.run_sharded("train", shards, TokenMeanNLL(), stats)
-    assert results[0] == results[1]
+    got = policy(group, config).train(batch, TokenMeanNLL())
     for key in ("loss", "nll_sum", "tokens", "grad_norm"):
-        assert results[0][key] == pytest.approx(want[key], rel=1e-5), key
-    lps = group.run_sharded("get_logprobs", shards)
-    got_lp = lps[0] if tp == 2 else torch.cat(lps)
-    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    torch.testing.assert_close(
+        policy(group, config).get_logprobs(batch), want_lp, rtol=0, atol=1e-5
+    )
 
 
 def test_tp_peers_with_different_batches_are_refused(tiny_path, pool2, start_group):
     config = make_config(tiny_path)
     group = start_group(pool2, WORKER, (megatron_options(2), context(config)))
     with pytest.raises(RuntimeError, match="tensor-parallel peers received different batches"):
-        group.run_sharded("get_logprobs", make_batch(4, seed=3).shard(2))
+        # Each rank its own micro batch, bypassing the data-parallel mapping on purpose.
+        shards = make_batch(4, seed=3).shard(2)
+        group.pool._call("call", group.key, [("compute_logprobs", (s,)) for s in shards])
 
 
 def test_checkpoint_and_export_round_trip(tiny_path, tmp_path, pool1, start_group):
@@ -143,27 +178,24 @@ def test_checkpoint_and_export_round_trip(tiny_path, tmp_path, pool1, start_grou
 
     config = make_config(tiny_path)
     batch = make_batch(8, seed=4)
-    stats = stats_for(batch)
-    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
-    group.run_all("train", batch, TokenMeanNLL(), stats)
-    group.run_all("save_checkpoint", str(tmp_path / "ckpt"))
-    after_save = group.run_all("get_logprobs", batch)[0]
-    second = group.run_all("train", batch, TokenMeanNLL(), stats)[0]
+    megatron = policy(start_group(pool1, WORKER, (megatron_options(), context(config))), config)
+    megatron.train(batch, TokenMeanNLL())
+    megatron.save_checkpoint(str(tmp_path / "ckpt"))
+    after_save = megatron.get_logprobs(batch)
+    second = megatron.train(batch, TokenMeanNLL())
 
-    group.run_all("load_checkpoint", str(tmp_path / "ckpt"))
-    torch.testing.assert_close(group.run_all("get_logprobs", batch)[0], after_save, rtol=0, atol=0)
-    again = group.run_all("train", batch, TokenMeanNLL(), stats)[0]
+    megatron.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(megatron.get_logprobs(batch), after_save, rtol=0, atol=0)
+    again = megatron.train(batch, TokenMeanNLL())
     assert again == second  # optimizer state and step restored: the same update again
 
-    group.run_all("export_hf", str(tmp_path / "hf"))
+    megatron.export_hf(str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     ids = batch["input_ids"][:, :6]
     with torch.no_grad():
         lp = torch.log_softmax(exported(input_ids=ids).logits[:, :-1], -1)
     hf_lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(
-        hf_lp, group.run_all("get_logprobs", batch)[0][:, 1:6], rtol=0, atol=1e-5
-    )
+    torch.testing.assert_close(hf_lp, megatron.get_logprobs(batch)[:, 1:6], rtol=0, atol=1e-5)
 
 
 def test_unsupported_parallel_sizes_are_user_errors(tiny_path, pool1, start_group):

@@ -19,13 +19,6 @@ class DTensorConfig:
     )
     activation_checkpointing: bool = option(False, "Recompute activations in backward.")
     cpu_offload: bool = option(False, "FSDP2 CPU offload of parameters and gradients.")
-    micro_batch_token_budget: int | None = option(
-        None,
-        (
-            "If set, pack micro batches up to this many (unpadded) tokens instead of a fixed "
-            "number of samples."
-        ),
-    )
     head: str = option(
         "auto",
         (

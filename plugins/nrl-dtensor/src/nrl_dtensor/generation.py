@@ -5,11 +5,13 @@ processors, stopping criteria or per-step Python over samples), so it runs on a 
 single process (tests, benchmarks) and on the policy's FSDP-sharded model inside the policy
 workers (``DTensorPolicyWorker.generate`` delegates here).
 
-Logprobs: each generated token's logprob is ``log_softmax(logits / T)`` at the sampled id, where
-``T`` is the sampling temperature (``T = 1`` for greedy). It is taken *before* top-k/top-p
-truncation, so it is not renormalised. The dtensor trainer divides its logits by the same
-generation temperature (see ``DTensorPolicyWorker``), so in float32 the train/generation logprob
-mismatch is ~0 whatever the temperature.
+Sampling (temperature, top-k, top-p, greedy) and the per-rank seed streams come from
+:mod:`nrl_core.sampling`, shared with the Megatron generator. Logprobs: each generated token's
+logprob is ``log_softmax(logits / T)`` at the sampled id, where ``T`` is the sampling temperature
+(``T = 1`` for greedy). It is taken *before* top-k/top-p truncation, so it is not renormalised.
+The dtensor trainer divides its logits by the same generation temperature (see
+``DTensorPolicyWorker``), so in float32 the train/generation logprob mismatch is ~0 whatever the
+temperature.
 
 Sharded models: with FSDP every forward is a collective, so when ``synchronize`` is on every rank
 keeps stepping (feeding padding for finished rows, or a dummy one-token prompt when it has no
@@ -22,13 +24,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.sampling import sample, seeded_generator
 from nrl_dtensor.config import TorchGenerationConfig
-
-_RANK_SEED_STRIDE = 1_000_003
-"""Offsets a user seed per data-parallel rank so equal prompts on two ranks sample differently."""
 
 
 class TorchGenerator:
@@ -64,8 +63,7 @@ class TorchGenerator:
         )
         self.seed_offset = seed_offset
         # The stream used when SamplingParams carries no seed: seeded once, then it advances.
-        self._default_rng = torch.Generator(device=self.device)
-        self._default_rng.manual_seed(self.context.seed + _RANK_SEED_STRIDE * seed_offset)
+        self._default_rng = seeded_generator(self.context.seed, seed_offset, self.device)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_token_id = pad if pad is not None else (model.config.eos_token_id or 0)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -107,8 +105,7 @@ class TorchGenerator:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
         rng = self._default_rng
         if params.seed is not None:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(params.seed + _RANK_SEED_STRIDE * self.seed_offset)
+            rng = seeded_generator(params.seed, self.seed_offset, self.device)
         chunk = max(1, self.options.generation_batch_size)
         starts = list(range(0, len(prompts), chunk))
         num_chunks = self._global_max(len(starts))
@@ -302,31 +299,3 @@ def preallocated_cache(config, capacity: int):
         return None
     cache.layers = [PreallocatedLayer() for _ in cache.layers]
     return cache
-
-
-def sample(
-    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits [B, V]``; return ``(tokens, logprobs)``.
-
-    ``logprobs`` are ``log_softmax(logits / T)`` at the sampled ids (``T = 1`` when greedy),
-    before top-k/top-p truncation.
-    """
-    logits = logits.float()
-    if params.temperature <= 0:
-        token = logits.argmax(dim=-1)
-        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-    scaled = logits / params.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled
-    if 0 < params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    token = torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=rng).squeeze(-1)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)

@@ -1,11 +1,10 @@
 """The dtensor policy worker: FSDP2 (+ optional DTensor tensor parallel) training of a Hugging
 Face causal LM, one instance per rank.
 
-Loss scaling: the core's loss functions already divide each micro batch's loss by the GLOBAL
-normaliser (tokens or sequences of the whole global batch, all DP ranks). We sum micro batch
-losses (gradient accumulation) and, because FSDP2 *averages* gradients over the data-parallel
-ranks, multiply every loss by the data-parallel size before ``backward``. The gradient is then
-exactly the gradient of the global loss, whatever the micro batch size or the number of ranks.
+The core runs the training step (:mod:`nrl_core.training`): it splits micro batches, calls
+:meth:`DTensorPolicyWorker.forward_backward` once per micro batch with a loss closure that is
+already normalised globally and scaled by the data-parallel size (FSDP2 *averages* gradients
+over data-parallel ranks), then :meth:`DTensorPolicyWorker.optimizer_step`.
 
 Temperature: logprobs computed here are ``log_softmax(logits / T)`` with ``T`` the generation
 temperature of the run (``generation.temperature``, 1 when absent or greedy), the same
@@ -21,7 +20,7 @@ import contextlib
 import os
 import random
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -29,21 +28,18 @@ import torch.distributed as dist
 
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
-from nrl_core.interfaces import (
-    ComponentContext,
-    GenerationOutput,
-    GlobalBatchStats,
-    LossFunction,
-    SamplingParams,
+from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.policy_setup import (
+    LazyReference,
+    logprob_temperature,
+    model_and_tokenizer,
+    policy_dtype,
 )
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 
 
 class DTensorSetupError(NrlError):
     """The dtensor policy's options do not fit the model or the cluster."""
-
-
-_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class DTensorPolicyWorker:
@@ -58,12 +54,7 @@ class DTensorPolicyWorker:
         self.options = options or DTensorConfig()
         self.context = context
         self.policy = context.config.policy
-        if self.policy.precision not in _PRECISIONS:
-            raise DTensorSetupError(
-                f"policy.precision={self.policy.precision!r} is not supported; use "
-                "`float32` or `bfloat16`"
-            )
-        self.dtype = _PRECISIONS[self.policy.precision]
+        self.dtype = policy_dtype(self.policy, DTensorSetupError)
         # A reward-model run (its config has an `rm` section) trains a scalar head.
         head = self.options.head
         self.scalar_head = head == "scalar" or (head == "auto" and hasattr(context.config, "rm"))
@@ -71,17 +62,13 @@ class DTensorPolicyWorker:
         self._init_meshes()
         torch.manual_seed(context.seed + self.rank)
 
-        from transformers import AutoTokenizer
-
-        from nrl_core.testing.tiny import resolve_model_name
-
-        self.model_path = resolve_model_name(self.policy.model_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_name(self.policy.tokenizer_name or self.policy.model_name)
-        )
-        self.model = self._build_model(trainable=True)
+        self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
+        self.model = self._build_model(self.model_path, trainable=True)
         self.hf_config = self.model.config
-        self.reference_model = None  # built on first use: most runs never need it
+        # The frozen reference (KL penalties, DPO), built on first use.
+        self.reference = LazyReference(
+            lambda path: self._build_model(path, trainable=False), self.model_path
+        )
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._build_optimizer(params)
@@ -90,9 +77,7 @@ class DTensorPolicyWorker:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
 
-        generation = getattr(context.config, "generation", None)
-        temperature = getattr(generation, "temperature", 1.0) if generation is not None else 1.0
-        self.logprob_temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None
 
     # -- setup ----------------------------------------------------------------------------------
@@ -134,13 +119,13 @@ class DTensorPolicyWorker:
         else:
             self.dp_rank = 0
 
-    def _load_hf_model(self):
+    def _load_hf_model(self, path: str):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         if not self.scalar_head:
-            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            self.model_path, num_labels=1, dtype=torch.float32, output_loading_info=True
+            path, num_labels=1, dtype=torch.float32, output_loading_info=True
         )
         if model.config.pad_token_id is None:
             # The head's own pooling refuses batches without a pad id; we pool by length anyway.
@@ -176,8 +161,8 @@ class DTensorPolicyWorker:
         )
         return get_peft_model(model, config)
 
-    def _build_model(self, trainable: bool):
-        model = self._load_hf_model()
+    def _build_model(self, path: str, trainable: bool):
+        model = self._load_hf_model(path)
         model.config.use_cache = False
         # Exported folders name the class they were trained as (a reward model's config
         # inherits `LlamaForCausalLM` from its base otherwise).
@@ -262,14 +247,7 @@ class DTensorPolicyWorker:
             f"policy.optimizer.name={opt.name!r} is not supported; use `adamw` or `sgd`"
         )
 
-    # -- collectives helpers ---------------------------------------------------------------------
-
-    def _global_max(self, value: int) -> int:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+    # -- helpers -------------------------------------------------------------------------------
 
     def _autocast(self):
         # Only the single-process path needs autocast; FSDP casts through its MixedPrecisionPolicy.
@@ -297,134 +275,58 @@ class DTensorPolicyWorker:
         token_lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(token_lp, (1, 0))
 
-    @staticmethod
-    def _valid_mask(batch: Batch, width: int) -> torch.Tensor:
-        lengths = batch["lengths"] if "lengths" in batch else torch.full((len(batch),), width)
-        return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-
-    def _batched_logprobs(self, model, batch: Batch) -> torch.Tensor:
-        width = batch["input_ids"].shape[1]
-        chunks = list(batch.micro_batches(max(1, self.policy.logprob_batch_size)))
-        steps = self._global_max(len(chunks))
-        out = []
+    def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of one micro batch without a graph, under the current
+        weights or the frozen reference (see :class:`nrl_core.interfaces.PolicyWorker`)."""
+        model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
-            for i in range(steps):
-                if i >= len(chunks):
-                    # Keep the collective schedule aligned with ranks that have more chunks.
-                    self._logprobs(model, torch.zeros((1, 2), dtype=torch.long, device=self.device))
-                    continue
-                chunk = chunks[i].trimmed()
-                lp = self._logprobs(model, chunk["input_ids"].to(self.device)).cpu()
-                lp = lp * self._valid_mask(chunk, lp.shape[1])
-                out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
-        return torch.cat(out) if out else torch.zeros((0, width))
+            return self._logprobs(model, micro_batch["input_ids"].to(self.device))
 
-    def get_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Per-token logprobs ``[B, T]`` of ``batch["input_ids"]`` under the current weights
-        (position 0 and padding hold 0)."""
-        return self._batched_logprobs(self.model, batch)
-
-    def get_reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The same under the frozen initial weights (loaded again from ``policy.model_name``
-        on first use, sharded like the policy)."""
-        if self.reference_model is None:
-            self.reference_model = self._build_model(trainable=False)
-        return self._batched_logprobs(self.reference_model, batch)
+    def set_reference(self, model_path: str) -> None:
+        """Use the Hugging Face folder ``model_path`` as the frozen reference."""
+        self.reference.set_path(model_path)
 
     # -- training --------------------------------------------------------------------------------
 
-    def _split_micro_batches(self, batch: Batch) -> list[Batch]:
-        budget = self.options.micro_batch_token_budget
-        if not budget:
-            return list(batch.micro_batches(max(1, self.policy.train_micro_batch_size)))
-        lengths = batch["lengths"].tolist()
-        # Longest first keeps similar lengths together (less padding); order does not change
-        # the summed loss.
-        order = sorted(range(len(batch)), key=lambda i: -lengths[i])
-        groups, current, tokens = [], [], 0
-        for i in order:
-            if current and tokens + lengths[i] > budget:
-                groups.append(current)
-                current, tokens = [], 0
-            current.append(i)
-            tokens += lengths[i]
-        if current:
-            groups.append(current)
-        return [batch.select(g) for g in groups]
-
-    def train(
-        self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats
-    ) -> dict[str, float]:
-        """One optimizer step on this rank's shard; returns the global (summed) metrics,
-        ``loss``, ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+    def forward_backward(
+        self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Training forward of one micro batch, ``loss`` on its logprobs, backward."""
         self.model.train()
-        micro_batches = self._split_micro_batches(batch)
-        steps = self._global_max(len(micro_batches))
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics: dict[str, float] = defaultdict(float)
-        for i in range(steps):
-            real = i < len(micro_batches)
-            # A rank with fewer micro batches (token budget packing) still runs the forward and
-            # backward collectives, on its first sample with a zero loss.
-            mb = (micro_batches[i] if real else batch.slice(0, 1)).trimmed().to(self.device)
-            logprobs = self._logprobs(self.model, mb["input_ids"])
-            logprobs = logprobs * self._valid_mask(mb, logprobs.shape[1])
-            loss, mb_metrics = loss_fn(logprobs, mb, stats)
-            if not real:
-                loss = loss * 0.0
-            # Undo FSDP2's mean over data-parallel ranks: the loss is already globally normalised.
-            (loss * self.dp_size).backward()
-            if real:
-                # The loss's own `loss` metric is the same number: count it once.
-                metrics["loss"] += float(loss.detach())
-                for key, value in mb_metrics.items():
-                    if key != "loss":
-                        metrics[key] += float(value)
+        logprobs = self._logprobs(self.model, micro_batch["input_ids"].to(self.device))
+        loss(logprobs).backward()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule, zero the gradients; returns
+        ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        result = self._sum_over_dp(dict(metrics))
-        result.update(grad_norm=grad_norm, lr=lr)
-        return result
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def _clip_gradients(self) -> float:
         """Clip to ``policy.max_grad_norm`` (0 disables); return the norm before clipping."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # With tensor parallelism, gradients live on two meshes (dp for replicated weights,
-        # dp x tp for sharded ones); DTensor cannot stack norms across meshes, so each mesh's
-        # norm is made a plain tensor before combining.
-        by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
-        for grad in grads:
-            by_mesh[getattr(grad, "device_mesh", None)].append(grad)
+        # dp x tp for sharded ones); DTensor ops cannot mix meshes, so norms and clipping are
+        # taken per mesh, each mesh's norm made a plain tensor before combining.
+        by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                by_mesh[getattr(param.grad, "device_mesh", None)].append(param)
         squares = 0.0
-        for group in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
             squares += float(norm) ** 2
-        total = squares**0.5
-        max_norm = self.policy.max_grad_norm
-        if max_norm > 0 and total > max_norm:
-            coef = max_norm / (total + 1e-6)
-            for grad in grads:
-                grad.mul_(coef)
-        return total
-
-    def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        if not self.distributed:
-            return metrics
-        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, metrics)
-        total: dict[str, float] = defaultdict(float)
-        for rank, rank_metrics in enumerate(gathered):
-            # Tensor-parallel peers hold the same shard: count each data-parallel shard once.
-            if rank % self.tp_size == 0:
-                for key, value in rank_metrics.items():
-                    total[key] += value
-        return dict(total)
+        total = torch.tensor(squares**0.5)
+        if self.policy.max_grad_norm > 0:
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, self.policy.max_grad_norm, total)
+        return float(total)
 
     # -- checkpoints and export ------------------------------------------------------------------
 
@@ -488,8 +390,9 @@ class DTensorPolicyWorker:
     def export_hf(self, path: str) -> None:
         """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0
         writes; all ranks take part in gathering the weights)."""
-        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from nrl_core.hf_export import write_hf_folder
 
         if self.distributed:
             state = get_model_state_dict(
@@ -497,24 +400,15 @@ class DTensorPolicyWorker:
             )
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if self.rank == 0 and self.options.lora_rank > 0:
-            state = self._merged_lora_state(state)
         if self.rank == 0:
-            if getattr(self.hf_config, "tie_word_embeddings", False):
-                state.pop("lm_head.weight", None)  # safetensors refuses shared storage
-            state = {k: v.to(self.dtype).contiguous() for k, v in state.items()}
-            Path(path).mkdir(parents=True, exist_ok=True)
-            save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
-            config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
-            config.use_cache = True
-            config.dtype = self.dtype
-            config.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+            if self.options.lora_rank > 0:
+                state = self._merged_lora_state(state)
+            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         self._barrier()
 
     def _merged_lora_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The plain model's state dict with the LoRA updates merged into the base weights."""
-        model = self._apply_lora(self._load_hf_model())
+        model = self._apply_lora(self._load_hf_model(self.model_path))
         model.load_state_dict(state)
         merged = model.merge_and_unload()
         return {k: v.detach().cpu() for k, v in merged.state_dict().items()}
@@ -525,19 +419,15 @@ class DTensorPolicyWorker:
 
         A collective: iterate it to the end on all ranks together; every rank gets every tensor.
         """
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                nbytes = full.numel() * full.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = {}, 0
-                bucket[name] = full.detach()
-                size += nbytes
-        if bucket:
-            yield bucket
+        from nrl_core.weight_sync import iter_buckets
+
+        def full_tensors():
+            with torch.no_grad():
+                for name, tensor in self.model.state_dict().items():
+                    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                    yield name, full.detach()
+
+        yield from iter_buckets(full_tensors(), bucket_bytes)
 
     def push_weights(self, sender, bucket_bytes: int):
         """Send the full state dict to generation engines through ``sender`` (a

@@ -19,8 +19,10 @@ feed identical inputs to the next (collective) forward. Peers hold the same prom
 gives each tensor-parallel group one data-parallel shard), hence finish together. Forwards only
 communicate inside a tensor-parallel group, so data-parallel groups need no lockstep.
 
-Logprobs: ``log_softmax(logits / T)`` at the sampled id (``T = 1`` when greedy), before top-k /
-top-p truncation, i.e. not renormalised -- the same convention as the torch generator.
+Sampling: :func:`nrl_core.sampling.sample`, the same function as the torch generator's, with the
+same per-data-parallel-rank seed streams (:func:`nrl_core.sampling.seeded_generator`). Logprobs:
+``log_softmax(logits / T)`` at the sampled id (``T = 1`` when greedy), before top-k / top-p
+truncation, i.e. not renormalised.
 """
 
 from __future__ import annotations
@@ -30,38 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nrl_core.interfaces import GenerationOutput, SamplingParams
-
-RANK_SEED_STRIDE = 1_000_003
-"""Offsets a seed per data-parallel rank so equal prompts on two ranks sample differently."""
-
-
-def sample(
-    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of full-vocabulary ``logits [B, V]``; return
-    ``(tokens, logprobs)`` with ``logprobs = log_softmax(logits / T)`` at the sampled ids
-    (``T = 1`` when greedy), before top-k/top-p truncation."""
-    logits = logits.float()
-    if params.temperature <= 0:
-        token = logits.argmax(dim=-1)
-        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-    scaled = logits / params.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled
-    if 0 < params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    token = torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=rng).squeeze(-1)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+from nrl_core.sampling import sample, seeded_generator
 
 
 class MegatronGenerator:
@@ -96,8 +69,7 @@ class MegatronGenerator:
         self.tp_group = tp_group
         self.tp_size = tp_size
         self.batch_size = max(1, batch_size)
-        self._default_rng = torch.Generator(device=device)
-        self._default_rng.manual_seed(seed + RANK_SEED_STRIDE * dp_rank)
+        self._default_rng = seeded_generator(seed, dp_rank, device)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else 0
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -120,8 +92,7 @@ class MegatronGenerator:
             raise ValueError("cannot generate from an empty prompt; give at least one token")
         rng = self._default_rng
         if params.seed is not None:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(params.seed + RANK_SEED_STRIDE * self.dp_rank)
+            rng = seeded_generator(params.seed, self.dp_rank, self.device)
         out = GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
         was_training = self.model.training
         self.model.eval()

@@ -15,10 +15,10 @@ Optimizer, two paths:
   ``torch.optim`` over the Megatron module and averages gradients over the data-parallel group
   itself (gloo all-reduce). The model, its forward and its tensor parallelism are Megatron's.
 
-Loss scaling (the same contract as the dtensor policy): loss functions return micro-batch
-losses already divided by the GLOBAL normaliser; micro batch losses are summed, and because
-gradients are *averaged* over data-parallel ranks (Megatron DDP's default, and our CPU
-all-reduce) each loss is multiplied by the data-parallel size before ``backward``.
+Training step: the core runs it (:mod:`nrl_core.training`): micro batches, the globally
+normalised loss scaled by the data-parallel size (gradients are *averaged* over data-parallel
+ranks, by Megatron DDP and by our CPU all-reduce), metric reduction. This worker implements the
+per-rank parts: :meth:`MegatronPolicyWorker.forward_backward` and ``optimizer_step``.
 
 Temperature: logprobs are ``log_softmax(logits / T)`` with ``T`` the run's generation
 temperature (1 when absent or greedy), computed with Megatron's vocab-parallel cross entropy.
@@ -35,8 +35,7 @@ from __future__ import annotations
 import os
 import random
 import socket
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -44,12 +43,12 @@ import torch.distributed as dist
 
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
-from nrl_core.interfaces import (
-    ComponentContext,
-    GenerationOutput,
-    GlobalBatchStats,
-    LossFunction,
-    SamplingParams,
+from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.policy_setup import (
+    LazyReference,
+    logprob_temperature,
+    model_and_tokenizer,
+    policy_dtype,
 )
 from nrl_megatron.config import MegatronConfig
 from nrl_megatron.convert import (
@@ -65,9 +64,6 @@ from nrl_megatron.convert import (
 
 class MegatronSetupError(NrlError):
     """The megatron policy's options do not fit the model, the cluster or this machine."""
-
-
-_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _free_port() -> int:
@@ -87,12 +83,7 @@ class MegatronPolicyWorker:
         self.options = options or MegatronConfig()
         self.context = context
         self.policy = context.config.policy
-        if self.policy.precision not in _PRECISIONS:
-            raise MegatronSetupError(
-                f"policy.precision={self.policy.precision!r} is not supported; use "
-                "`float32` or `bfloat16`"
-            )
-        self.dtype = _PRECISIONS[self.policy.precision]
+        self.dtype = policy_dtype(self.policy, MegatronSetupError)
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu and self.dtype != torch.float32:
             raise MegatronSetupError(
@@ -106,14 +97,9 @@ class MegatronPolicyWorker:
         self._init_parallel_state()
         torch.manual_seed(context.seed + self.rank)
 
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
-        from nrl_core.testing.tiny import resolve_model_name
-
-        self.model_path = resolve_model_name(self.policy.model_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_name(self.policy.tokenizer_name or self.policy.model_name)
-        )
+        self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
         for what, count in (
@@ -125,14 +111,15 @@ class MegatronPolicyWorker:
                     f"tensor_model_parallel_size={self.tp_size} does not divide the {count} "
                     f"{what} heads; lower policy.megatron.tensor_model_parallel_size"
                 )
-        self.model = self._build_model(trainable=True)
-        self.reference_model = None  # built on first use
+        self.model = self._build_model(self.model_path, trainable=True)
+        # The frozen reference (KL penalties, DPO), built on first use.
+        self.reference = LazyReference(
+            lambda path: self._build_model(path, trainable=False), self.model_path
+        )
         self._build_optimizer()
         self.step = 0
 
-        generation = getattr(context.config, "generation", None)
-        temperature = getattr(generation, "temperature", 1.0) if generation is not None else 1.0
-        self.logprob_temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None  # built on the first colocated generate call
 
     # -- setup ----------------------------------------------------------------------------------
@@ -197,7 +184,7 @@ class MegatronPolicyWorker:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
 
-    def _build_model(self, trainable: bool):
+    def _build_model(self, path: str, trainable: bool):
         from transformers import AutoModelForCausalLM
 
         from nrl_megatron.model import build_gpt_model, transformer_config
@@ -213,7 +200,7 @@ class MegatronPolicyWorker:
         )
         # Every rank reads the HF checkpoint and keeps its own slice: simple, and the host copy
         # is freed right after (a rank-0-reads-and-scatters load is a later optimisation).
-        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = hf_to_megatron(hf.state_dict(), self.shape, te=self.options.transformer_engine)
         del hf
         own = model.state_dict()
@@ -233,6 +220,11 @@ class MegatronPolicyWorker:
             model.requires_grad_(False)
             return model.eval()
         return model.train()
+
+    def set_reference(self, model_path: str) -> None:
+        """Convert the Hugging Face folder ``model_path`` (on next use) into the frozen
+        reference ``GPTModel``, sharded over tensor parallelism like the policy."""
+        self.reference.set_path(model_path)
 
     def _build_optimizer(self) -> None:
         opt = self.policy.optimizer
@@ -305,11 +297,6 @@ class MegatronPolicyWorker:
         token_lp = -vocab_parallel_cross_entropy(logits.contiguous(), input_ids[:, 1:].contiguous())
         return torch.nn.functional.pad(token_lp, (1, 0))
 
-    @staticmethod
-    def _valid_mask(batch: Batch, width: int) -> torch.Tensor:
-        lengths = batch["lengths"] if "lengths" in batch else torch.full((len(batch),), width)
-        return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-
     def _check_tp_peers_agree(self, batch: Batch) -> None:
         """Tensor-parallel peers must compute on the same samples (they share activations)."""
         if self.tp_size == 1:
@@ -332,40 +319,14 @@ class MegatronPolicyWorker:
                 "tensor-parallel group one data-parallel shard"
             )
 
-    def _global_max(self, value: int) -> int:
-        t = torch.tensor([value], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    def _batched_logprobs(self, model, batch: Batch) -> torch.Tensor:
-        self._check_tp_peers_agree(batch)
-        width = batch["input_ids"].shape[1]
-        chunks = list(batch.micro_batches(max(1, self.policy.logprob_batch_size)))
-        steps = self._global_max(len(chunks))
-        out = []
+    def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of one micro batch (vocab-parallel cross entropy, no
+        graph) under the current or the reference ``GPTModel``."""
+        self._check_tp_peers_agree(micro_batch)
+        model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
-            for i in range(steps):
-                if i >= len(chunks):
-                    # Keep collectives aligned with ranks that have more chunks.
-                    self._logprobs(model, torch.zeros((1, 2), dtype=torch.long, device=self.device))
-                    continue
-                chunk = chunks[i].trimmed()
-                lp = self._logprobs(model, chunk["input_ids"].to(self.device)).cpu()
-                lp = lp * self._valid_mask(chunk, lp.shape[1])
-                out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
-        return torch.cat(out) if out else torch.zeros((0, width))
-
-    def get_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Per-token logprobs ``[B, T]`` under the current weights (position 0 and padding 0)."""
-        return self._batched_logprobs(self.model, batch)
-
-    def get_reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The same under the frozen initial weights (converted again from the HF checkpoint on
-        first use, sharded like the policy)."""
-        if self.reference_model is None:
-            self.reference_model = self._build_model(trainable=False)
-        return self._batched_logprobs(self.reference_model, batch)
+            return self._logprobs(model, micro_batch["input_ids"].to(self.device))
 
     # -- colocated generation ----------------------------------------------------------------
 
@@ -395,31 +356,18 @@ class MegatronPolicyWorker:
 
     # -- training --------------------------------------------------------------------------------
 
-    def train(
-        self, batch: Batch, loss_fn: LossFunction, stats: GlobalBatchStats
-    ) -> dict[str, float]:
-        """One optimizer step on this rank's shard; returns the global (summed) metrics,
-        ``loss``, ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
-        self._check_tp_peers_agree(batch)
+    def forward_backward(
+        self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Training forward of one micro batch, ``loss`` on its logprobs, backward."""
+        self._check_tp_peers_agree(micro_batch)
         self.model.train()
-        micro_batches = list(batch.micro_batches(max(1, self.policy.train_micro_batch_size)))
-        steps = self._global_max(len(micro_batches))
-        self._zero_grad()
-        metrics: dict[str, float] = defaultdict(float)
-        for i in range(steps):
-            real = i < len(micro_batches)
-            mb = (micro_batches[i] if real else batch.slice(0, 1)).trimmed().to(self.device)
-            logprobs = self._logprobs(self.model, mb["input_ids"])
-            logprobs = logprobs * self._valid_mask(mb, logprobs.shape[1])
-            loss, mb_metrics = loss_fn(logprobs, mb, stats)
-            if not real:
-                loss = loss * 0.0
-            # Gradients are averaged over data-parallel ranks; the loss is already global.
-            (loss * self.dp_size).backward()
-            if real:
-                metrics["loss"] += float(loss.detach())
-                for key, value in mb_metrics.items():
-                    metrics[key] += float(value)
+        logprobs = self._logprobs(self.model, micro_batch["input_ids"].to(self.device))
+        loss(logprobs).backward()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Average gradients over data-parallel ranks (CPU path; Megatron DDP does it on GPU),
+        clip, step, zero the gradients; returns ``grad_norm`` (before clipping) and ``lr``."""
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -432,9 +380,7 @@ class MegatronPolicyWorker:
             self.optimizer.step()
         self.step += 1
         self._zero_grad()
-        result = self._sum_over_dp(dict(metrics))
-        result.update(grad_norm=float(grad_norm), lr=lr)
-        return result
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer is not None:
@@ -459,11 +405,11 @@ class MegatronPolicyWorker:
         """
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = []
+        params = []
         for param in self.model.parameters():
             if param.grad is None:
                 continue
-            grads.append(param.grad)
+            params.append(param)
             square = param.grad.double().pow(2).sum()
             if getattr(param, "tensor_model_parallel", False):
                 sharded += square
@@ -472,25 +418,11 @@ class MegatronPolicyWorker:
         if self.tp_size > 1:
             dist.all_reduce(sharded, group=self.tp_group)
         total = float(sharded + replicated) ** 0.5
-        max_norm = self.policy.max_grad_norm
-        if max_norm > 0 and total > max_norm:
-            coef = max_norm / (total + 1e-6)
-            for grad in grads:
-                grad.mul_(coef)
+        if self.policy.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                params, self.policy.max_grad_norm, torch.tensor(total)
+            )
         return total
-
-    def _sum_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size == 1:
-            return metrics
-        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, metrics)
-        total: dict[str, float] = defaultdict(float)
-        for rank, rank_metrics in enumerate(gathered):
-            # Tensor-parallel peers (adjacent ranks) hold the same shard: count it once.
-            if rank % self.tp_size == 0:
-                for key, value in rank_metrics.items():
-                    total[key] += value
-        return dict(total)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -561,35 +493,19 @@ class MegatronPolicyWorker:
     def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full state dict in Hugging Face names (the layout engines load), in buckets
         of at most ``bucket_bytes`` (a larger tensor gets its own). A collective."""
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
+        from nrl_core.weight_sync import iter_buckets
+
         te = self.options.transformer_engine
-        for name, tensor in iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = {}, 0
-            bucket[name] = tensor
-            size += nbytes
-        if bucket:
-            yield bucket
+        named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
+        yield from iter_buckets(named, bucket_bytes)
 
     def export_hf(self, path: str) -> None:
         """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0
         writes; all ranks take part in gathering the weights)."""
-        from safetensors.torch import save_file
+        from nrl_core.hf_export import write_hf_folder
 
         te = self.options.transformer_engine
-        state = {
-            name: tensor.to("cpu", self.dtype).contiguous()
-            for name, tensor in iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
-        }
+        state = dict(iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te))
         if self.rank == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
-            config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
-            config.use_cache = True
-            config.dtype = self.dtype
-            config.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         dist.barrier()

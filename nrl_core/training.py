@@ -1,0 +1,261 @@
+"""One training step, written once for every policy plugin.
+
+A policy plugin implements per-rank compute only (:class:`nrl_core.interfaces.PolicyWorker`:
+``compute_logprobs`` for one micro batch, ``forward_backward`` for one micro batch,
+``optimizer_step``). Everything between micro batches and between ranks lives here:
+
+* **micro batches** — :func:`split_micro_batches` cuts each data-parallel shard by sample count
+  or by a token budget; the driver plans every shard, so each rank knows how many forward /
+  backward passes the busiest rank runs, and ranks with fewer run masked ones (collectives such
+  as FSDP's all-gathers must line up on every rank);
+* **loss normalisation** — the loss functions divide by the GLOBAL normalisers
+  (:class:`~nrl_core.interfaces.GlobalBatchStats`); :func:`train_on_rank` multiplies each
+  micro batch's loss by the data-parallel size, because the plugin's gradient reduction (FSDP,
+  Megatron DDP) averages over data-parallel ranks where the global loss needs a sum;
+* **metrics** — each micro batch's metrics travel back to the driver, which reduces them over
+  micro batches and ranks with the reduction each metric declares (:func:`reduce_metrics`). The
+  ``loss`` metric is always the value of the loss that was back-propagated.
+
+The ``*_on_rank`` functions run inside the policy actors: the driver passes them to
+:meth:`~nrl_core.distributed.worker_group.WorkerGroup.run_sharded`, which calls them with the
+rank's worker object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from nrl_core.data import Batch
+    from nrl_core.interfaces import GlobalBatchStats, LossFunction, PolicyWorker
+
+Reduction = Literal["sum", "mean", "max", "min"]
+"""How a metric combines over micro batches and ranks.
+
+``sum``: additive contributions (a loss already divided by the global normaliser, a count).
+``mean``: the plain mean of the values reported. ``max`` / ``min``: extremes (``ratio_max``).
+"""
+
+REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric reduction
+
+
+def metric_reduction(key: str, declared: Mapping[str, str] | None = None) -> Reduction:
+    """The reduction of metric ``key``: the declared one, else ``max`` for keys ending in
+    ``_max``, ``min`` for keys ending in ``_min``, else ``sum`` (the loss contract)."""
+    if declared and key in declared:
+        reduction = declared[key]
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"metric {key!r} declares reduction {reduction!r}; use one of {REDUCTIONS}"
+            )
+        return reduction  # type: ignore[return-value]
+    if key.endswith("_max"):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    return "sum"
+
+
+def reduce_metrics(
+    parts: Sequence[Mapping[str, float]], declared: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Combine the metrics of several micro batches (of one or several ranks).
+
+    A key missing from some parts is reduced over the parts that have it.
+    """
+    values: dict[str, list[float]] = {}
+    for part in parts:
+        for key, value in part.items():
+            values.setdefault(key, []).append(float(value))
+    out: dict[str, float] = {}
+    for key, seen in values.items():
+        reduction = metric_reduction(key, declared)
+        if reduction == "sum":
+            out[key] = sum(seen)
+        elif reduction == "mean":
+            out[key] = sum(seen) / len(seen)
+        elif reduction == "max":
+            out[key] = max(seen)
+        else:
+            out[key] = min(seen)
+    return out
+
+
+def declared_reductions(loss_fn: Any) -> dict[str, str]:
+    """What a loss function declares in its optional ``metric_reductions`` mapping."""
+    return dict(getattr(loss_fn, "metric_reductions", None) or {})
+
+
+def combine_optimizer_steps(
+    per_step: Sequence[Mapping[str, float]], declared: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """The metrics of one RL step that took several optimizer steps.
+
+    Each optimizer step's ``sum`` metrics are already global values of that step, so they (and
+    ``mean`` metrics, ``grad_norm``) are averaged over the steps; ``max`` / ``min`` take the
+    extreme; ``lr`` is the rate of the last step.
+    """
+    if not per_step:
+        return {}
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for step in per_step for k in step):
+        seen = [float(step[key]) for step in per_step if key in step]
+        reduction = metric_reduction(key, declared)
+        if reduction == "max":
+            out[key] = max(seen)
+        elif reduction == "min":
+            out[key] = min(seen)
+        else:
+            out[key] = sum(seen) / len(seen)
+    if "lr" in per_step[-1]:
+        out["lr"] = float(per_step[-1]["lr"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro batches (driver side)
+
+
+def split_micro_batches(batch: Batch, *, size: int, token_budget: int | None = None) -> list[Batch]:
+    """Cut one rank's shard into micro batches.
+
+    By count: ``size`` samples each (the last may be smaller). By token budget: samples are
+    packed longest first into micro batches of at most ``token_budget`` unpadded tokens (a
+    longer sample gets one of its own); similar lengths together waste less padding, and the
+    order does not change the summed loss. An empty shard has no micro batch.
+    """
+    if len(batch) == 0:
+        return []
+    if not token_budget:
+        return list(batch.micro_batches(max(1, size)))
+    lengths = batch["lengths"].tolist()
+    order = sorted(range(len(batch)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in order:
+        if current and tokens + lengths[i] > token_budget:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    groups.append(current)
+    return [batch.select(group) for group in groups]
+
+
+@attrs.frozen
+class RankStepResult:
+    """What one rank reports of one optimizer step."""
+
+    micro_batch_metrics: list[dict[str, float]]
+    """The metrics of each of this rank's real (not filler) micro batches."""
+    grad_norm: float
+    """Gradient norm before clipping (the same on every rank)."""
+    lr: float
+    """The learning rate the step used."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the policy actors
+
+
+def valid_token_mask(batch: Batch, width: int) -> torch.Tensor:
+    """``[B, width]`` booleans: positions inside each sample's ``lengths``."""
+    import torch
+
+    if "lengths" not in batch:
+        return torch.ones((len(batch), width), dtype=torch.bool)
+    lengths = batch["lengths"]
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def _filler(micro_batches: Sequence[Batch]) -> Batch:
+    """A one-sample micro batch for a rank that has run out: it runs the same collectives and
+    contributes nothing (its loss is multiplied by 0)."""
+    if not micro_batches:
+        raise ValueError("a rank received an empty shard; the driver pads shards to >= 1 sample")
+    return micro_batches[0].slice(0, 1)
+
+
+def train_on_rank(
+    worker: PolicyWorker,
+    micro_batches: Sequence[Batch],
+    num_micro_batches: int,
+    loss_fn: LossFunction,
+    stats: GlobalBatchStats,
+    loss_scale: float,
+) -> RankStepResult:
+    """One optimizer step of one rank: ``num_micro_batches`` forward/backward passes (this
+    rank's micro batches, then fillers), then the worker's optimizer step."""
+    results: list[dict[str, float]] = []
+    for index in range(num_micro_batches):
+        real = index < len(micro_batches)
+        micro_batch = (micro_batches[index] if real else _filler(micro_batches)).trimmed()
+        record: dict[str, float] = {}
+        worker.forward_backward(
+            micro_batch,
+            _loss_closure(micro_batch, loss_fn, stats, loss_scale if real else 0.0, record),
+        )
+        if not record:
+            raise RuntimeError(
+                f"{type(worker).__name__}.forward_backward never called the loss closure"
+            )
+        if real:
+            results.append(record)
+    step = worker.optimizer_step()
+    return RankStepResult(results, grad_norm=float(step["grad_norm"]), lr=float(step["lr"]))
+
+
+def _loss_closure(
+    micro_batch: Batch,
+    loss_fn: LossFunction,
+    stats: GlobalBatchStats,
+    scale: float,
+    record: dict[str, float],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function a worker's ``forward_backward`` calls with its logprobs: masks padding,
+    applies the loss, records the metrics, and returns the scaled loss to back-propagate."""
+
+    def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
+        batch = micro_batch.to(logprobs.device)
+        logprobs = logprobs * valid_token_mask(batch, logprobs.shape[1])
+        loss, metrics = loss_fn(logprobs, batch, stats)
+        record.update({k: float(v) for k, v in metrics.items()})
+        # The value that is back-propagated, whatever the loss function calls `loss`.
+        record["loss"] = float(loss.detach())
+        return loss * scale
+
+    return loss_of
+
+
+def logprobs_on_rank(
+    worker: PolicyWorker,
+    chunks: Sequence[Batch],
+    num_chunks: int,
+    width: int,
+    reference: bool,
+) -> torch.Tensor:
+    """``[B, width]`` logprobs of this rank's shard, in ``chunks`` (fillers after the last, so
+    every rank runs ``num_chunks`` forwards); padding and position 0 hold 0."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for index in range(num_chunks):
+            if index >= len(chunks):
+                worker.compute_logprobs(_filler(chunks).trimmed(), reference=reference)
+                continue
+            chunk = chunks[index].trimmed()
+            lp = worker.compute_logprobs(chunk, reference=reference).detach().float().cpu()
+            lp = lp * valid_token_mask(chunk, lp.shape[1])
+            out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
+    return torch.cat(out) if out else torch.zeros((0, width))

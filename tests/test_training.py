@@ -1,0 +1,90 @@
+"""The core's training step pieces that need no model: metric reduction and micro batches
+(the step itself runs through real workers in the conformance kit and the plugin tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nrl_core.data import Batch
+from nrl_core.training import reduce_metrics, split_micro_batches, valid_token_mask
+
+
+def test_reduce_metrics_sums_except_max_and_min():
+    parts = [
+        {"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5},
+        {"loss": 0.5, "ratio_max": 3.0, "ratio_min": 0.7, "kl": 0.1},
+    ]
+    assert reduce_metrics(parts) == {"loss": 1.5, "ratio_max": 3.0, "ratio_min": 0.5, "kl": 0.1}
+
+
+def test_declared_reductions_win_over_the_name():
+    parts = [{"peak": 2.0, "width": 1.0, "floor_max": 4.0}, {"peak": 5.0, "width": 3.0}]
+    declared = {"peak": "max", "width": "mean", "floor_max": "sum"}
+    assert reduce_metrics(parts, declared) == {"peak": 5.0, "width": 2.0, "floor_max": 4.0}
+    with pytest.raises(ValueError, match="median"):
+        reduce_metrics(parts, {"peak": "median"})
+
+
+def test_clipped_pg_declares_its_extremes():
+    from nrl_core.losses.clipped_pg import ClippedPGLoss
+    from nrl_core.training import declared_reductions, metric_reduction
+
+    declared = declared_reductions(ClippedPGLoss())
+    assert {k: metric_reduction(k, declared) for k in declared} == {
+        "ratio_max": "max",
+        "ratio_min": "min",
+        "gen_logprob_error_max": "max",
+    }
+
+
+def test_several_optimizer_steps_average_sums_and_keep_extremes():
+    from nrl_core.training import combine_optimizer_steps
+
+    steps = [
+        {"loss": 1.0, "ratio_max": 1.2, "lr": 0.1, "grad_norm": 2.0},
+        {"loss": 3.0, "ratio_max": 1.5, "lr": 0.2, "grad_norm": 4.0},
+    ]
+    assert combine_optimizer_steps(steps, {"ratio_max": "max"}) == {
+        "loss": 2.0,
+        "ratio_max": 1.5,
+        "lr": 0.2,
+        "grad_norm": 3.0,
+    }
+
+
+def _batch(lengths: list[int]) -> Batch:
+    width = max(lengths)
+    return Batch(
+        {
+            "input_ids": torch.arange(len(lengths))[:, None].expand(-1, width).clone(),
+            "lengths": torch.tensor(lengths),
+        }
+    )
+
+
+def test_micro_batches_by_count_keep_order():
+    parts = split_micro_batches(_batch([3, 5, 2, 7, 4]), size=2)
+    assert [p["input_ids"][:, 0].tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+
+
+def test_micro_batches_by_token_budget_pack_longest_first_within_the_budget():
+    lengths = [3, 9, 2, 7, 4, 12]
+    parts = split_micro_batches(_batch(lengths), size=2, token_budget=12)
+    rows = [p["input_ids"][:, 0].tolist() for p in parts]
+    # Every sample exactly once; no micro batch over budget unless a single sample is.
+    assert sorted(r for part in rows for r in part) == list(range(len(lengths)))
+    for part in rows:
+        tokens = sum(lengths[r] for r in part)
+        assert tokens <= 12 or len(part) == 1
+    assert rows[0] == [5]  # the longest (12 tokens) alone
+    assert len(parts) < len(lengths)  # short samples were packed together
+
+
+def test_empty_shard_has_no_micro_batch():
+    assert split_micro_batches(_batch([3]).slice(0, 0), size=4) == []
+
+
+def test_valid_token_mask_follows_lengths():
+    mask = valid_token_mask(_batch([2, 4]), 4)
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
