@@ -149,8 +149,10 @@ def test_three_grpo_steps_train_the_megatron_policy(grpo_run):
 
     lines = (grpo_run / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for record in records:
+    # Step 0 holds what loading the data counted (no warm-up, no validation in this run).
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[0]["data/prompts_dropped_overlong"] == 0
+    for record in records[1:]:
         # Generation and training logprobs come from the same Megatron forward: ratio ~1.
         assert record["train/gen_logprob_error"] == pytest.approx(1.0, abs=1e-3)
         assert record["train/env_errors"] == 0
