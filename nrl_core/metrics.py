@@ -56,9 +56,9 @@ class MetricsLogger:
         if not self.path.exists():
             return
         keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
+            json.dumps(record)
+            for record in _records(self.path.read_text())
+            if record.get("step", 0) <= step
         ]
         self.path.write_text("".join(f"{line}\n" for line in keep))
 
@@ -81,8 +81,28 @@ class MetricsLogger:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's ``metrics.jsonl``, in order."""
-    path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records((Path(run_dir) / METRICS_FILE).read_text())
+
+
+def _records(text: str) -> list[dict[str, Any]]:
+    """The JSON records of a ``metrics.jsonl`` text. A last line that does not parse is the
+    torn write of a run killed mid-line, and is left out; a bad line before it is corruption
+    and an error naming the line."""
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if index == len(lines) - 1:
+                break
+            raise ConfigError(
+                f"{METRICS_FILE} line {number} is not JSON; the file is corrupt (only a torn "
+                "last line is tolerated)"
+            ) from None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def _require(module: str, extra: str):

@@ -71,9 +71,10 @@ class RunSession:
         self.registry = registry
         self.algorithm = algorithm
         self.console = console
-        self.run_dir = Path(config.logger.log_dir) / config.logger.run_name
+        # Absolute in the driver: workers (other processes, possibly other nodes) write here.
+        self.run_dir = Path(config.logger.log_dir).absolute() / config.logger.run_name
         self.checkpoints = CheckpointManager(
-            config.checkpointing.checkpoint_dir, config.checkpointing.keep_last
+            Path(config.checkpointing.checkpoint_dir).absolute(), config.checkpointing.keep_last
         )
         self.context = ComponentContext(config=config, seed=config.seed)
         self.start_step = 0

@@ -3,3 +3,13 @@
 Importing this package is cheap; Ray is imported by the submodules that need it
 (:mod:`~nrl_core.distributed.cluster`, :mod:`~nrl_core.distributed.worker_group`).
 """
+
+import os
+
+# nrl decides every worker's interpreter (the actor venvs, or the driver's own) and working
+# directory (the driver's). Ray's `uv run` hook would instead start workers with `uv run` in a
+# copy of the working directory: relative output paths then land in that throw-away copy (the
+# checkpoints lost their weights), `uv run --no-sync` drivers get workers without Ray, and each
+# run leaves a multi-GB venv behind. Ray reads this when it is first imported, which happens in
+# the submodules below this package.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,3 +260,29 @@ def test_environment_exceptions_are_counted_and_the_run_continues(tmp_path):
     # Arithmetic answers are odd about half the time: those samples raised and were counted.
     assert all(r["train/env_errors"] > 0 for r in records)
     assert all(r["train/env_errors"] < 16 for r in records)
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="needs the uv command (the README's way)")
+def test_uv_run_no_sync_with_relative_paths_writes_checkpoints_with_weights(tmp_path):
+    """``uv run --no-sync nrl run grpo`` from another folder, with relative output paths: the
+    workers run in the driver's folder and interpreter (not in a copy made by Ray's `uv run`
+    hook), so the checkpoint holds the policy's weights where the user asked."""
+    repo = Path(__file__).resolve().parents[2]
+    command = [
+        "uv", "run", "--project", str(repo), "--no-sync", "nrl", "run", "grpo", "-q",
+        "logger.log_dir=logs", "logger.run_name=run", "checkpointing.checkpoint_dir=ckpt",
+        *TINY, "grpo.sft_warmup_steps=0", "grpo.max_num_steps=1", "grpo.val_period=0",
+    ]  # fmt: skip
+    result = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NRL_ACTOR_ENV": "system"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    policy = tmp_path / "ckpt" / "step_1" / "policy"
+    assert (policy / ".metadata").is_file()
+    assert sum(f.stat().st_size for f in policy.glob("*.distcp")) > 100_000  # the weights
+    assert (tmp_path / "logs" / "run" / "metrics.jsonl").is_file()

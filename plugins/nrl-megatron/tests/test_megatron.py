@@ -206,3 +206,25 @@ def test_unsupported_parallel_sizes_are_user_errors(tiny_path, pool1, start_grou
         start_group(
             pool1, WORKER, (MegatronConfig(pipeline_model_parallel_size=2), context(config))
         )
+
+
+class _RunsCode:
+    """Unpickling this calls ``open(marker, "w")``: the shape of every pickle exploit."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_in_a_rank_file_does_not_run(tiny_path, tmp_path, pool1, start_group):
+    config = make_config(tiny_path)
+    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
+    checkpoint = tmp_path / "ckpt"
+    group.run_all("save_checkpoint", str(checkpoint))
+    marker = tmp_path / "pwned"
+    torch.save({"model": _RunsCode(str(marker))}, checkpoint / "rank0.pt")
+    with pytest.raises(RuntimeError, match="Weights only load failed"):
+        group.run_all("load_checkpoint", str(checkpoint))
+    assert not marker.exists(), "loading the checkpoint ran code from it"

@@ -378,7 +378,9 @@ class DTensorPolicyWorker:
         extra_file = Path(path) / f"extra_rank{self.rank}.pt"
         if not extra_file.exists():
             extra_file = Path(path) / "extra_rank0.pt"
-        extra = torch.load(extra_file, weights_only=False)
+        # weights_only: a checkpoint is data; unpickling arbitrary objects from it could run
+        # code (the scheduler and RNG states are tensors, numbers, tuples and dicts).
+        extra = torch.load(extra_file, weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self._set_rng_state(extra["rng"])
         self._barrier()

@@ -453,8 +453,9 @@ class MegatronPolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same world and tensor-parallel sizes)."""
+        # weights_only: a checkpoint is data; unpickling arbitrary objects could run code.
         state = torch.load(
-            Path(path) / f"rank{self.rank}.pt", weights_only=False, map_location="cpu"
+            Path(path) / f"rank{self.rank}.pt", weights_only=True, map_location="cpu"
         )
         layout = {"tp": self.tp_size, "world_size": self.world_size}
         if state["layout"] != layout:
