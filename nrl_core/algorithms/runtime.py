@@ -32,6 +32,8 @@ from nrl_core.metrics import MetricsLogger
 from nrl_core.registry import Registry
 
 POLICY_CHECKPOINT = "policy"
+RUN_LOCK = ".nrl.lock"
+"""A live run holds an exclusive lock on this file of its run folder (it holds the pid)."""
 CHECKPOINT_CONFIG = "config.yaml"
 """The resolved run config, saved inside every checkpoint folder."""
 ENV_CPUS_PER_WORKER = 0.25
@@ -73,9 +75,11 @@ class RunSession:
         self.console = console
         # Absolute in the driver: workers (other processes, possibly other nodes) write here.
         self.run_dir = Path(config.logger.log_dir).absolute() / config.logger.run_name
+        checkpoint_dir = config.checkpointing.checkpoint_dir or self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(
-            Path(config.checkpointing.checkpoint_dir).absolute(), config.checkpointing.keep_last
+            Path(checkpoint_dir).absolute(), config.checkpointing.keep_last
         )
+        self._run_lock: Any = None
         self.context = ComponentContext(config=config, seed=config.seed)
         self.start_step = 0
         self.resume_path: Path | None = None
@@ -106,6 +110,7 @@ class RunSession:
         session = cls(config, registry, algorithm=algorithm, console=console)
         try:
             check_components(config, registry)
+            session._lock_run_dir()
             session._find_resume_point()
             if session.start_step >= max_steps_of(config, algorithm):
                 session.finished_early = True
@@ -123,6 +128,32 @@ class RunSession:
             session.close()
 
     # -- set-up ------------------------------------------------------------------------------
+
+    def _lock_run_dir(self) -> None:
+        """Hold an exclusive lock on the run folder for the whole run: a second run on the same
+        folder (its checkpoints, its metrics) is refused in one line naming the holder."""
+        import fcntl
+        import os
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / RUN_LOCK
+        handle = path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise ConfigError(
+                f"the run folder {self.run_dir} is in use by another run (pid {holder}); give "
+                "this run its own logger.run_name or logger.log_dir, or wait for that one"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._run_lock = handle  # closing it (at exit, or when the process dies) releases it
+        self._closers.insert(0, handle.close)
 
     def _find_resume_point(self) -> None:
         if not self.config.checkpointing.enabled:

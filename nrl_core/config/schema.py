@@ -161,7 +161,13 @@ class ClusterConfig(ComponentSection):
 @attrs.define
 class CheckpointingConfig:
     enabled: bool = option(True, "Write checkpoints.")
-    checkpoint_dir: str = option("results/checkpoints", "Where `step_N/` folders are written.")
+    checkpoint_dir: str | None = option(
+        None,
+        (
+            "Where `step_N/` folders are written; default `<logger.log_dir>/<logger.run_name>/"
+            "checkpoints`, so that every run folder has its own."
+        ),
+    )
     save_period: int = option(10, "Save every N steps (and at the last step).")
     resume: str = option(
         "auto",

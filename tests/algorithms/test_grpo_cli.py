@@ -286,3 +286,41 @@ def test_uv_run_no_sync_with_relative_paths_writes_checkpoints_with_weights(tmp_
     assert (policy / ".metadata").is_file()
     assert sum(f.stat().st_size for f in policy.glob("*.distcp")) > 100_000  # the weights
     assert (tmp_path / "logs" / "run" / "metrics.jsonl").is_file()
+
+
+def _cli(log_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-q",
+        f"logger.log_dir={log_dir}", "logger.run_name=run", *TINY, *overrides,
+    ]  # fmt: skip
+
+
+def test_concurrent_runs_keep_their_own_checkpoints_and_a_live_folder_is_refused(tmp_path):
+    """Two runs started together from one folder, differing only in logger.log_dir, each end
+    with their own checkpoints (the default is inside the run folder); a third run on a live
+    run folder is refused in one line naming the holder."""
+    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
+    steps = ["grpo.max_num_steps=2", "grpo.val_period=0", "grpo.sft_warmup_steps=0"]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    runs = [
+        subprocess.Popen(_cli(tmp_path / name, *steps), env=env, cwd=tmp_path, **pipes)
+        for name in ("a", "b")
+    ]
+    lock = tmp_path / "a" / "run" / ".nrl.lock"
+    deadline = time.monotonic() + 120
+    while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    clash = subprocess.run(
+        _cli(tmp_path / "a", *steps), env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    outputs = [run.communicate(timeout=600) for run in runs]
+    for run, (_, err) in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, err[-3000:]
+    assert clash.returncode == 2, clash.stderr[-2000:]
+    lines = clash.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {runs[0].pid}" in lines[0], clash.stderr
+    for name in ("a", "b"):
+        assert (
+            tmp_path / name / "run" / "checkpoints" / "step_2" / "policy" / ".metadata"
+        ).is_file()
