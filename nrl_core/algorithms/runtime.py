@@ -110,7 +110,6 @@ class RunSession:
         session = cls(config, registry, algorithm=algorithm, console=console)
         try:
             check_components(config, registry)
-            session._lock_run_dir()
             session._find_resume_point()
             if session.start_step >= max_steps_of(config, algorithm):
                 session.finished_early = True
@@ -167,6 +166,8 @@ class RunSession:
         # Data first: a dataset the run cannot use is a config error, reported before the run
         # directory, Ray or any worker exists (it needs only the driver's tokenizer).
         self._load_data()
+        # Before the run folder is written to, and before Ray or any worker starts.
+        self._lock_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(config, registry))
         self.metrics = MetricsLogger(
