@@ -436,30 +436,42 @@ class RunSession:
 
             yield advance
 
-    def summary(self) -> None:
-        """One screen at the end: what was trained, how it went, where the files are."""
+    def summary(self, rows: list[tuple[str, str]] | None = None) -> None:
+        """One screen at the end: the run directory, ``rows`` (how it went; default: the GRPO
+        view of steps, reward and validation accuracy), the median step time and the latest
+        checkpoint."""
         table = Table(title=f"nrl {self.algorithm}: summary", show_header=False)
-        vals = [h for h in self.history if "val/accuracy" in h]
-        trains = [h for h in self.history if "train/reward_mean" in h]
         table.add_row("run directory", str(self.run_dir))
-        table.add_row("steps this session", str(len(trains)))
-        if trains:
-            table.add_row(
-                "train reward (first -> last)",
-                f"{trains[0]['train/reward_mean']:.3f} -> {trains[-1]['train/reward_mean']:.3f}",
-            )
-        if vals:
-            table.add_row(
-                "val accuracy (first -> last)",
-                f"{vals[0]['val/accuracy']:.3f} (step {vals[0]['step']}) -> "
-                f"{vals[-1]['val/accuracy']:.3f} (step {vals[-1]['step']})",
-            )
+        for label, value in self._grpo_rows() if rows is None else rows:
+            table.add_row(label, value)
         if self.step_times:
             table.add_row("median step time", f"{statistics.median(self.step_times):.2f} s")
         latest = self.checkpoints.latest()
         if latest is not None:
             table.add_row("latest checkpoint", str(latest))
         self.console.print(table)
+
+    def _grpo_rows(self) -> list[tuple[str, str]]:
+        vals = [h for h in self.history if "val/accuracy" in h]
+        trains = [h for h in self.history if "train/reward_mean" in h]
+        rows = [("steps this session", str(len(trains)))]
+        if trains:
+            rows.append(
+                (
+                    "train reward (first -> last)",
+                    f"{trains[0]['train/reward_mean']:.3f} -> "
+                    f"{trains[-1]['train/reward_mean']:.3f}",
+                )
+            )
+        if vals:
+            rows.append(
+                (
+                    "val accuracy (first -> last)",
+                    f"{vals[0]['val/accuracy']:.3f} (step {vals[0]['step']}) -> "
+                    f"{vals[-1]['val/accuracy']:.3f} (step {vals[-1]['step']})",
+                )
+            )
+        return rows
 
     # -- tear-down ----------------------------------------------------------------------------
 

@@ -22,13 +22,11 @@ A subclass says only what differs (see ``sft.py``, ``dpo.py``, ``rm.py``):
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from rich.table import Table
 
 from nrl_core.algorithms.runtime import RunSession
 from nrl_core.chat_data import encode_conversation
@@ -189,24 +187,21 @@ class SupervisedTrainer:
         return 0
 
     def summary(self) -> None:
-        """One table: the first and last training loss and validation metrics."""
-        s = self.session
-        table = Table(title=f"nrl {self.algorithm}: summary", show_header=False)
-        table.add_row("run directory", str(s.run_dir))
-        for key in ("train/loss", *sorted({k for h in s.history for k in h if k[:4] == "val/"})):
-            seen = [h for h in s.history if key in h]
+        """The session's summary with the first and last training loss and validation
+        metrics."""
+        history = self.session.history
+        rows = []
+        for key in ("train/loss", *sorted({k for h in history for k in h if k[:4] == "val/"})):
+            seen = [h for h in history if key in h]
             if seen:
-                table.add_row(
-                    f"{key} (first -> last)",
-                    f"{seen[0][key]:.4f} (step {seen[0]['step']}) -> "
-                    f"{seen[-1][key]:.4f} (step {seen[-1]['step']})",
+                rows.append(
+                    (
+                        f"{key} (first -> last)",
+                        f"{seen[0][key]:.4f} (step {seen[0]['step']}) -> "
+                        f"{seen[-1][key]:.4f} (step {seen[-1]['step']})",
+                    )
                 )
-        if s.step_times:
-            table.add_row("median step time", f"{statistics.median(s.step_times):.2f} s")
-        latest = s.checkpoints.latest()
-        if latest is not None:
-            table.add_row("latest checkpoint", str(latest))
-        s.console.print(table)
+        self.session.summary(rows)
 
     @classmethod
     def run(
