@@ -26,9 +26,10 @@ import torch
 
 from nrl_core.algorithms.grpo import sampling_params
 from nrl_core.algorithms.rollout import Episode, rollout, start_episodes
-from nrl_core.algorithms.runtime import POLICY_CHECKPOINT, RunSession, check_components
+from nrl_core.algorithms.runtime import POLICY_CHECKPOINT, RunSession
 from nrl_core.config.schema import EvalConfig
 from nrl_core.errors import ConfigError
+from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
 
 EVAL_FILE = "eval.json"
@@ -183,7 +184,7 @@ def evaluate(
     console = Console(quiet=quiet)
     session = RunSession(config, registry, algorithm=ALGORITHM, console=console)
     try:
-        check_components(config, registry)
+        preflight(config, registry)
         # The run set-up of training, without resume: an evaluation never continues one.
         session._setup()
         if not session.val_samples:

@@ -24,11 +24,12 @@ from rich.table import Table
 from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.checkpoint import CheckpointManager
 from nrl_core.config.loader import dump_config
-from nrl_core.config.schema import ComponentSection, RunConfig, portable_config
+from nrl_core.config.schema import RunConfig, portable_config
 from nrl_core.datasets import DataStream, PromptLengthFilter, load_splits
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
+from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
 
 POLICY_CHECKPOINT = "policy"
@@ -45,18 +46,6 @@ def resolve_model_name(name: str) -> str:
     from nrl_core.testing.tiny import resolve_model_name as resolve
 
     return str(resolve(name))
-
-
-def check_components(config: RunConfig, registry: Registry) -> None:
-    """Fail before anything starts when the config selects a component nobody registers."""
-    for field in attrs.fields(type(config)):
-        section = getattr(config, field.name)
-        if not isinstance(section, ComponentSection):
-            continue
-        name = section.selected
-        if section.component_kind == "dataset" and name.endswith(".jsonl"):
-            continue  # a file, read by the registered `jsonl` dataset
-        registry.get(section.component_kind, name, key=f"{field.name}.{section.selector}")
 
 
 def max_steps_of(config: Any, algorithm: str) -> int:
@@ -109,7 +98,7 @@ class RunSession:
         console = Console(quiet=quiet, stderr=False)
         session = cls(config, registry, algorithm=algorithm, console=console)
         try:
-            check_components(config, registry)
+            preflight(config, registry)
             session._find_resume_point()
             if session.start_step >= max_steps_of(config, algorithm):
                 session.finished_early = True

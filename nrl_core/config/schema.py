@@ -129,6 +129,14 @@ class EnvConfig(ComponentSection):
 
     name: str = option("arithmetic", "Registered environment.")
     num_workers: int = option(1, "Environment actors (each gets a share of every batch).")
+    step_timeout_s: float = option(
+        120.0,
+        (
+            "Longest one environment step (one actor scoring its share of a batch) may take, in "
+            "seconds (> 0); a slower step is an error naming this key. Shorter than "
+            "cluster.worker_timeout_s so that a hung environment is found quickly."
+        ),
+    )
 
 
 @attrs.define
