@@ -1,24 +1,47 @@
-"""Atomic step checkpoints and resume.
+"""Step checkpoints: writing, verifying, finding and reading them.
 
-``<checkpoint_dir>/step_N/`` is written under a temporary name and renamed when complete, so a
-crash never leaves a half checkpoint that resume could pick. A folder counts as complete when it
-holds ``trainer_state.json``, which is written last.
+Layout of one checkpoint, ``<checkpoint_dir>/step_N/``::
+
+    policy/             the policy plugin's own files (torch DCP, or one rank{N}.pt per rank)
+    config.yaml         the resolved run config: the checkpoint describes itself
+    trainer_state.json  step, data-stream position, RNG states (JSON: it cannot carry code)
+    manifest.json       every other file's size and SHA-256; written last
+
+The folder is filled under a temporary name and renamed into place once the manifest is
+written, so a crash never leaves a ``step_N`` that resume could pick half-written. Resume
+verifies the manifest and falls back to the newest checkpoint that passes, saying which it
+skipped and why. Everything that reads checkpoints (resume, ``nrl convert``, ``nrl eval``) uses
+the functions here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from nrl_core import atomic
 from nrl_core.errors import ConfigError
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+POLICY_CHECKPOINT = "policy"
+"""The sub-folder holding the policy plugin's own checkpoint files."""
+CHECKPOINT_CONFIG = "config.yaml"
+"""The resolved run config, saved inside every checkpoint folder."""
+MEGATRON_RANK_FILE = "rank{}.pt"
+"""The megatron policy's per-rank checkpoint file (``MegatronPolicyWorker.save_checkpoint``)."""
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 1 << 20
 
 
 def step_of(path: Path) -> int | None:
@@ -26,12 +49,105 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# -- manifest -------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    )
+
+
+def _digests(folder: Path, names: Iterable[str]) -> dict[str, str]:
+    names = list(names)
+    # hashlib releases the GIL on large buffers: shards hash in parallel.
+    workers = max(1, min(8, os.cpu_count() or 1, len(names)))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(names, pool.map(lambda n: _sha256(folder / n), names), strict=True))
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in ``folder`` in its ``manifest.json``."""
+    names = _files(folder)
+    digests = _digests(folder, names)
+    files = {n: {"size": (folder / n).stat().st_size, "sha256": digests[n]} for n in names}
+    atomic.write_text(
+        folder / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1)
+    )
+
+
+def verify(folder: Path) -> str | None:
+    """What is wrong with checkpoint ``folder`` (a missing, resized or changed file, an
+    unreadable manifest or trainer state), or ``None`` when it is intact.
+
+    A checkpoint written before manifests existed (``trainer_state.json`` but no
+    ``manifest.json``) is checked for a readable trainer state only.
+    """
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"]
+            expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"{MANIFEST} is unreadable ({exc})"
+        for name, (size, _) in expected.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        actual = _digests(folder, expected)
+        for name, (_, digest) in expected.items():
+            if actual[name] != digest:
+                return f"{name} does not match its SHA-256 in the manifest"
+    try:
+        read_state(folder)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint ``folder``; a :class:`ConfigError` when it is missing
+    or not a JSON object with an integer ``step``."""
+    path = folder / TRAINER_STATE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ConfigError(f"{path} holds no integer `step`")
+    return state
+
+
+# -- the checkpoints of one run -------------------------------------------------------------
+
+
+@attrs.frozen
+class ResumePoint:
+    """Where a run resumes: ``path`` (``None``: start fresh) and the newer checkpoints that
+    failed verification, as ``(folder, problem)``."""
+
+    path: Path | None
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
 class CheckpointManager:
-    """Writes, finds and prunes the step checkpoints of one run.
+    """Writes, finds, verifies and prunes the step checkpoints of one run.
 
     Args:
-        root: ``checkpointing.checkpoint_dir``.
-        keep_last: keep only the newest N complete checkpoints (None keeps all).
+        root: the checkpoint folder (``checkpointing.checkpoint_dir``).
+        keep_last: keep only the newest N complete checkpoints (None keeps all; >= 1).
     """
 
     def __init__(self, root: str | Path, keep_last: int | None = None) -> None:
@@ -39,62 +155,186 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Checkpoints that were renamed into place (not yet verified), oldest first."""
         if not self.root.is_dir():
             return []
         found = [
             p
             for p in self.root.iterdir()
-            if step_of(p) is not None and (p / TRAINER_STATE).is_file()
+            if step_of(p) is not None and ((p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file())
         ]
         return sorted(found, key=lambda p: step_of(p) or 0)
 
     def latest(self) -> Path | None:
+        """The newest complete checkpoint, unverified (cheap: for summaries)."""
         complete = self.complete()
         return complete[-1] if complete else None
 
-    def resume_from(self, resume: str) -> Path | None:
-        """The checkpoint ``checkpointing.resume`` asks for: ``auto`` (newest, or none),
-        ``never``, or a path to a ``step_N`` folder."""
+    def newest_good(self) -> ResumePoint:
+        """The newest checkpoint that passes :func:`verify`, and the newer ones that failed."""
+        skipped = []
+        for folder in reversed(self.complete()):
+            problem = verify(folder)
+            if problem is None:
+                return ResumePoint(folder, tuple(skipped))
+            skipped.append((folder, problem))
+        return ResumePoint(None, tuple(skipped))
+
+    def resume_from(self, resume: str) -> ResumePoint:
+        """The checkpoint ``checkpointing.resume`` asks for: ``auto`` (the newest good one, or
+        none), ``never``, or a path to a ``step_N`` folder (which must pass verification)."""
         if resume == "never":
-            return None
+            return ResumePoint(None)
         if resume == "auto":
-            return self.latest()
+            return self.newest_good()
         path = Path(resume)
-        if not (path / TRAINER_STATE).is_file():
+        if not ((path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file()):
             raise ConfigError(
-                f"checkpointing.resume={resume}: not a complete nrl checkpoint "
-                f"(no {TRAINER_STATE}); use auto, never or a step_N folder"
+                f"checkpointing.resume={resume}: not a complete nrl checkpoint (no {MANIFEST}); "
+                "use auto, never or a step_N folder"
             )
-        return path
+        problem = verify(path)
+        if problem is not None:
+            raise ConfigError(
+                f"checkpointing.resume={resume} is damaged: {problem}; pick an older step_N "
+                "folder, or checkpointing.resume=auto to take the newest intact one"
+            )
+        return ResumePoint(path)
 
     def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> Path:
-        """Write checkpoint ``step``: ``write(folder)`` fills it, then the trainer state is
-        written and the folder renamed into place. Returns the final folder."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp_step_{step}_{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        """Write checkpoint ``step``: ``write(folder)`` fills it, then the trainer state and
+        the manifest are written and the folder renamed into place (replacing an older
+        attempt at the same step). Returns the final folder."""
+        final = self.root / f"step_{step}"
+        with atomic.new_dir(final) as tmp:
             write(tmp)
             (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **state}, indent=2))
-            final = self.root / f"step_{step}"
-            if final.exists():  # an older attempt at this step (e.g. before a crash)
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_manifest(tmp)
         self._prune()
         return final
 
     def _prune(self) -> None:
-        for stale in self.root.glob(".tmp_step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # Leftovers of this run's interrupted saves: the run folder lock makes them ours.
+        for pattern in (".tmp_step_*", ".replaced_step_*"):
+            for stale in self.root.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last is None:
             return
         for old in self.complete()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    @staticmethod
-    def load_state(path: Path) -> dict[str, Any]:
-        return json.loads((path / TRAINER_STATE).read_text())
+
+# -- reading a checkpoint (resume, convert, eval) -------------------------------------------
+
+
+def find_step_folder(path: str | Path) -> Path:
+    """The checkpoint at ``path``: ``path`` itself, its parent when ``path`` is the
+    ``policy/`` folder inside one, or the newest intact ``step_N`` of a checkpoint folder
+    (naming, on stderr, newer ones skipped as damaged)."""
+    import sys
+
+    path = Path(path)
+    if path.name == POLICY_CHECKPOINT and _is_step(path.parent):
+        path = path.parent
+    if _is_step(path):
+        return path
+    point = CheckpointManager(path).newest_good()
+    for folder, problem in point.skipped:
+        print(f"warning: skipping damaged checkpoint {folder}: {problem}", file=sys.stderr)
+    if point.path is not None:
+        return point.path
+    raise ConfigError(
+        f"{path} is not an nrl checkpoint (no {MANIFEST} or {TRAINER_STATE}, and no intact "
+        "step_N folder in it); pass a step_N folder written by `nrl run` (under the run "
+        "folder's checkpoints/)"
+    )
+
+
+def _is_step(path: Path) -> bool:
+    return (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file()
+
+
+def detect_format(step: Path, backend: str) -> str:
+    """The policy checkpoint format in ``step/policy``: ``torch_dcp`` (the dtensor policy's
+    ``torch.distributed.checkpoint``) or ``megatron_rank`` (one ``rank{N}.pt`` per rank),
+    checked against the config's ``policy.backend``."""
+    folder = step / POLICY_CHECKPOINT
+    found = None
+    if (folder / ".metadata").is_file():
+        found, expected = "torch_dcp", "dtensor"
+        what = "a dtensor (torch.distributed.checkpoint)"
+    elif (folder / MEGATRON_RANK_FILE.format(0)).is_file():
+        found, expected = "megatron_rank", "megatron"
+        what = "a megatron (rank{N}.pt)"
+    if found is None:
+        raise ConfigError(
+            f"{folder} holds no known policy checkpoint (expected a torch.distributed.checkpoint "
+            "`.metadata` file from the dtensor policy or rank0.pt from the megatron policy)"
+        )
+    if backend != expected:
+        raise ConfigError(
+            f"{folder} is {what} checkpoint but its config names policy.backend={backend}; pass "
+            "the right run config with --config"
+        )
+    return found
+
+
+def megatron_ranks(step: Path) -> int:
+    """How many ranks wrote the megatron checkpoint in ``step`` (``rank0.pt`` .. contiguous)."""
+    folder, ranks = step / POLICY_CHECKPOINT, 0
+    while (folder / MEGATRON_RANK_FILE.format(ranks)).is_file():
+        ranks += 1
+    return ranks
+
+
+def saved_algorithm(config_path: Path) -> tuple[str, dict[str, Any]]:
+    """``(algorithm, raw mapping)`` of a saved run config: the algorithm is its one section
+    named like an algorithm (``grpo``, ``sft``, ...)."""
+    from nrl_core.config.loader import read_yaml
+    from nrl_core.config.schema import ALGORITHM_CONFIGS
+
+    raw = read_yaml(config_path)
+    algorithms = [a for a in ALGORITHM_CONFIGS if a in raw]
+    if len(algorithms) != 1:
+        raise ConfigError(
+            f"{config_path}: cannot tell the algorithm (expected exactly one of the sections "
+            f"{', '.join(ALGORITHM_CONFIGS)})"
+        )
+    return algorithms[0], raw
+
+
+def saved_config(step: Path, registry: Any, config_file: str | None = None) -> tuple[str, Any]:
+    """``(algorithm, config)`` of the run that wrote ``step``, from the config saved in it
+    (or ``config_file``)."""
+    from nrl_core.config.loader import resolve_config
+
+    path = Path(config_file) if config_file else step / CHECKPOINT_CONFIG
+    if not path.is_file():
+        raise ConfigError(
+            f"{step} carries no {CHECKPOINT_CONFIG} (written by nrl since checkpoints became "
+            "self-describing); pass the run's config with --config (the run directory's "
+            "config.yaml)"
+        )
+    algorithm, _ = saved_algorithm(path)
+    return algorithm, resolve_config(algorithm, path, (), registry)
+
+
+def check_same_run(step: Path, algorithm: str, model_name: str, resume: str = "auto") -> None:
+    """Refuse to continue checkpoint ``step`` in a run of another algorithm or model: its
+    saved config must name ``algorithm`` and ``policy.model_name`` (``resume`` is the
+    ``checkpointing.resume`` value, for the message). Checkpoints without a saved config
+    (older nrl) are not checked."""
+    path = step / CHECKPOINT_CONFIG
+    if not path.is_file():
+        return
+    saved, raw = saved_algorithm(path)
+    policy = raw.get("policy") if isinstance(raw.get("policy"), dict) else {}
+    saved_model = policy.get("model_name")
+    if saved == algorithm and (saved_model is None or saved_model == model_name):
+        return
+    raise ConfigError(
+        f"checkpointing.resume={resume} found {step}, written by `nrl run {saved}` with "
+        f"policy.model_name={saved_model}, but this is `nrl run {algorithm}` with "
+        f"policy.model_name={model_name}; give this run its own folder (logger.run_name=...), "
+        "or start fresh here with checkpointing.resume=never"
+    )

@@ -181,17 +181,11 @@ class Policy:
         loads the same reference; written under a temporary name and renamed when complete)
         and every rank rebuilds its reference from it.
         """
-        import shutil
-        import uuid
-        from pathlib import Path
+        from nrl_core import atomic
 
-        final = Path(path)
-        tmp = final.with_name(f".tmp_{final.name}_{uuid.uuid4().hex[:8]}")
-        self.export_hf(str(tmp))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        self.set_reference(str(final))
+        with atomic.new_dir(path) as tmp:
+            self.export_hf(str(tmp))
+        self.set_reference(str(path))
 
     def set_reference(self, path: str) -> None:
         """Use the Hugging Face folder ``path`` as the frozen reference model."""

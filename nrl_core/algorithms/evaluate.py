@@ -26,7 +26,8 @@ import torch
 
 from nrl_core.algorithms.grpo import sampling_params
 from nrl_core.algorithms.rollout import Episode, rollout, start_episodes
-from nrl_core.algorithms.runtime import POLICY_CHECKPOINT, RunSession
+from nrl_core.algorithms.runtime import RunSession
+from nrl_core.checkpoint import POLICY_CHECKPOINT
 from nrl_core.config.schema import EvalConfig
 from nrl_core.errors import ConfigError
 from nrl_core.preflight import preflight
@@ -111,8 +112,7 @@ def checkpoint_step(config: EvalConfig) -> Path | None:
     """The ``step_N`` folder to load: ``eval.checkpoint``, or ``policy.model_name`` when that
     is an nrl checkpoint (a ``step_N`` folder or a checkpoint directory) rather than a
     Hugging Face model folder; ``None`` for a Hugging Face model."""
-    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager
-    from nrl_core.cli.convert import find_step_folder
+    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager, find_step_folder
 
     if config.eval.checkpoint:
         return find_step_folder(config.eval.checkpoint)
@@ -128,9 +128,9 @@ def with_checkpoint_policy(config: EvalConfig, step: Path, registry: Registry) -
     """``config`` whose policy is the model of checkpoint ``step``: the keys that define the
     model come from the run config saved in the checkpoint; how it runs (ranks, batch sizes,
     sequence budget, actor_env) stays as ``config`` sets it."""
-    from nrl_core.cli.convert import checkpoint_config, detect_format
+    from nrl_core.checkpoint import detect_format, saved_config
 
-    _, saved = checkpoint_config(step, registry, None)
+    _, saved = saved_config(step, registry, None)
     detect_format(step, saved.policy.backend)
     policy = attrs.evolve(
         config.policy,

@@ -21,8 +21,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from nrl_core import atomic
 from nrl_core.algorithms.rollout import ChatCodec
-from nrl_core.checkpoint import CheckpointManager
+from nrl_core.checkpoint import (
+    CHECKPOINT_CONFIG,
+    POLICY_CHECKPOINT,
+    CheckpointManager,
+    check_same_run,
+    read_state,
+)
 from nrl_core.config.loader import dump_config
 from nrl_core.config.schema import RunConfig, portable_config
 from nrl_core.datasets import DataStream, PromptLengthFilter, load_splits
@@ -32,11 +39,9 @@ from nrl_core.metrics import MetricsLogger
 from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
 
-POLICY_CHECKPOINT = "policy"
 RUN_LOCK = ".nrl.lock"
-"""A live run holds an exclusive lock on this file of its run folder (it holds the pid)."""
-CHECKPOINT_CONFIG = "config.yaml"
-"""The resolved run config, saved inside every checkpoint folder."""
+"""A live run holds an exclusive lock on this file of its run folder (it holds the pid), and
+of its checkpoint folder when that lies elsewhere."""
 ENV_CPUS_PER_WORKER = 0.25
 """Environment actors mostly wait on the policy; a quarter CPU each leaves the rest to it."""
 
@@ -68,7 +73,6 @@ class RunSession:
         self.checkpoints = CheckpointManager(
             Path(checkpoint_dir).absolute(), config.checkpointing.keep_last
         )
-        self._run_lock: Any = None
         self.context = ComponentContext(config=config, seed=config.seed)
         self.start_step = 0
         self.resume_path: Path | None = None
@@ -118,37 +122,38 @@ class RunSession:
     # -- set-up ------------------------------------------------------------------------------
 
     def _lock_run_dir(self) -> None:
-        """Hold an exclusive lock on the run folder for the whole run: a second run on the same
-        folder (its checkpoints, its metrics) is refused in one line naming the holder."""
-        import fcntl
-        import os
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / RUN_LOCK
-        handle = path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "?"
-            handle.close()
-            raise ConfigError(
-                f"the run folder {self.run_dir} is in use by another run (pid {holder}); give "
-                "this run its own logger.run_name or logger.log_dir, or wait for that one"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        self._run_lock = handle  # closing it (at exit, or when the process dies) releases it
-        self._closers.insert(0, handle.close)
+        """Hold an exclusive lock on the run folder (and on the checkpoint folder when it lies
+        outside) for the whole run: a second run on the same folder is refused in one line
+        naming the holder, so two runs never prune or overwrite each other's checkpoints."""
+        folders = [self.run_dir]
+        if not self.checkpoints.root.is_relative_to(self.run_dir):
+            folders.append(self.checkpoints.root)
+        for folder in folders:
+            self._closers.insert(0, _hold_lock(folder).close)
 
     def _find_resume_point(self) -> None:
-        if not self.config.checkpointing.enabled:
+        """Pick the checkpoint to continue: the newest intact one for ``resume=auto`` (newer,
+        damaged ones are named and skipped), only when it was written by this algorithm for
+        this model."""
+        ckpt = self.config.checkpointing
+        if not ckpt.enabled:
             return
-        self.resume_path = self.checkpoints.resume_from(self.config.checkpointing.resume)
-        if self.resume_path is not None:
-            self.start_step = int(CheckpointManager.load_state(self.resume_path)["step"])
+        point = self.checkpoints.resume_from(ckpt.resume)
+        for folder, problem in point.skipped:
+            print(
+                f"warning: checkpoint {folder} is damaged ({problem}); "
+                + (
+                    f"resuming from {point.path}"
+                    if point.path
+                    else "no older one is intact: starting fresh"
+                ),
+                file=sys.stderr,
+            )
+        if point.path is None:
+            return
+        check_same_run(point.path, self.algorithm, self.config.policy.model_name, ckpt.resume)
+        self.resume_path = point.path
+        self.start_step = read_state(point.path)["step"]
 
     def _setup(self) -> None:
         config, registry = self.config, self.registry
@@ -158,7 +163,7 @@ class RunSession:
         # Before the run folder is written to, and before Ray or any worker starts.
         self._lock_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(config, registry))
+        atomic.write_text(self.run_dir / "config.yaml", dump_config(config, registry))
         self.metrics = MetricsLogger(
             self.run_dir, config.logger, resume_step=self.start_step if self.resume_path else None
         )
@@ -377,7 +382,7 @@ class RunSession:
         return self.checkpoints.save(step, write, state)
 
     def _restore(self) -> None:
-        state = CheckpointManager.load_state(self.resume_path)
+        state = read_state(self.resume_path)
         self.policy.load_checkpoint(str(self.resume_path / POLICY_CHECKPOINT))
         if state.get("data") and self.train_stream is not None:
             self.train_stream.load_state(state["data"])
@@ -470,3 +475,30 @@ class RunSession:
             closer = self._closers.pop()
             with contextlib.suppress(Exception):
                 closer()
+
+
+def _hold_lock(folder: Path) -> Any:
+    """An open handle holding an exclusive ``flock`` on ``folder``'s lock file, which holds
+    this pid; closing the handle (or the process dying) releases it. A lock held by another
+    process is a :class:`ConfigError` naming its pid."""
+    import fcntl
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = (folder / RUN_LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise ConfigError(
+            f"the folder {folder} is in use by another run (pid {holder}); give this run its "
+            "own logger.run_name or logger.log_dir (and checkpointing.checkpoint_dir), or wait "
+            "for that one"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle

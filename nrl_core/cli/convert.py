@@ -2,7 +2,8 @@
 
 The checkpoint describes itself: every ``step_N`` folder written by
 :class:`~nrl_core.algorithms.runtime.RunSession` holds the resolved run config
-(``config.yaml``) next to the policy's own files (``policy/``). The command rebuilds that
+(``config.yaml``) next to the policy's own files (``policy/``); reading it (step-folder
+lookup, format detection, saved config) is :mod:`nrl_core.checkpoint`'s job. The command rebuilds that
 policy's workers from the config (any algorithm: GRPO, SFT, DPO, RM), loads the checkpoint
 into them and calls their ``export_hf``. The format is detected from the folder's files and
 checked against the config's ``policy.backend``: the ``dtensor`` policy's
@@ -69,90 +70,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def find_step_folder(path: str | Path) -> Path:
-    """The checkpoint to convert: ``path`` itself, its parent when ``path`` is the
-    ``policy/`` folder inside one, or the newest complete ``step_N`` under a checkpoint dir."""
-    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager
-    from nrl_core.errors import ConfigError
-
-    path = Path(path)
-    if path.name == "policy" and (path.parent / TRAINER_STATE).is_file():
-        path = path.parent
-    if (path / TRAINER_STATE).is_file():
-        return path
-    latest = CheckpointManager(path).latest()
-    if latest is not None:
-        return latest
-    raise ConfigError(
-        f"{path} is not an nrl checkpoint (no {TRAINER_STATE}); pass a step_N folder written by "
-        "`nrl run` (under checkpointing.checkpoint_dir)"
-    )
-
-
-MEGATRON_RANK_FILE = "rank{}.pt"
-"""The megatron policy's per-rank checkpoint file (``MegatronPolicyWorker.save_checkpoint``)."""
-
-
-def detect_format(step: Path, backend: str) -> str:
-    """The policy checkpoint format in ``step/policy``: ``torch_dcp`` (the dtensor policy's
-    ``torch.distributed.checkpoint``) or ``megatron_rank`` (one ``rank{N}.pt`` per rank)."""
-    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT
-    from nrl_core.errors import ConfigError
-
-    folder = step / POLICY_CHECKPOINT
-    found = None
-    if (folder / ".metadata").is_file():
-        found, expected = "torch_dcp", "dtensor"
-        what = "a dtensor (torch.distributed.checkpoint)"
-    elif (folder / MEGATRON_RANK_FILE.format(0)).is_file():
-        found, expected = "megatron_rank", "megatron"
-        what = "a megatron (rank{N}.pt)"
-    if found is None:
-        raise ConfigError(
-            f"{folder} holds no known policy checkpoint (expected a torch.distributed.checkpoint "
-            "`.metadata` file from the dtensor policy or rank0.pt from the megatron policy)"
-        )
-    if backend != expected:
-        raise ConfigError(
-            f"{folder} is {what} checkpoint but its config names policy.backend={backend}; pass "
-            "the right run config with --config"
-        )
-    return found
-
-
-def megatron_ranks(step: Path) -> int:
-    """How many ranks wrote the megatron checkpoint in ``step`` (``rank0.pt`` .. contiguous)."""
-    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT
-
-    folder, ranks = step / POLICY_CHECKPOINT, 0
-    while (folder / MEGATRON_RANK_FILE.format(ranks)).is_file():
-        ranks += 1
-    return ranks
-
-
-def checkpoint_config(step: Path, registry: Any, config_file: str | None) -> tuple[str, Any]:
-    """``(algorithm, config)`` of the run that wrote ``step``, from its saved config."""
-    from nrl_core.algorithms.runtime import CHECKPOINT_CONFIG
-    from nrl_core.config.loader import read_yaml, resolve_config
-    from nrl_core.config.schema import ALGORITHM_CONFIGS
-    from nrl_core.errors import ConfigError
-
-    path = Path(config_file) if config_file else step / CHECKPOINT_CONFIG
-    if not path.is_file():
-        raise ConfigError(
-            f"{step} carries no {CHECKPOINT_CONFIG} (written by nrl since checkpoints became "
-            "self-describing); pass the run's config with --config (the run directory's "
-            "config.yaml)"
-        )
-    algorithms = [a for a in ALGORITHM_CONFIGS if a in read_yaml(path)]
-    if len(algorithms) != 1:
-        raise ConfigError(
-            f"{path}: cannot tell the algorithm (expected exactly one of the sections "
-            f"{', '.join(ALGORITHM_CONFIGS)})"
-        )
-    return algorithms[0], resolve_config(algorithms[0], path, (), registry)
-
-
 def convert(
     checkpoint: str | Path,
     out: str | Path,
@@ -168,10 +85,18 @@ def convert(
     import attrs
     from rich.console import Console
 
-    from nrl_core.algorithms.runtime import POLICY_CHECKPOINT, RunSession
+    from nrl_core import atomic
+    from nrl_core.algorithms.runtime import RunSession
+    from nrl_core.checkpoint import (
+        POLICY_CHECKPOINT,
+        detect_format,
+        find_step_folder,
+        megatron_ranks,
+        saved_config,
+    )
 
     step = find_step_folder(checkpoint)
-    algorithm, config = checkpoint_config(step, registry, config_file)
+    algorithm, config = saved_config(step, registry, config_file)
     fmt = detect_format(step, config.policy.backend)
     out = Path(out).resolve()
     policy = config.policy
@@ -197,7 +122,9 @@ def convert(
         try:
             session.start_policy_only()
             session.policy.load_checkpoint(str(step.resolve() / POLICY_CHECKPOINT))
-            session.policy.export_hf(str(out))
+            # Exported next to OUT and renamed into place: OUT is never half-written.
+            with atomic.new_dir(out) as tmp:
+                session.policy.export_hf(str(tmp))
         finally:
             session.close()
     return out

@@ -166,7 +166,10 @@ def test_three_steps_write_every_metric_and_change_the_parameters(tmp_path):
         assert (tmp_path / "run" / chart).stat().st_size > 1000
 
 
-def test_kill_after_a_checkpoint_and_resume_gives_the_same_metrics(tmp_path):
+def test_kill_then_resume_skips_a_damaged_newest_checkpoint_and_a_torn_metrics_line(tmp_path):
+    """kill -9 after the step-4 checkpoint; then step_4's largest shard gets one byte flipped
+    (same size: only the manifest's hash can tell) and metrics.jsonl a torn last line. Resume
+    must say step_4 is damaged, continue from step_2, and reproduce the uninterrupted run."""
     steps = ["grpo.max_num_steps=4", "grpo.val_period=0", "checkpointing.save_period=2"]
     reference = tmp_path / "reference"
     run_nrl(reference, *steps)
@@ -192,15 +195,27 @@ def test_kill_after_a_checkpoint_and_resume_gives_the_same_metrics(tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    marker = killed / "ckpt" / "step_2" / "trainer_state.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+    newest = killed / "ckpt" / "step_4"
+    deadline = time.monotonic() + 400
+    while not newest.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert marker.exists(), "the run never wrote its step-2 checkpoint"
+    assert newest.exists(), "the run never wrote its step-4 checkpoint"
     os.killpg(process.pid, signal.SIGKILL)  # the driver and every Ray process of its session
     process.wait(timeout=60)
+    assert (killed / "ckpt" / "step_2").is_dir()
 
-    run_nrl(killed, *steps)  # checkpointing.resume=auto picks step_2
+    shard = max((newest / "policy").rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with (killed / "run" / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 5, "train/lo')  # the write a kill interrupted
+
+    resumed_run = run_nrl(killed, *steps, quiet=False)  # checkpointing.resume=auto
+    assert f"checkpoint {newest} is damaged ({shard.relative_to(newest)} does not match" in (
+        resumed_run.stderr
+    ), resumed_run.stderr[-2000:]
+    assert "resuming from" in resumed_run.stdout + resumed_run.stderr
     expected = {r["step"]: r for r in metrics(reference)}
     resumed = {r["step"]: r for r in metrics(killed)}
     assert sorted(resumed) == sorted(expected) == [0, 1, 2, 3, 4]
@@ -216,6 +231,10 @@ def test_kill_after_a_checkpoint_and_resume_gives_the_same_metrics(tmp_path):
                 step,
                 key,
             )
+    # The damaged step_4 was replaced by the resumed run's own, intact one.
+    from nrl_core.checkpoint import verify
+
+    assert verify(newest) is None
 
 
 def test_unknown_environment_is_one_line_listing_what_is_registered(tmp_path):

@@ -37,3 +37,36 @@ def test_a_live_run_folder_is_refused_to_a_second_run(tmp_path):
     first.close()
     second._lock_run_dir()  # released with the first run
     second.close()
+
+
+def test_an_explicit_checkpoint_folder_is_locked_too(tmp_path):
+    shared = str(tmp_path / "shared-ckpt")
+    first = session(tmp_path, "a", checkpoint_dir=shared)
+    first._lock_run_dir()
+    with pytest.raises(ConfigError, match=r"shared-ckpt is in use by another run"):
+        session(tmp_path, "b", checkpoint_dir=shared)._lock_run_dir()
+    first.close()
+
+
+def test_resume_auto_refuses_a_checkpoint_of_another_algorithm_before_anything_starts(
+    tmp_path, capsys
+):
+    import time
+
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, CheckpointManager
+    from nrl_core.cli import main
+
+    run_dir = tmp_path / "run"
+
+    def write(folder):
+        (folder / CHECKPOINT_CONFIG).write_text("sft: {}\npolicy: {model_name: tiny}\n")
+
+    CheckpointManager(run_dir / "checkpoints").save(3, write, {})
+    start = time.monotonic()
+    code = main(["run", "grpo", "-q", f"logger.log_dir={tmp_path}", "logger.run_name=run"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "written by `nrl run sft`" in err and "checkpointing.resume=never" in err
+    assert time.monotonic() - start < 10
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # nothing else written

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nrl_core.checkpoint import find_step_folder
 from nrl_core.cli import build_parser
-from nrl_core.cli.convert import find_step_folder
 from nrl_core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from nrl_core.chat_data import ChatDataConfig, ChatDataset, encode_conversation
-    from nrl_core.cli.convert import checkpoint_config
+    from nrl_core.checkpoint import saved_config
     from nrl_core.interfaces import ComponentContext
     from nrl_core.plugins import PluginHost
 
@@ -56,7 +56,7 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     # The policy's logprobs: a fresh worker (single process) loading the same checkpoint.
     step = tmp_path / "ckpt" / "step_3"
     registry = PluginHost.discover().registry()
-    algorithm, saved = checkpoint_config(step, registry, None)
+    algorithm, saved = saved_config(step, registry, None)
     assert algorithm == "sft"
     worker = DTensorPolicyWorker(saved.policy.options_for(), ComponentContext(config=saved))
     worker.load_checkpoint(str(step / "policy"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nrl_core.cli.convert import detect_format, megatron_ranks
+from nrl_core.checkpoint import detect_format, megatron_ranks
 from nrl_core.errors import ConfigError
 
 

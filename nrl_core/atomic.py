@@ -1,0 +1,76 @@
+"""Write-temp-then-rename: a reader sees the old file (or folder) or the new one, never half.
+
+Everything nrl replaces on disk goes through here: a checkpoint's ``step_N`` folder, the run's
+``config.yaml``, ``nrl convert``'s output folder and the GRPO reference snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def temp_sibling(path: str | os.PathLike, tag: str = "tmp") -> Path:
+    """A fresh hidden name next to ``path`` (same folder, hence the same filesystem, so the
+    final rename is atomic)."""
+    path = Path(path)
+    return path.with_name(f".{tag}_{path.name}_{uuid.uuid4().hex[:8]}")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace the file ``path`` with ``text``: written and fsynced under a temporary name,
+    then renamed over ``path``."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move the complete folder ``tmp`` to ``final``, replacing a folder already there.
+
+    POSIX cannot rename over a non-empty folder, so an existing ``final`` is first renamed
+    aside, then ``tmp`` renamed in, then the old one removed: at no time does ``final`` hold a
+    mix of the two. (A crash between the two renames leaves no ``final``, with the old folder
+    kept aside under a hidden ``.replaced_*`` name.)
+    """
+    tmp, final = Path(tmp), Path(final)
+    aside = None
+    if final.exists() or final.is_symlink():
+        aside = temp_sibling(final, "replaced")
+        final.rename(aside)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        if aside is not None:
+            aside.rename(final)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def new_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder next to ``final`` to fill; on success it replaces ``final``
+    (:func:`replace_dir`), on error it is removed and ``final`` is left as it was."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,129 @@
+"""Step checkpoints: a manifest written last, verification, fallback to the newest intact one,
+refusing another run's checkpoint, and atomic replacement of a step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nrl_core.checkpoint import (
+    CHECKPOINT_CONFIG,
+    MANIFEST,
+    TRAINER_STATE,
+    CheckpointManager,
+    check_same_run,
+    find_step_folder,
+    read_state,
+    verify,
+)
+from nrl_core.errors import ConfigError
+
+
+def writer(payload: bytes, config: str = "grpo: {}\npolicy: {model_name: tiny}\n"):
+    def write(folder: Path) -> None:
+        (folder / "policy").mkdir()
+        (folder / "policy" / "shard.bin").write_bytes(payload)
+        (folder / CHECKPOINT_CONFIG).write_text(config)
+
+    return write
+
+
+def saved(tmp_path: Path, *steps: int, keep_last: int | None = None) -> CheckpointManager:
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=keep_last)
+    for step in steps:
+        manager.save(step, writer(bytes(range(256)) * (step + 1)), {"data": None})
+    return manager
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_lists_every_file_with_size_and_hash(tmp_path):
+    step = saved(tmp_path, 2).latest()
+    manifest = json.loads((step / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == [CHECKPOINT_CONFIG, "policy/shard.bin", TRAINER_STATE]
+    assert manifest["files"]["policy/shard.bin"]["size"] == 3 * 256
+    assert len(manifest["files"]["policy/shard.bin"]["sha256"]) == 64
+    assert verify(step) is None
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (flip_byte, "policy/shard.bin does not match its SHA-256"),
+        (lambda p: p.write_bytes(p.read_bytes()[:10]), "policy/shard.bin has 10 bytes"),
+        (Path.unlink, "policy/shard.bin is missing"),
+    ],
+)
+def test_verify_names_the_damaged_file(tmp_path, damage, problem):
+    step = saved(tmp_path, 2).latest()
+    damage(step / "policy" / "shard.bin")
+    assert problem in verify(step)
+
+
+def test_a_corrupt_trainer_state_is_a_problem_not_a_traceback(tmp_path):
+    step = saved(tmp_path, 2).latest()
+    (step / MANIFEST).unlink()  # an older checkpoint: only the trainer state is checked
+    (step / TRAINER_STATE).write_text('{"step": 2, "da')
+    assert "is not valid JSON" in verify(step)
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        read_state(step)
+    (step / TRAINER_STATE).write_text("[1, 2]")
+    assert "holds no integer `step`" in verify(step)
+
+
+def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    manager = saved(tmp_path, 2, 4, 6)
+    flip_byte(manager.root / "step_6" / "policy" / "shard.bin")
+    (manager.root / "step_4" / TRAINER_STATE).write_text("{")
+    point = manager.resume_from("auto")
+    assert point.path == manager.root / "step_2"
+    assert [folder.name for folder, _ in point.skipped] == ["step_6", "step_4"]
+    # nrl convert / eval on the checkpoint folder take the same one.
+    assert find_step_folder(manager.root) == manager.root / "step_2"
+
+
+def test_an_explicit_damaged_checkpoint_is_refused_in_one_line(tmp_path):
+    manager = saved(tmp_path, 2)
+    flip_byte(manager.root / "step_2" / "policy" / "shard.bin")
+    with pytest.raises(ConfigError, match=r"is damaged: policy/shard.bin does not match") as err:
+        manager.resume_from(str(manager.root / "step_2"))
+    assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_algorithm_or_model_is_not_continued(tmp_path):
+    step = saved(tmp_path, 2).latest()
+    check_same_run(step, "grpo", "tiny")
+    with pytest.raises(ConfigError, match=r"written by `nrl run grpo`.*`nrl run sft`.*resume=never"):
+        check_same_run(step, "sft", "tiny")
+    with pytest.raises(ConfigError, match=r"policy.model_name=tiny, but .*model_name=/models/other"):
+        check_same_run(step, "grpo", "/models/other")
+
+
+def test_replacing_a_step_keeps_the_old_one_when_the_new_write_fails(tmp_path):
+    manager = saved(tmp_path, 2)
+    before = (manager.root / "step_2" / "policy" / "shard.bin").read_bytes()
+
+    def broken(folder: Path) -> None:
+        (folder / "policy").mkdir()
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        manager.save(2, broken, {})
+    assert (manager.root / "step_2" / "policy" / "shard.bin").read_bytes() == before
+    assert verify(manager.root / "step_2") is None
+    assert [p.name for p in manager.root.iterdir()] == ["step_2"]  # no temporary left behind
+
+    manager.save(2, writer(b"new"), {})
+    assert (manager.root / "step_2" / "policy" / "shard.bin").read_bytes() == b"new"
+    assert [p.name for p in manager.root.iterdir()] == ["step_2"]
+
+
+def test_keep_last_prunes_the_oldest(tmp_path):
+    manager = saved(tmp_path, 1, 2, 3, keep_last=2)
+    assert [p.name for p in manager.complete()] == ["step_2", "step_3"]
