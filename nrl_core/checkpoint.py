@@ -228,15 +228,21 @@ class CheckpointManager:
 
 
 def find_step_folder(path: str | Path) -> Path:
-    """The checkpoint at ``path``: ``path`` itself, its parent when ``path`` is the
-    ``policy/`` folder inside one, or the newest intact ``step_N`` of a checkpoint folder
-    (naming, on stderr, newer ones skipped as damaged)."""
+    """The checkpoint at ``path``: ``path`` itself (refused when damaged), its parent when
+    ``path`` is the ``policy/`` folder inside one, or the newest intact ``step_N`` of a
+    checkpoint folder (naming, on stderr, newer ones skipped as damaged)."""
     import sys
 
     path = Path(path)
     if path.name == POLICY_CHECKPOINT and _is_step(path.parent):
         path = path.parent
     if _is_step(path):
+        problem = verify(path)
+        if problem is not None:
+            raise ConfigError(
+                f"checkpoint {path} is damaged: {problem}; pass an older step_N folder, or the "
+                "checkpoint folder to take its newest intact step"
+            )
         return path
     point = CheckpointManager(path).newest_good()
     for folder, problem in point.skipped:

@@ -94,6 +94,9 @@ def test_an_explicit_damaged_checkpoint_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"is damaged: policy/shard.bin does not match") as err:
         manager.resume_from(str(manager.root / "step_2"))
     assert "\n" not in str(err.value)
+    # nrl convert / eval given that step folder.
+    with pytest.raises(ConfigError, match=r"step_2 is damaged: policy/shard.bin does not match"):
+        find_step_folder(manager.root / "step_2" / "policy")
 
 
 def test_a_checkpoint_of_another_algorithm_or_model_is_not_continued(tmp_path):
