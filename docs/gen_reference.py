@@ -10,7 +10,9 @@ Used two ways:
 The hook reference comes from the hook specifications (``nrl_core.hookspecs``: signature and
 docstring) and the ``Register`` protocol; the configuration reference from the attrs classes of
 ``nrl_core.config.schema`` and the config classes that the installed plugins register (field
-docs live in ``metadata["doc"]``, see ``nrl_core.config.schema.option``).
+docs live in ``metadata["doc"]``, see ``nrl_core.config.schema.option``). The "valid" column
+is derived from each field's attrs validator (``nrl_core.config.schema.describe_validator``), so
+it states exactly what the loader accepts.
 """
 
 from __future__ import annotations
@@ -180,8 +182,25 @@ def _type_name(field: Any) -> str:
     return f"`{name}`".replace("|", "\\|")
 
 
-def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
-    """``(key, type, default, doc)`` of every field of ``cls``, sub-sections flattened."""
+def valid_values(cls: type, field: Any) -> str:
+    """What ``field`` of ``cls`` accepts, in words: its validator's range, a registered
+    component for a section's selector, ``true``/``false`` for flags; empty when anything of
+    its type goes."""
+    from nrl_core.config.schema import ComponentSection, describe_validator
+
+    if isinstance(cls, type) and issubclass(cls, ComponentSection) and field.name == cls.selector:
+        text = f"a registered {cls.component_kind}"
+        if cls.component_kind == "dataset":
+            text += " or a `.jsonl` path"
+        return text
+    text = describe_validator(field.validator)
+    if text is None and field.type in (bool, "bool"):
+        text = "`true` or `false`"
+    return (text or "").replace("|", "\\|")
+
+
+def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str, str]]:
+    """``(key, type, default, valid, doc)`` of every field of ``cls``, sub-sections flattened."""
     import attrs
 
     rows = []
@@ -192,16 +211,16 @@ def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         default = _default(field)
         doc = (field.metadata.get("doc") or "").replace("\n", " ").replace("|", "\\|")
         if attrs.has(type(default)):
-            rows.append((key, _type_name(field), "(section)", doc))
+            rows.append((key, _type_name(field), "(section)", "", doc))
             rows += config_rows(type(default), key)
         else:
-            rows.append((key, _type_name(field), _show(default), doc))
+            rows.append((key, _type_name(field), _show(default), valid_values(cls, field), doc))
     return rows
 
 
-def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
-    out = ["| key | type | default | description |", "|---|---|---|---|"]
-    out += [f"| `{k}` | {t} | {d} | {doc} |" for k, t, d, doc in rows]
+def _table(rows: list[tuple[str, str, str, str, str]]) -> list[str]:
+    out = ["| key | type | default | valid | description |", "|---|---|---|---|---|"]
+    out += [f"| `{k}` | {t} | {d} | {v} | {doc} |" for k, t, d, v, doc in rows]
     return out
 
 

@@ -16,23 +16,24 @@ encoders run wherever a tokenizer is at hand (driver, environment actors).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import ge, option, optional
 from nrl_core.data import Message, Sample
-from nrl_core.errors import NrlError
+from nrl_core.datasets import read_jsonl_rows, require_text
+from nrl_core.errors import ConfigError
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 """ShareGPT-style role names and what they mean."""
 
 
-class ChatDataError(NrlError):
-    """A chat or preference data file is missing or malformed."""
+class ChatDataError(ConfigError):
+    """A chat or preference data file is missing or malformed (exit code 2, like any other
+    input the user can fix)."""
 
 
 @attrs.define
@@ -70,7 +71,9 @@ class ChatDataConfig:
     response_field: str | None = option(
         None, "Instruction-style rows: field of the assistant response."
     )
-    max_samples: int | None = option(None, "Use at most this many rows per split.")
+    max_samples: int | None = option(
+        None, "Use at most this many rows per split.", validator=optional(ge(1))
+    )
 
 
 @attrs.define
@@ -100,7 +103,9 @@ class PreferenceDataConfig:
     prompt_field: str = option("prompt", "Field of the prompt (a string or a message list).")
     chosen_field: str = option("chosen", "Field of the preferred response.")
     rejected_field: str = option("rejected", "Field of the dispreferred response.")
-    max_samples: int | None = option(None, "Use at most this many rows per split.")
+    max_samples: int | None = option(
+        None, "Use at most this many rows per split.", validator=optional(ge(1))
+    )
 
 
 # -- reading rows ------------------------------------------------------------------------------
@@ -120,22 +125,10 @@ def resolve_path(path: str | Path) -> Path:
     return Path(path)
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The objects of a JSON Lines file (blank lines skipped); see :func:`resolve_path`."""
-    path = resolve_path(path)
-    if not path.is_file():
-        raise ChatDataError(f"data file {path} does not exist; check the path in your data config")
-    rows = []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ChatDataError(
-                        f"{path}, line {number}: not valid JSON ({exc.msg})"
-                    ) from None
-    return rows
+def read_jsonl(path: str | Path, key: str = "") -> list[dict[str, Any]]:
+    """The objects of a JSON Lines file (blank lines skipped); see :func:`resolve_path`.
+    Every line must be a JSON object (see :func:`nrl_core.datasets.read_jsonl_rows`)."""
+    return [row for _, row in read_jsonl_rows(resolve_path(path), key=key, error=ChatDataError)]
 
 
 def _hub_rows(name: str, subset: str | None, split: str, key: str) -> list[dict[str, Any]]:
@@ -146,31 +139,40 @@ def _hub_rows(name: str, subset: str | None, split: str, key: str) -> list[dict[
             f"{key}={name} needs the `datasets` library (pip install datasets), or convert the "
             "dataset to JSONL and set the `path` option"
         ) from None
-    if Path(name).is_dir() and (Path(name) / "dataset_dict.json").is_file():
-        return [dict(r) for r in datasets.load_from_disk(name)[split]]
-    return [dict(r) for r in datasets.load_dataset(name, subset, split=split)]
+    try:
+        if Path(name).is_dir() and (Path(name) / "dataset_dict.json").is_file():
+            return [dict(r) for r in datasets.load_from_disk(name)[split]]
+        return [dict(r) for r in datasets.load_dataset(name, subset, split=split)]
+    except Exception as exc:  # offline hub, unknown name or split: one line, not a traceback
+        message = " ".join(str(exc).split())[:300]
+        raise ChatDataError(
+            f"{key}={name} (split {split!r}) cannot be loaded: {type(exc).__name__}: {message}; "
+            "check the name and split, or convert the dataset to JSONL and set the `path` option"
+        ) from None
 
 
-def _split_rows(options: Any, split: str, seed_key: str) -> list[dict]:
-    """The raw rows of ``split`` from a JSONL file or a hub dataset; ``KeyError`` for a
-    validation split that the source lacks (the core then holds one out of training)."""
+def _split_rows(options: Any, split: str, seed_key: str) -> list[tuple[str, dict]]:
+    """The raw rows of ``split`` from a JSONL file or a hub dataset, as ``(where, row)`` pairs
+    (``where``: ``file:line``, or the hub split and row number); ``KeyError`` for a validation
+    split that the source lacks (the core then holds one out of training)."""
     if split not in ("train", "validation"):
         raise KeyError(split)
     if options.hf_dataset:
         key = f"data.{seed_key}.hf_dataset"
-        if split == "train":
-            rows = _hub_rows(options.hf_dataset, options.hf_subset, options.train_split, key)
-        elif options.validation_split:
-            rows = _hub_rows(options.hf_dataset, options.hf_subset, options.validation_split, key)
-        else:
+        hub_split = options.train_split if split == "train" else options.validation_split
+        if not hub_split:
             raise KeyError(split)
+        hub = _hub_rows(options.hf_dataset, options.hf_subset, hub_split, key)
+        where = f"{options.hf_dataset} [{hub_split}] row"
+        rows = [(f"{where} {i}", row) for i, row in enumerate(hub, 1)]
     elif options.path:
         if split == "validation":
             if not options.validation_path:
                 raise KeyError(split)
-            rows = read_jsonl(options.validation_path)
+            path, key = options.validation_path, f"data.{seed_key}.validation_path"
         else:
-            rows = read_jsonl(options.path)
+            path, key = options.path, f"data.{seed_key}.path"
+        rows = read_jsonl_rows(resolve_path(path), key=key, error=ChatDataError)
     else:
         raise ChatDataError(
             f"the {seed_key} dataset needs data: set data.{seed_key}.path to a JSONL file "
@@ -183,7 +185,10 @@ def _messages(value: Any, role_field: str, content_field: str, where: str) -> li
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise ChatDataError(f"{where}: expected a string or a list of messages, got {value!r:.80}")
+        raise ChatDataError(
+            f"{where}: expected a string or a list of messages "
+            f'([{{"{role_field}": "user", "{content_field}": "..."}}, ...]), got {value!r:.80}'
+        )
     out: list[Message] = []
     for m in value:
         if role_field not in m or content_field not in m:
@@ -191,8 +196,13 @@ def _messages(value: Any, role_field: str, content_field: str, where: str) -> li
                 f"{where}: a message lacks {role_field!r} or {content_field!r}; set "
                 "role_field / content_field to the file's keys"
             )
-        role = str(m[role_field])
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": str(m[content_field])})
+        role, content = m[role_field], m[content_field]
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ChatDataError(
+                f"{where}: a message's {role_field!r} and {content_field!r} must be text (JSON "
+                f"strings), got {role!r:.40} and {content!r:.40}"
+            )
+        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
     return out
 
 
@@ -205,20 +215,25 @@ class ChatDataset:
 
     def load(self, split: str) -> list[Sample]:
         """The conversations of ``split``; every one must hold an assistant message."""
-        rows = _split_rows(self.options, split, "chat")
-        return [self.to_sample(row, f"chat {split} row {i}") for i, row in enumerate(rows, 1)]
+        return [
+            self.to_sample(row, where) for where, row in _split_rows(self.options, split, "chat")
+        ]
 
     def to_sample(self, row: dict[str, Any], where: str = "row") -> Sample:
         """One row as a sample whose ``messages`` is the whole conversation."""
         o = self.options
         if o.prompt_field and o.response_field:
-            try:
-                messages: list[Message] = [
-                    {"role": "user", "content": str(row[o.prompt_field])},
-                    {"role": "assistant", "content": str(row[o.response_field])},
-                ]
-            except KeyError as exc:
-                raise ChatDataError(f"{where} has no field {exc.args[0]!r}") from None
+            fix = "set data.chat.prompt_field / response_field to the file's field names"
+            messages: list[Message] = [
+                {
+                    "role": "user",
+                    "content": require_text(row, o.prompt_field, where, fix, ChatDataError),
+                },
+                {
+                    "role": "assistant",
+                    "content": require_text(row, o.response_field, where, fix, ChatDataError),
+                },
+            ]
         else:
             if o.messages_field not in row:
                 raise ChatDataError(
@@ -241,7 +256,7 @@ class PreferenceDataset:
     def load(self, split: str) -> list[Sample]:
         """The pairs of ``split``: prompt messages, chosen and rejected responses in metadata."""
         rows = _split_rows(self.options, split, "preference")
-        return [self.to_sample(row, f"preference {split} row {i}") for i, row in enumerate(rows, 1)]
+        return [self.to_sample(row, where) for where, row in rows]
 
     def to_sample(self, row: dict[str, Any], where: str = "row") -> Sample:
         """One row as a sample (see the module docstring)."""

@@ -59,9 +59,7 @@ def _sha256(path: Path) -> str:
 
 def _files(folder: Path) -> list[str]:
     return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and p.name != MANIFEST
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
     )
 
 
@@ -161,7 +159,8 @@ class CheckpointManager:
         found = [
             p
             for p in self.root.iterdir()
-            if step_of(p) is not None and ((p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file())
+            if step_of(p) is not None
+            and ((p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file())
         ]
         return sorted(found, key=lambda p: step_of(p) or 0)
 

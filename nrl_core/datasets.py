@@ -3,8 +3,10 @@ resumable, seeded order."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from nrl_core.config.schema import DataConfig
@@ -15,6 +17,96 @@ from nrl_core.registry import Registry
 
 JSONL_DATASET = "jsonl"
 """The registered dataset that reads ``data.dataset`` when it is a path to a JSONL file."""
+
+
+# -- JSONL files ---------------------------------------------------------------------------------
+
+
+def read_jsonl_rows(
+    path: str | Path, *, key: str = "", error: type[ConfigError] = ConfigError
+) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of a JSON Lines file as ``(where, row)`` pairs, ``where`` being ``file:line``.
+
+    Every line is checked before any is used: a missing or empty file, a folder, bytes that
+    are not UTF-8, a line that is not JSON, or a line that is not a JSON object (a list, a
+    number...) is a :class:`~nrl_core.errors.ConfigError` naming the file and line, the
+    expected shape, and ``key`` (the config key that named the file) when given; ``error``
+    is the exception class raised (a loader's own subclass of ``ConfigError``). Blank lines
+    are skipped.
+    """
+    path = Path(path)
+    named = f" ({key})" if key else ""
+    if path.is_dir():
+        raise error(f"data file {path}{named} is a folder; name a .jsonl file")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise error(
+            f"data file {path}{named} does not exist; check the path in your data config"
+        ) from None
+    except OSError as exc:
+        raise error(f"cannot read data file {path}{named}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise error(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); a JSONL data file "
+            "holds one UTF-8 JSON object per line"
+        ) from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(
+                f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON "
+                'object, e.g. {"problem": "...", "answer": "..."}'
+            ) from None
+        if not isinstance(row, dict):
+            raise error(
+                f"{path}:{number}: expected a JSON object ({{...}}) per line, got {_json_kind(row)}"
+            )
+        rows.append((f"{path}:{number}", row))
+    if not rows:
+        raise error(f"data file {path}{named} is empty; it needs one JSON object per line")
+    return rows
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }
+    return kinds.get(type(value), f"a number ({value})" if isinstance(value, int | float) else "?")
+
+
+def require_text(
+    row: dict[str, Any],
+    field: str,
+    where: str,
+    fix: str = "",
+    error: type[ConfigError] = ConfigError,
+) -> str:
+    """``row[field]``, which must be a string; otherwise ``error`` (a ``ConfigError``) naming
+    ``where`` (``file:line``), the field and what it holds, and ``fix`` (how to point at
+    another field)."""
+    if field not in row:
+        present = ", ".join(sorted(map(str, row))) or "none"
+        raise error(
+            f"{where}: no field {field!r} (fields: {present})" + (f"; {fix}" if fix else "")
+        )
+    value = row[field]
+    if not isinstance(value, str):
+        raise error(
+            f"{where}: field {field!r} must be text (a JSON string), got {_json_kind(value)}"
+        )
+    return value
 
 
 def _loader(

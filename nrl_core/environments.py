@@ -3,10 +3,13 @@
 :class:`EnvironmentActor` runs inside each environment actor (in the environment plugin's own
 virtualenv). It builds the plugin's environment from its target string and shields the run
 from it: when ``step`` raises for a batch, the batch is retried sample by sample, and a sample
-whose step still raises gets reward 0 and is counted as an environment error.
+whose step still raises gets reward 0 and is counted as an environment error. An nrl error
+(:class:`~nrl_core.errors.NrlError`, e.g. a ``ConfigError`` for options the environment cannot
+use) is not a sample's fault: it fails the run, in one line naming the environment and rank.
 
 :class:`EnvironmentPool` is the driver's side: one worker group per environment, batches split
-across each group's actors, samples routed to their environment by task name.
+across each group's actors, samples routed to their environment by task name, and every step
+bounded by ``env.step_timeout_s`` (a hung environment fails the run naming that key).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from typing import Any
 import attrs
 
 from nrl_core.data import split_even
+from nrl_core.distributed.errors import WorkerTimeoutError
+from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, EnvStep
 from nrl_core.registry import resolve_target
 
 ENV_ACTOR_TARGET = "nrl_core.environments:EnvironmentActor"
+STEP_TIMEOUT_KEY = "env.step_timeout_s"
+"""The config key that bounds one environment actor's ``step``."""
 
 
 @attrs.frozen
@@ -62,12 +69,16 @@ class EnvironmentActor:
             return []
         try:
             return [StepResult(s) for s in self._checked_step(conversations, metadata)]
+        except NrlError:
+            raise  # the environment says its set-up is wrong: no sample is at fault
         except Exception:
             pass  # find the samples at fault below; the others still get their rewards
         results = []
         for conversation, meta in zip(conversations, metadata, strict=True):
             try:
                 results.append(StepResult(self._checked_step([conversation], [meta])[0]))
+            except NrlError:
+                raise
             except Exception as exc:
                 where = traceback.extract_tb(exc.__traceback__)[-1]
                 results.append(
@@ -123,10 +134,18 @@ class EnvironmentPool:
 
     Args:
         groups: task name -> worker group hosting that task's environment.
+        step_timeout_s: the longest one actor's ``step`` may take (``env.step_timeout_s``);
+            None leaves the groups' own timeout (``cluster.worker_timeout_s``).
     """
 
-    def __init__(self, groups: dict[str, Any]) -> None:
+    def __init__(self, groups: dict[str, Any], step_timeout_s: float | None = None) -> None:
         self.groups = groups
+        if step_timeout_s is not None:
+            for group in groups.values():
+                # In-process groups (tests, single process) have no timeouts to set.
+                set_timeout = getattr(group, "set_call_timeout", None)
+                if set_timeout is not None:
+                    set_timeout("step", step_timeout_s, STEP_TIMEOUT_KEY)
 
     def step(
         self,
@@ -143,9 +162,15 @@ class EnvironmentPool:
                 raise KeyError(f"no environment serves task {task!r}; configured: {known}")
             index = [i for i, t in enumerate(tasks) if t == task]
             shards = split_even([(conversations[i], metadata[i]) for i in index], group.dp_size)
-            outputs = group.run_sharded(
-                "step", [([c for c, _ in shard], [m for _, m in shard]) for shard in shards]
-            )
+            try:
+                outputs = group.run_sharded(
+                    "step", [([c for c, _ in shard], [m for _, m in shard]) for shard in shards]
+                )
+            except WorkerTimeoutError:
+                # A hung step never returns, so the actor could not run a clean shutdown
+                # either: stop the group now instead of waiting for it at the run's end.
+                group.shutdown(timeout_s=0)
+                raise
             for i, result in zip(index, [r for out in outputs for r in out], strict=True):
                 results[i] = result
         return [r for r in results if r is not None]

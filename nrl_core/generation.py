@@ -132,8 +132,10 @@ class GenerationEngines:
         import ray
 
         lead = policy.group.actors[0]
-        addr = policy.group.infos[0].node_ip or "127.0.0.1"
-        port = ray.get(lead.free_port.remote())
+        # Both groups on the driver's node: the refit store listens on loopback only.
+        local = getattr(policy.group, "is_local", False) and getattr(self.group, "is_local", False)
+        addr = "127.0.0.1" if local else policy.group.infos[0].node_ip or "127.0.0.1"
+        port = ray.get(lead.free_port.remote(addr if local else ""))
         world = 1 + self.num_engines * self.tp_size
         name = "nrl-refit"
         refs = [lead.call.remote("init_weight_sync_group", (name, addr, port, 0, world), {})]
@@ -147,7 +149,8 @@ class GenerationEngines:
         self._nccl_ready = True
 
     def shutdown(self) -> None:
-        """Stop the engines."""
+        """Stop the engines (nothing to do, and no Ray call, once Ray itself is stopped: see
+        :meth:`WorkerGroup.shutdown`)."""
         self.group.shutdown()
 
 

@@ -4,16 +4,58 @@ Everything a user can get wrong in a config or a data file is found here, in the
 seconds, and reported as one :class:`~nrl_core.errors.ConfigError` line naming the key or file
 and the fix. :class:`~nrl_core.algorithms.runtime.RunSession` and ``nrl eval`` call
 :func:`preflight` first.
+
+What is checked (each in well under a second; no model or data is loaded here):
+
+* every selected component is registered (:func:`check_components`);
+* the settings that span sections (:func:`~nrl_core.config.validation.validate_run_config`,
+  again: a config may have been built or changed in code);
+* the model and tokenizer (:func:`check_model_source`): ``tiny``, a Hugging Face folder with
+  ``config.json``, weights and tokenizer files, or a hub name found in the local cache or, when
+  online, on the hub (one request with a short timeout; offline says so at once);
+* an ``actor_env`` that names an interpreter names an executable one, and the Python modules
+  the selected components' options need are in their actor environment
+  (:func:`check_component_requirements`, e.g. ``peft`` for LoRA);
+* the files and folders the options name (a dataset's ``path``, ``data.val_dataset``...) exist;
+* ``logger.log_dir`` (and ``checkpointing.checkpoint_dir``, ``eval.output``) can be written;
+* a ``checkpointing.resume`` path exists (the checkpoint itself is verified when the run looks
+  for its resume point, still before anything starts).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from nrl_core.config.schema import ComponentSection
+from nrl_core.errors import ConfigError
 from nrl_core.registry import Registry
+
+TINY_MODEL = "tiny"
+"""``policy.model_name`` of the bundled tiny test model (built locally, never downloaded)."""
+HUB_TIMEOUT_S = 3.0
+"""The one request that asks the hub whether a model exists gives up after this long."""
+INTERPRETER_TIMEOUT_S = 4.0
+"""Asking another interpreter (a ``*.actor_env`` path) whether it imports a module."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
+_SHIPPED_PREFIX = "nrl://"  # nrl_core.chat_data.SHIPPED_PREFIX, without importing torch
 
 
 def check_components(config: Any, registry: Registry) -> None:
@@ -30,4 +72,351 @@ def check_components(config: Any, registry: Registry) -> None:
 
 def preflight(config: Any, registry: Registry) -> None:
     """Every check that needs only the driver: raise ``ConfigError`` on the first problem."""
+    from nrl_core.config.validation import validate_run_config
+
     check_components(config, registry)
+    validate_run_config(config)
+    policy = getattr(config, "policy", None)
+    if policy is not None:
+        check_model_source(
+            policy.model_name,
+            "policy.model_name",
+            weights=True,
+            tokenizer=policy.tokenizer_name is None,
+        )
+        if policy.tokenizer_name is not None:
+            check_model_source(
+                policy.tokenizer_name, "policy.tokenizer_name", weights=False, tokenizer=True
+            )
+    check_actor_envs(config)
+    check_component_requirements(config, registry)
+    check_named_files(config)
+    check_output_folders(config)
+    check_resume_path(config)
+
+
+# -- model and tokenizer --------------------------------------------------------------------
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def hub_offline() -> bool:
+    """True when the Hugging Face libraries are told to stay offline (``HF_HUB_OFFLINE`` or
+    ``TRANSFORMERS_OFFLINE``), read now rather than when ``huggingface_hub`` was imported."""
+    return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
+        os.environ.get("TRANSFORMERS_OFFLINE")
+    )
+
+
+def check_model_source(name: str, key: str, *, weights: bool, tokenizer: bool) -> None:
+    """``name`` (the value of ``key``) can be loaded: ``tiny``, a local folder holding what a
+    Hugging Face model folder holds (``config.json`` and weights with ``weights``, tokenizer
+    files with ``tokenizer``), or a hub name that is cached locally or, online, exists."""
+    if name == TINY_MODEL:
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        _check_model_folder(path, name, key, weights=weights, tokenizer=tokenizer)
+        return
+    if not _HUB_ID.match(name) or name.startswith((".", "~")):
+        raise ConfigError(
+            f"{key}={name}: no such folder; give a Hugging Face model folder, a hub name "
+            "(org/model), or `tiny`"
+        )
+    _check_hub_model(name, key)
+
+
+def _check_model_folder(path: Path, name: str, key: str, *, weights: bool, tokenizer: bool) -> None:
+    if not path.is_dir():
+        raise ConfigError(f"{key}={name} is a file; give the model's folder (with config.json)")
+    if weights:
+        config = path / "config.json"
+        if not config.is_file():
+            hint = (
+                "it is an nrl checkpoint: export it with `nrl convert` first, or resume it with "
+                "checkpointing.resume"
+                if (path / "trainer_state.json").is_file() or (path / "manifest.json").is_file()
+                else "give a Hugging Face model folder (config.json, weights, tokenizer files)"
+            )
+            raise ConfigError(f"{key}={name} has no config.json; {hint}")
+        _check_json_file(config, key, name)
+        if not any(next(path.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
+            raise ConfigError(
+                f"{key}={name} has no weights (model.safetensors or pytorch_model.bin); give "
+                "a complete Hugging Face model folder"
+            )
+    if tokenizer:
+        present = [f for f in _TOKENIZER_FILES if (path / f).is_file()]
+        if not present:
+            fix = "set policy.tokenizer_name" if weights else "give a tokenizer folder"
+            raise ConfigError(
+                f"{key}={name} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}); {fix}"
+            )
+        for file in ("tokenizer_config.json", "tokenizer.json"):
+            if (path / file).is_file():
+                _check_json_file(path / file, key, name)
+
+
+def _check_json_file(file: Path, key: str, name: str) -> None:
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:120]
+        raise ConfigError(
+            f"{key}={name}: {file.name} is not valid JSON ({reason}); the folder is damaged, "
+            "copy or download it again"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}={name}: {file.name} does not hold a JSON object")
+
+
+def _check_hub_model(name: str, key: str) -> None:
+    try:
+        from huggingface_hub import HfApi, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # an id the cache layout cannot hold; the hub check below says why
+        cached = None
+    if isinstance(cached, str):
+        return  # in the local Hugging Face cache: loads offline
+    fix = f"download it first (`hf download {name}`) or set {key} to a local folder"
+    if hub_offline():
+        raise ConfigError(
+            f"{key}={name} is not a local folder and not in the Hugging Face cache, and the hub "
+            f"is off (HF_HUB_OFFLINE); {fix}"
+        )
+    from huggingface_hub import errors
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    try:
+        HfApi(endpoint=endpoint).model_info(name, timeout=HUB_TIMEOUT_S)
+    except errors.GatedRepoError:
+        raise ConfigError(
+            f"{key}={name} is a gated model on the Hugging Face hub; accept its terms on the "
+            "hub and log in (`hf auth login`) or set HF_TOKEN"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}={name}: no such folder here and no such model on the Hugging Face hub "
+            "(or it is private: log in with `hf auth login`); check the name"
+        ) from None
+    except errors.HFValidationError:
+        raise ConfigError(
+            f"{key}={name}: no such folder, and not a valid hub name (org/model)"
+        ) from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, hub error: all "unreachable"
+        reason = " ".join(str(exc).split())[:120] or type(exc).__name__
+        raise ConfigError(
+            f"{key}={name} is not a local folder and not in the Hugging Face cache, and the hub "
+            f"cannot be reached ({reason}); {fix}, or set HF_HUB_OFFLINE=1 when working offline"
+        ) from None
+
+
+# -- what the components' options need -------------------------------------------------------
+
+
+def check_actor_envs(config: Any) -> None:
+    """An ``actor_env`` (of a section, of ``cluster``, or ``$NRL_ACTOR_ENV``) that names an
+    interpreter names an executable file; otherwise the run would stop when its actors
+    start, after Ray."""
+    from nrl_core.distributed.actor_env import ACTOR_ENV_VAR, actor_env_setting
+
+    cluster_value = getattr(getattr(config, "cluster", None), "actor_env", None)
+    for field in attrs.fields(type(config)):
+        section = getattr(config, field.name)
+        if not isinstance(section, ComponentSection):
+            continue
+        setting = actor_env_setting(section.actor_env, cluster_value)
+        if setting in ("system", "venv", "auto"):
+            continue
+        path = Path(setting).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            if section.actor_env:
+                key = f"{field.name}.actor_env"
+            elif cluster_value:
+                key = "cluster.actor_env"
+            else:
+                key = f"${ACTOR_ENV_VAR}"
+            raise ConfigError(
+                f"{key}={setting} is not an executable Python interpreter; use `system`, the "
+                "path of a python, or leave it unset for the plugin's venv"
+            )
+
+
+def check_component_requirements(config: Any, registry: Registry) -> None:
+    """Each selected component's options may declare ``required_modules()``: ``{module:
+    (extra, setting)}``, the Python modules its actors must import for these settings, the
+    extra of the component's distribution that installs each, and the setting that asks for it
+    (``lora_rank=8``). Fail when the actor environment the component will run in cannot have
+    them, saying how to get them there."""
+    from nrl_core.distributed.actor_env import LAYER_VAR, actor_env_setting
+
+    for field in attrs.fields(type(config)):
+        section = getattr(config, field.name)
+        if not isinstance(section, ComponentSection):
+            continue
+        name = section.selected
+        options = section.options_for(name)
+        required = getattr(options, "required_modules", None)
+        spec = registry.find(section.component_kind, name)
+        if not callable(required) or spec is None:
+            continue
+        setting = actor_env_setting(
+            section.actor_env, getattr(getattr(config, "cluster", None), "actor_env", None)
+        )
+        dist = spec.distribution or "nrl-core"
+        for module, (extra, because) in required().items():
+            what = f"{field.name}.{name}.{because} needs `{module}`"
+            here = importlib.util.find_spec(module) is not None
+            if setting == "system" or spec.distribution is None:
+                if not here:
+                    raise ConfigError(
+                        f"{what}, which this interpreter (where the {spec.kind} runs: "
+                        f"actor_env=system) lacks; install it here: pip install '{dist}[{extra}]'"
+                    )
+            elif setting not in ("venv", "auto"):
+                if not _interpreter_has(setting, module):
+                    raise ConfigError(
+                        f"{what}, which the {spec.kind}'s actor_env={setting} cannot import; "
+                        f"install '{dist}[{extra}]' into that environment, or point "
+                        f"{field.name}.actor_env at one that has it"
+                    )
+            elif extra not in spec.extras and not (_truthy(os.environ.get(LAYER_VAR)) and here):
+                # The plugin's venv is built from the lockfile with the extras the component
+                # registered; an extra that only some settings need is never in it.
+                how = "this interpreter has it" if here else f"pip install '{dist}[{extra}]' here"
+                raise ConfigError(
+                    f"{what}, but the {spec.kind} {name!r} runs in the {dist} actor venv, which "
+                    f"is built without its `{extra}` extra; set {field.name}.actor_env=system "
+                    f"({how}), or {field.name}.actor_env=/path/to/python of an environment "
+                    f"with '{dist}[{extra}]'"
+                )
+
+
+def _interpreter_has(python: str, module: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        result = subprocess.run(
+            [python, "-c", code], capture_output=True, timeout=INTERPRETER_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # the interpreter itself is checked (and reported) when actors start
+    return result.returncode == 0
+
+
+# -- files and folders -----------------------------------------------------------------------
+
+
+def _resolve(path: str) -> Path:
+    if path.startswith(_SHIPPED_PREFIX):
+        from importlib import resources
+
+        return Path(str(resources.files("nrl_core") / path[len(_SHIPPED_PREFIX) :]))
+    return Path(path).expanduser()
+
+
+def _named_files(config: Any) -> list[tuple[str, str]]:
+    """``(key, path)`` of every input file or folder the config names."""
+    found: list[tuple[str, str]] = []
+    data = getattr(config, "data", None)
+    if data is not None:
+        if data.dataset.endswith(".jsonl"):
+            found.append(("data.dataset", data.dataset))
+        if data.val_dataset:
+            found.append(("data.val_dataset", data.val_dataset))
+    for field in attrs.fields(type(config)):
+        section = getattr(config, field.name)
+        if not isinstance(section, ComponentSection):
+            continue
+        options = section.options_for()
+        if options is None or not attrs.has(type(options)):
+            continue
+        for name in ("path", "validation_path"):
+            value = getattr(options, name, None)
+            if isinstance(value, str) and value:
+                found.append((f"{field.name}.{section.selected}.{name}", value))
+    return found
+
+
+def check_named_files(config: Any) -> None:
+    """The data files (and other inputs) the config names exist. Their contents are checked
+    line by line when the data is loaded, still before any worker starts."""
+    for key, value in _named_files(config):
+        path = _resolve(value)
+        if not path.exists():
+            raise ConfigError(f"{key}={value} does not exist; check the path")
+        if path.suffix == ".jsonl":
+            if path.is_dir():
+                raise ConfigError(f"{key}={value} is a folder; name a .jsonl file")
+            if path.stat().st_size == 0:
+                raise ConfigError(f"{key}={value} is empty; it needs one JSON object per line")
+
+
+def check_writable_folder(value: str | Path, key: str) -> None:
+    """``value`` is, or can be created as, a folder this process may write to."""
+    path = Path(value).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(
+            f"{key}={value}: {probe} is a file, not a folder; choose another {key.split('.')[-1]}"
+        )
+    action = "write to" if probe == path else f"create {path} in"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}={value}: cannot {action} {probe} (permission denied); choose a folder you "
+            "can write to"
+        )
+    # os.access trusts the mode bits (always "yes" for root); a real, empty, removed folder
+    # also finds read-only mounts and pseudo file systems such as /proc.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nrl-preflight-", dir=probe))
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}={value}: cannot {action} {probe} ({exc.strerror}); choose a folder you can "
+            "write to"
+        ) from None
+
+
+def check_output_folders(config: Any) -> None:
+    """The run folder, the checkpoint folder and an ``eval.output`` file can be written."""
+    logger = getattr(config, "logger", None)
+    if logger is not None:
+        check_writable_folder(logger.log_dir, "logger.log_dir")
+        run_dir = Path(logger.log_dir).expanduser() / logger.run_name
+        if run_dir.exists():
+            check_writable_folder(run_dir, "logger.run_name")
+    checkpointing = getattr(config, "checkpointing", None)
+    if checkpointing is not None and checkpointing.enabled and checkpointing.checkpoint_dir:
+        check_writable_folder(checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
+    output = getattr(getattr(config, "eval", None), "output", None)
+    if output:
+        if Path(output).is_dir():
+            raise ConfigError(f"eval.output={output} is a folder; name the eval.json file")
+        check_writable_folder(Path(output).expanduser().absolute().parent, "eval.output")
+
+
+def check_resume_path(config: Any) -> None:
+    """A ``checkpointing.resume`` that names a path exists (``auto``/``never`` pass)."""
+    checkpointing = getattr(config, "checkpointing", None)
+    if checkpointing is None or not checkpointing.enabled:
+        return
+    if checkpointing.resume in ("auto", "never"):
+        return
+    path = Path(checkpointing.resume).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"checkpointing.resume={checkpointing.resume}: no such folder; use auto, never or "
+            "the path of a step_N checkpoint folder"
+        )
+    if not path.is_dir():
+        raise ConfigError(
+            f"checkpointing.resume={checkpointing.resume} is a file; give its step_N folder"
+        )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import FINITE, ge, one_of, option
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import EnvStep
 
@@ -141,11 +141,17 @@ class RewardModelEnvConfig:
     path: str | None = option(
         None, "Folder of a trained reward model (`nrl convert` of an `nrl run rm` checkpoint)."
     )
-    batch_size: int = option(16, "Conversations scored per forward pass.")
-    max_length: int = option(4096, "Longest scored conversation in tokens (longer: truncated).")
-    scale: float = option(1.0, "The reward is `scale * (score - offset)`.")
-    offset: float = option(0.0, "Subtracted from the score before scaling.")
-    device: str = option("auto", "`auto` (GPU when available), `cpu` or `cuda`.")
+    batch_size: int = option(16, "Conversations scored per forward pass.", validator=ge(1))
+    max_length: int = option(
+        4096, "Longest scored conversation in tokens (longer: truncated).", validator=ge(1)
+    )
+    scale: float = option(1.0, "The reward is `scale * (score - offset)`.", validator=FINITE)
+    offset: float = option(0.0, "Subtracted from the score before scaling.", validator=FINITE)
+    device: str = option(
+        "auto",
+        "`auto` (GPU when available), `cpu` or `cuda`.",
+        validator=one_of("auto", "cpu", "cuda"),
+    )
 
 
 class RewardModelEnvironment:

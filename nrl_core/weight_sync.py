@@ -359,10 +359,21 @@ def init_nccl_group(
     of the trainer (FSDP) or of the engine (its own tensor parallelism), so both sides can hold
     it next to their own. Call on all members at once. GPU-only; has not run.
     """
+    import socket
+
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0)
+    listen_fd = None
+    if rank == 0:
+        # Listen on master_addr only (127.0.0.1 when every member runs on the driver's node):
+        # TCPStore's own server would listen on every interface, without authentication. The
+        # store takes the socket over (it closes it when it goes), hence detach().
+        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+        listen_fd = socket.create_server((master_addr, master_port), family=family).detach()
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=rank == 0, master_listen_fd=listen_fd
+    )
     if device is not None:
         torch.cuda.set_device(device)
     pg = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world_size)

@@ -102,9 +102,13 @@ def test_an_explicit_damaged_checkpoint_is_refused_in_one_line(tmp_path):
 def test_a_checkpoint_of_another_algorithm_or_model_is_not_continued(tmp_path):
     step = saved(tmp_path, 2).latest()
     check_same_run(step, "grpo", "tiny")
-    with pytest.raises(ConfigError, match=r"written by `nrl run grpo`.*`nrl run sft`.*resume=never"):
+    with pytest.raises(
+        ConfigError, match=r"written by `nrl run grpo`.*`nrl run sft`.*resume=never"
+    ):
         check_same_run(step, "sft", "tiny")
-    with pytest.raises(ConfigError, match=r"policy.model_name=tiny, but .*model_name=/models/other"):
+    with pytest.raises(
+        ConfigError, match=r"policy.model_name=tiny, but .*model_name=/models/other"
+    ):
         check_same_run(step, "grpo", "/models/other")
 
 

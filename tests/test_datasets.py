@@ -8,7 +8,14 @@ import pytest
 
 from nrl_core.config.schema import DataConfig
 from nrl_core.data import Sample
-from nrl_core.datasets import PromptLengthFilter, drop_overlong_prompts, load_splits
+from nrl_core.datasets import (
+    PromptLengthFilter,
+    drop_overlong_prompts,
+    load_splits,
+    read_jsonl_rows,
+    require_text,
+)
+from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 
 
@@ -93,3 +100,80 @@ def test_every_prompt_too_long_leaves_an_empty_training_split(monkeypatch):
     assert train == [] and val == []
     assert prompt_filter.dropped == {"train": 3, "validation": 1}
     assert prompt_filter.shortest["train"] >= 5
+
+
+# -- JSONL files: every line checked, one line per problem ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", r"data file .*d\.jsonl \(data\.x\.path\) is empty; it needs one JSON object per line"),
+        (b"\n \n", r"is empty"),
+        (b'{"a": "1"}\n{a: 1}\n', r"d\.jsonl:2: not valid JSON \(Expecting property name"),
+        (b'{"a": "1"}\n\n["a", 1]\n', r"d\.jsonl:3: expected a JSON object \(\{\.\.\.\}\) per line, got a list"),
+        (b"7\n", r"d\.jsonl:1: expected a JSON object .*got a number \(7\)"),
+        (b'"text"\n', r"d\.jsonl:1: expected a JSON object .*got a string"),
+        (b'{"a": "1"}\n{"a": "\xff"}\n', r"d\.jsonl:2: not UTF-8 text \(byte 0xff\)"),
+    ],
+)  # fmt: skip
+def test_read_jsonl_rows_checks_every_line(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as error:
+        read_jsonl_rows(path, key="data.x.path")
+    assert "\n" not in str(error.value)
+
+
+def test_read_jsonl_rows_names_each_row_by_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": "1"}\n\n{"a": "2"}\n')
+    assert read_jsonl_rows(path) == [(f"{path}:1", {"a": "1"}), (f"{path}:3", {"a": "2"})]
+    with pytest.raises(ConfigError, match=r"is a folder"):
+        read_jsonl_rows(tmp_path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        read_jsonl_rows(tmp_path / "nope.jsonl")
+
+
+def test_require_text_refuses_numbers_and_names_the_fields():
+    assert require_text({"problem": "1+1"}, "problem", "f:1") == "1+1"
+    with pytest.raises(
+        ConfigError,
+        match=r"^f:2: field 'problem' must be text \(a JSON string\), got a number \(3\)$",
+    ):
+        require_text({"problem": 3}, "problem", "f:2")  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"^f:3: no field 'problem' \(fields: answer, q\); set x$"
+    ):
+        require_text({"q": "?", "answer": "1"}, "problem", "f:3", "set x")
+
+
+@pytest.mark.parametrize(
+    ("rows", "options", "message"),
+    [
+        ('{"messages": [{"role": "user", "content": 3}]}', {}, r"d\.jsonl:1: a message's 'role' and 'content' must be text"),
+        ('{"messages": "hi"}', {}, r"d\.jsonl:1 has no assistant message"),
+        ('{"messages": 5}', {}, r"d\.jsonl:1: expected a string or a list of messages"),
+        ('{"q": "hi", "a": 2}', {"prompt_field": "q", "response_field": "a"}, r"d\.jsonl:1: field 'a' must be text"),
+        ('{"q": "hi"}', {"prompt_field": "q", "response_field": "a"}, r"d\.jsonl:1: no field 'a' \(fields: q\); set data\.chat\.prompt_field"),
+    ],
+)  # fmt: skip
+def test_chat_rows_are_checked_and_exit_2(tmp_path, rows, options, message):
+    from nrl_core.chat_data import ChatDataConfig, ChatDataError, ChatDataset
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(rows + "\n")
+    dataset = ChatDataset(ChatDataConfig(path=str(path), **options), None)
+    with pytest.raises(ChatDataError, match=message) as error:
+        dataset.load("train")
+    assert isinstance(error.value, ConfigError) and error.value.exit_code == 2
+
+
+def test_preference_rows_are_checked(tmp_path):
+    from nrl_core.chat_data import ChatDataError, PreferenceDataConfig, PreferenceDataset
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi", "chosen": "a", "rejected": "b"}\n{"prompt": "hi", "chosen": 1, "rejected": "b"}\n')  # fmt: skip
+    dataset = PreferenceDataset(PreferenceDataConfig(path=str(path)), None)
+    with pytest.raises(ChatDataError, match=r"p\.jsonl:2: expected a string or a list of messages"):
+        dataset.load("train")

@@ -38,6 +38,7 @@ from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
 from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
+from nrl_core.run_log import open_run_log
 
 RUN_LOCK = ".nrl.lock"
 """A live run holds an exclusive lock on this file of its run folder (it holds the pid), and
@@ -59,6 +60,9 @@ def max_steps_of(config: Any, algorithm: str) -> int:
 
 class RunSession:
     """The components of one run. Use :meth:`open` as a context manager."""
+
+    verbose = False
+    """``nrl run -v``: among other things, a failed run keeps Ray's temp folder (its logs)."""
 
     def __init__(
         self, config: RunConfig, registry: Registry, *, algorithm: str, console: Console
@@ -101,6 +105,8 @@ class RunSession:
     ) -> Iterator[RunSession]:
         console = Console(quiet=quiet, stderr=False)
         session = cls(config, registry, algorithm=algorithm, console=console)
+        session.verbose = verbose
+        failed = False
         try:
             preflight(config, registry)
             session._find_resume_point()
@@ -111,13 +117,18 @@ class RunSession:
                     f"{session.start_step} of {max_steps_of(config, algorithm)}. Raise "
                     f"{algorithm}.max_num_steps to train further, or set "
                     "checkpointing.resume=never to start over."
+                    if session.resume_path is not None
+                    else f"nothing to train: {algorithm}.max_num_steps=0"
                 )
                 yield session
                 return
             session._setup()
             yield session
+        except BaseException as exc:
+            failed = not (isinstance(exc, SystemExit) and exc.code in (0, None))
+            raise
         finally:
-            session.close()
+            session.close(failed=failed)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -168,6 +179,7 @@ class RunSession:
             self.run_dir, config.logger, resume_step=self.start_step if self.resume_path else None
         )
         self._closers.append(self.metrics.close)
+        self._closers.append(open_run_log(self.run_dir))  # <run dir>/nrl.log: error details
         self.console.print(
             f"[bold]nrl {self.algorithm}[/bold] run dir: {self.run_dir}"
             + (f" (resuming from {self.resume_path})" if self.resume_path else "")
@@ -175,6 +187,8 @@ class RunSession:
 
         cluster_spec = registry.get("cluster", config.cluster.backend, key="cluster.backend")
         self.cluster = cluster_spec.load()(config.cluster.options_for(), self.context)
+        if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
+            self.cluster.keep_temp_on_failure = self.verbose
         resources = self.cluster.start()
         self._closers.append(self.cluster.shutdown)
         self.cluster_resources = resources
@@ -201,32 +215,39 @@ class RunSession:
         ``data/val_prompts_dropped_overlong`` for validation. A training split with no prompt
         left is a :class:`~nrl_core.errors.ConfigError`.
         """
-        from transformers import AutoTokenizer
-
         config = self.config
-        model_path = resolve_model_name(config.policy.model_name)
-        tokenizer_path = resolve_model_name(config.policy.tokenizer_name or model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.codec = ChatCodec(
-            self.tokenizer,
-            apply_chat_template=config.data.apply_chat_template,
-            system_prompt=config.data.system_prompt,
-        )
-
         prompt_filter = None
         if hasattr(config, "grpo") and hasattr(config, "generation"):
             prompt_filter = PromptLengthFilter(
-                self.codec.prompt_lengths,
+                lambda samples: self._chat_codec().prompt_lengths(samples),
                 config.policy.max_total_sequence_length - config.generation.max_new_tokens,
             )
+        # The rows first: a bad data file is reported before transformers is even imported.
         train, self.val_samples = load_splits(
             config.data, self.registry, self.context, prompt_filter=prompt_filter
         )
+        self._chat_codec()
         if prompt_filter is not None:
             self._report_dropped_prompts(prompt_filter, train)
         self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
+
+    def _chat_codec(self) -> ChatCodec:
+        """The driver's tokenizer and chat codec, loaded on first use."""
+        if self.codec is None:
+            from transformers import AutoTokenizer
+
+            policy = self.config.policy
+            model_path = resolve_model_name(policy.model_name)
+            tokenizer_path = resolve_model_name(policy.tokenizer_name or model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            if self.tokenizer.pad_token_id is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.codec = ChatCodec(
+                self.tokenizer,
+                apply_chat_template=self.config.data.apply_chat_template,
+                system_prompt=self.config.data.system_prompt,
+            )
+        return self.codec
 
     def _report_dropped_prompts(self, prompt_filter: PromptLengthFilter, train: list) -> None:
         """Fail when no training prompt fits, warn when some were dropped, keep the counts."""
@@ -302,7 +323,9 @@ class RunSession:
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(group.shutdown)
-        return EnvironmentPool({"default": group})
+        # Each step gets env.step_timeout_s, much less than the worker timeout that bounds the
+        # actors' start: a hung environment fails the run within that, naming the key.
+        return EnvironmentPool({"default": group}, step_timeout_s=env.step_timeout_s)
 
     def _generation_backend(self):
         generation = self.config.generation
@@ -357,6 +380,8 @@ class RunSession:
             "cluster", self.config.cluster.backend, key="cluster.backend"
         )
         self.cluster = cluster_spec.load()(self.config.cluster.options_for(), self.context)
+        if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
+            self.cluster.keep_temp_on_failure = self.verbose
         resources = self.cluster.start()
         self._closers.append(self.cluster.shutdown)
         self.policy = self._start_policy(resources, 0.0)
@@ -469,12 +494,26 @@ class RunSession:
 
     # -- tear-down ----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop what was started, newest first; clean-up errors never hide the run's error."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop what was started, newest first; clean-up errors never hide the run's error.
+
+        ``failed``: the run ended in an error or was interrupted, which the cluster is told
+        (with ``-v``, a local cluster then keeps Ray's logs and says where). A Ctrl-C or
+        SIGTERM arriving meanwhile does not cut the clean-up short: it is raised after it.
+        """
+        if failed and hasattr(self.cluster, "failed"):
+            self.cluster.failed = True
+        interrupted: BaseException | None = None
         while self._closers:
             closer = self._closers.pop()
-            with contextlib.suppress(Exception):
+            try:
                 closer()
+            except Exception:
+                pass
+            except BaseException as exc:  # KeyboardInterrupt / SystemExit from a signal
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
 
 def _hold_lock(folder: Path) -> Any:

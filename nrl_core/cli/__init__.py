@@ -210,6 +210,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 # -- entry point ----------------------------------------------------------------------------
 
 
+def _print_error_detail(exc: BaseException) -> None:
+    """With ``-v``: what a worker error keeps beside its one line (the remote traceback, the
+    tail of the worker's log), before that line."""
+    for title, text in (
+        ("remote traceback", getattr(exc, "remote_traceback", "")),
+        ("worker log (tail)", getattr(exc, "log_tail", "")),
+    ):
+        if text:
+            print(f"--- {title} ---\n{text.rstrip()}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``nrl`` command; returns the exit code."""
     parser = build_parser()
@@ -229,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except NrlError as exc:
+        if getattr(args, "verbose", False):
+            _print_error_detail(exc)
+        # One line, always last: a worker error names the file with its full traceback.
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

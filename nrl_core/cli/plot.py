@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nrl_core.errors import NrlError
+from nrl_core.errors import ConfigError, NrlError
 
 CHARTS = {
     "reward": ["train/reward_mean"],
@@ -35,14 +35,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write one PNG per chart (and the step-time breakdown); return their paths."""
-    from nrl_core.metrics import METRICS_FILE, read_metrics
+    from nrl_core.metrics import METRICS_FILE
 
     run_dir = Path(run_dir)
     if not (run_dir / METRICS_FILE).is_file():
-        raise NrlError(
+        raise ConfigError(
             f"{run_dir} has no {METRICS_FILE}; pass the run directory "
             "(logger.log_dir/logger.run_name)"
         )
+    records = plottable_records(run_dir / METRICS_FILE)
     try:
         import matplotlib
 
@@ -50,7 +51,6 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise NrlError("nrl plot needs matplotlib: pip install 'nrl-core[plot]'") from None
-    records = read_metrics(run_dir)
     written = []
     for name, keys in CHARTS.items():
         series = {k: [(r["step"], r[k]) for r in records if r.get(k) is not None] for k in keys}
@@ -81,8 +81,49 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.legend(fontsize="small")
         written.append(_save(fig, run_dir / "step_time.png", plt))
     if not written:
-        raise NrlError(f"{run_dir / METRICS_FILE} holds no metrics to plot yet")
+        raise ConfigError(f"{run_dir / METRICS_FILE} holds no metrics to plot yet")
     return written
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def plottable_records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` that can be drawn: JSON objects with an integer
+    ``step``, keeping only their numeric values (null, text, lists are left out).
+
+    A torn last line (a run killed mid-write) is tolerated, as everywhere metrics are read
+    (:func:`nrl_core.metrics._records`); bytes that are not UTF-8 or a garbage line before the
+    last are a :class:`ConfigError` naming the file and line.
+    """
+    from nrl_core.metrics import _records
+
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        # Only the last line may be torn; a bad byte there (a write cut inside a UTF-8
+        # character) is a torn line too.
+        if b"\n" not in raw[exc.start :].rstrip(b"\n"):
+            text = raw[: raw.rfind(b"\n", 0, exc.start) + 1].decode("utf-8", "replace")
+        else:
+            raise ConfigError(
+                f"{path}:{line}: not UTF-8 text; the file is corrupt (metrics.jsonl holds one "
+                "JSON object per line)"
+            ) from None
+    try:
+        records = _records(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    kept = []
+    for record in records:
+        step = record.get("step")
+        if not _number(step) or not float(step).is_integer():
+            continue
+        kept.append({k: v for k, v in record.items() if _number(v)} | {"step": int(step)})
+    return kept
 
 
 def _save(fig, path: Path, plt) -> Path:

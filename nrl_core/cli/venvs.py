@@ -87,6 +87,8 @@ def _targets(names: list[str], all_plugins: bool) -> list[tuple[str, str, tuple[
 def _build(args: argparse.Namespace) -> int:
     import os
 
+    from rich.markup import escape
+
     from nrl_core.distributed import actor_env
 
     console = _console()
@@ -94,12 +96,13 @@ def _build(args: argparse.Namespace) -> int:
     force = args.force or actor_env._truthy(os.environ.get(actor_env.FORCE_VAR))
     taken: set[str] = set()
     for plugin, distribution, extras in _targets(args.plugins, args.all):
-        label = f"{plugin} ({distribution}{'[' + ','.join(extras) + ']' if extras else ''})"
+        # Escaped: rich would take "[env]" (the extras) for a markup tag and drop it.
+        label = escape(f"{plugin} ({distribution}{'[' + ','.join(extras) + ']' if extras else ''})")
         request = actor_env.request_for(distribution, extras, plugin)
         with console.status(f"building {label}..."):
             info = actor_env.build_venv(request, root, force=force)
         state = "[green]built[/]" if info.built else "[cyan]fresh, reused[/]"
-        console.print(f"{label}: {state} {info.path}")
+        console.print(f"{label}: {state} {escape(str(info.path))}")
         if args.bin:
             name = actor_env.launcher_name(plugin, extras, taken)
             taken.add(name)

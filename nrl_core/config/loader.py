@@ -25,7 +25,13 @@ from cattrs.errors import (
     IterableValidationError,
 )
 
-from nrl_core.config.schema import ALGORITHM_CONFIGS, ComponentSection, RunConfig
+from nrl_core.config.schema import (
+    ALGORITHM_CONFIGS,
+    ComponentSection,
+    FieldValueError,
+    RunConfig,
+    show_value,
+)
 from nrl_core.config.validation import validate_run_config
 from nrl_core.errors import ConfigError
 from nrl_core.registry import Registry
@@ -55,24 +61,52 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read one YAML mapping; bad YAML is reported with file, line and column."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"config file {path} does not exist; check the --config path") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder; pass a YAML file") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    text = _decode_config(path, raw)
     try:
         data = parse_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
-        raise ConfigError(f"bad YAML in {where}: {exc.problem or exc.context}") from None
+        raise ConfigError(f"bad YAML in {where}: {_one_line(exc.problem or exc.context)}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"bad YAML in {path}: {exc}") from None
+        raise ConfigError(f"bad YAML in {path}: {_one_line(str(exc))}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config keys, not a {type(data).__name__}")
+        kind = {list: "list", str: "plain string"}.get(type(data), type(data).__name__)
+        raise ConfigError(
+            f"{path} must hold a mapping of config keys (key: value lines), not a {kind}"
+        )
+    if not all(isinstance(key, str) for key in data):
+        bad = next(key for key in data if not isinstance(key, str))
+        raise ConfigError(f"{path}: config keys are names, not {type(bad).__name__} {bad!r}")
     return data
+
+
+def _decode_config(path: Path, raw: bytes) -> str:
+    """The text of a config file; a binary or non-UTF-8 file (a checkpoint, a tarball passed
+    as --config by mistake) is one line naming it, not a decoding traceback."""
+    if b"\0" in raw[:8192]:
+        raise ConfigError(f"config file {path} is a binary file, not YAML; pass a .yaml file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,6 +182,22 @@ def _strict_scalar(expected: type):
     return structure
 
 
+def _structure_literal(value: Any, literal: Any) -> Any:
+    choices = typing.get_args(literal)
+    # type() too: True == 1, and YAML's `1` is no choice named "1".
+    if any(type(value) is type(c) and value == c for c in choices):
+        return value
+    raise _BadValue(f"must be one of {', '.join(str(c) for c in choices)}, got {show_value(value)}")
+
+
+class _BadValue(Exception):
+    """A value outside its valid set, reported as ``<key> <problem>``."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
 def _describe_value(value: Any) -> str:
     kind = {dict: "a section", list: "a list", type(None): "null"}.get(type(value))
     return kind or f"{type(value).__name__} {value!r}"
@@ -171,6 +221,9 @@ class ConfigConverter:
         for scalar in (int, float, bool, str):
             conv.register_structure_hook(scalar, _strict_scalar(scalar))
         conv.register_structure_hook(typing.Any, lambda value, _: value)
+        conv.register_structure_hook_func(
+            lambda t: typing.get_origin(t) is typing.Literal, _structure_literal
+        )
         conv.register_structure_hook_func(
             lambda t: isinstance(t, type) and issubclass(t, ComponentSection),
             self._structure_section,
@@ -272,8 +325,14 @@ class ConfigConverter:
                 messages[0]
                 + (f" (and {len(messages) - 1} more problems)" if len(messages) > 1 else "")
             ) from None
+        except (ValueError, _BadValue) as exc:  # FieldValueError is a ValueError
+            # Raised by a top-level field's validator (no section note to name a path), or by
+            # a class's own cross-field check.
+            if isinstance(exc, FieldValueError | _BadValue) or _is_in_validator_error(exc):
+                raise ConfigError(next(_format_errors(exc, ""))) from None
+            raise ConfigError(_one_line(str(exc))) from None
         except Exception as exc:  # a component's config class failing to load, for example
-            raise ConfigError(str(exc)) from None
+            raise ConfigError(_one_line(str(exc))) from None
         self._complete(config)
         return config
 
@@ -308,11 +367,31 @@ def _format_errors(exc: BaseException, path: str):
             yield _unknown_key_message(path, key, known, None)
     elif isinstance(exc, _UnknownKey):
         yield _unknown_key_message(path, exc.key, exc.known, exc.kind)
+    elif isinstance(exc, FieldValueError):  # a field's validator (nrl_core.config.schema.Valid)
+        yield f"{_join(path, exc.field)} {exc.problem}"
+    elif isinstance(exc, _BadValue):
+        yield f"{path or 'config'} {exc.problem}"
+    elif _is_in_validator_error(exc):  # attrs.validators.in_: (message, attribute, options, value)
+        _, attribute, options, value = exc.args
+        choices = ", ".join(str(o) for o in options)
+        yield f"{_join(path, attribute.name)} must be one of {choices}, got {show_value(value)}"
     else:
         message = str(exc) or type(exc).__name__
         if isinstance(exc, KeyError):
             message = f"missing required key {exc.args[0]!r}"
-        yield f"{path or 'config'}: {message}"
+        yield f"{path or 'config'}: {_one_line(message)}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _is_in_validator_error(exc: BaseException) -> bool:
+    return (
+        isinstance(exc, ValueError)
+        and len(exc.args) == 4
+        and isinstance(exc.args[1], attrs.Attribute)
+    )
 
 
 def _unknown_key_message(path: str, key: str, known: list[str], kind: str | None) -> str:

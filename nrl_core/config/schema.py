@@ -12,6 +12,9 @@ generated from these classes.
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
@@ -20,13 +23,176 @@ from nrl_core.registry import ComponentKind
 
 
 def option(default: Any, doc: str, **kwargs: Any) -> Any:
-    """An attrs field with a default and its documentation."""
+    """An attrs field with a default and its documentation.
+
+    Pass ``validator=`` (one of the validators below, or attrs' own) to give the field its
+    valid range: it runs whenever the class is built (from YAML, or with ``attrs.evolve`` in
+    code), and the configuration reference shows it (see :func:`describe_validator`).
+    """
     if isinstance(default, (list, dict)):
         value = default
         return attrs.field(factory=lambda: type(value)(value), metadata={"doc": doc}, **kwargs)
     if attrs.has(type(default)):
         return attrs.field(factory=lambda: attrs.evolve(default), metadata={"doc": doc}, **kwargs)
     return attrs.field(default=default, metadata={"doc": doc}, **kwargs)
+
+
+# -- valid ranges ------------------------------------------------------------------------------
+
+
+class FieldValueError(ValueError):
+    """A config field holds a value outside its valid range.
+
+    Carries the field's name apart from the problem, so that the config loader can name the
+    full dotted key (``policy.optimizer.lr must be > 0, got -1``).
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        """The attribute's name (the last part of the dotted key)."""
+        self.problem = problem
+        """What is wrong, e.g. ``must be > 0, got -1``."""
+
+
+def show_value(value: Any) -> str:
+    """A value as a user wrote it: ``-1`` rather than ``-1.0``, strings quoted."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, float):
+        return format(value, "g")
+    return repr(value)
+
+
+@attrs.frozen
+class Valid:
+    """An attrs validator whose valid values are described in words (``> 0``, ``in [0, 1)``).
+
+    The words are the error message (``must be <text>, got <value>``) and the "valid" column
+    of the generated configuration reference. ``None`` passes when ``allow_none`` is set (for
+    ``int | None`` fields whose ``None`` means "unset").
+    """
+
+    text: str
+    """The valid values, completing "must be ..."."""
+    test: Callable[[Any], bool] = attrs.field(eq=False, repr=False)
+    allow_none: bool = False
+
+    def __call__(self, _instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and self.allow_none:
+            return
+        try:
+            ok = bool(self.test(value))
+        except TypeError:  # e.g. a number compared with a string, in code that skipped YAML
+            ok = False
+        if not ok:
+            raise FieldValueError(
+                attribute.name, f"must be {self.describe()}, got {show_value(value)}"
+            )
+
+    def describe(self) -> str:
+        """The valid values, as the configuration reference shows them."""
+        return f"{self.text} or null" if self.allow_none else self.text
+
+
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _compare(op: str, bound: float) -> Valid:
+    compare = _COMPARE[op]
+    return Valid(f"{op} {show_value(bound)}", lambda value: compare(value, bound))
+
+
+def gt(bound: float) -> Valid:
+    """Valid when ``value > bound``."""
+    return _compare(">", bound)
+
+
+def ge(bound: float) -> Valid:
+    """Valid when ``value >= bound``."""
+    return _compare(">=", bound)
+
+
+def le(bound: float) -> Valid:
+    """Valid when ``value <= bound``."""
+    return _compare("<=", bound)
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Valid:
+    """Valid when ``value`` lies in the interval from ``low`` to ``high`` (closed unless the
+    ``*_open`` flags say otherwise), written ``in [0, 1)``."""
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+
+    def test(value: Any) -> bool:
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return above and below
+
+    return Valid(f"in {left}{show_value(low)}, {show_value(high)}{right}", test)
+
+
+def optional(valid: Valid) -> Valid:
+    """``valid``, or ``None`` (unset)."""
+    return attrs.evolve(valid, allow_none=True)
+
+
+def each(valid: Valid, text: str | None = None) -> Valid:
+    """Valid for a list whose every item passes ``valid`` (``text``: the words for that,
+    default ``a list of items <valid's words>``)."""
+    item = valid.test
+    return Valid(
+        text or f"a list of items {valid.text}",
+        lambda items: isinstance(items, list) and all(item(i) for i in items),
+    )
+
+
+FINITE = Valid("a finite number", math.isfinite)
+"""Any number but infinity and NaN (a field whose every value is meaningful)."""
+
+NON_EMPTY = Valid("a non-empty string", lambda value: isinstance(value, str) and value != "")
+"""A string that must not be empty (names, paths)."""
+
+
+def one_of(*choices: Any) -> Any:
+    """An enumeration: ``attrs.validators.in_`` (the loader and the reference read its
+    options)."""
+    return attrs.validators.in_(choices)
+
+
+def describe_validator(validator: Any) -> str | None:
+    """The valid values ``validator`` accepts, in words, or ``None`` when it cannot say.
+
+    Understands :class:`Valid` and attrs' ``in_``, ``ge``/``gt``/``le``/``lt``, ``and_``,
+    ``optional`` and ``deep_iterable``, and any callable with a ``describe()`` method.
+    """
+    if validator is None:
+        return None
+    describe = getattr(validator, "describe", None)
+    if callable(describe):
+        return describe()
+    inner = getattr(validator, "_validators", None)  # attrs.validators.and_ (or a list)
+    if inner is not None:
+        parts = [describe_validator(v) for v in inner]
+        return " and ".join(p for p in parts if p) or None
+    if hasattr(validator, "options") and type(validator).__name__ == "_InValidator":
+        options = getattr(validator, "_original_options", validator.options)
+        return "one of " + ", ".join(f"`{o}`" for o in options)
+    if hasattr(validator, "compare_op") and hasattr(validator, "bound"):
+        return f"{validator.compare_op} {show_value(validator.bound)}"
+    if type(validator).__name__ == "_OptionalValidator":
+        text = describe_validator(validator.validator)
+        return f"{text} or null" if text else None
+    member = getattr(validator, "member_validator", None)  # attrs.validators.deep_iterable
+    if member is not None:
+        text = describe_validator(member)
+        return f"a list of items {text}" if text else None
+    return None
+
+
+OPTIMIZERS = ("adamw", "sgd")
+"""``policy.optimizer.name`` values."""
+PRECISIONS = ("float32", "bfloat16")
+"""``policy.precision`` values (``nrl_core.policy_setup.PRECISIONS`` maps them to dtypes)."""
 
 
 @attrs.define
@@ -65,12 +231,23 @@ class ComponentSection:
 
 @attrs.define
 class OptimizerConfig:
-    name: str = option("adamw", "Optimizer: `adamw` (torch.optim.AdamW) or `sgd`.")
-    lr: float = option(1e-5, "Peak learning rate.")
-    weight_decay: float = option(0.0, "Decoupled weight decay.")
-    betas: list[float] = option([0.9, 0.999], "Adam betas.")
-    eps: float = option(1e-8, "Adam epsilon.")
-    warmup_steps: int = option(0, "Linear warm-up steps from 0 to `lr`; constant afterwards.")
+    name: str = option(
+        "adamw", "Optimizer: `adamw` (torch.optim.AdamW) or `sgd`.", validator=one_of(*OPTIMIZERS)
+    )
+    lr: float = option(1e-5, "Peak learning rate.", validator=gt(0))
+    weight_decay: float = option(0.0, "Decoupled weight decay.", validator=ge(0))
+    betas: list[float] = option(
+        [0.9, 0.999],
+        "Adam betas.",
+        validator=Valid(
+            "two numbers in [0, 1)",
+            lambda b: isinstance(b, list) and len(b) == 2 and all(0 <= x < 1 for x in b),
+        ),
+    )
+    eps: float = option(1e-8, "Adam epsilon.", validator=gt(0))
+    warmup_steps: int = option(
+        0, "Linear warm-up steps from 0 to `lr`; constant afterwards.", validator=ge(0)
+    )
 
 
 @attrs.define
@@ -80,23 +257,44 @@ class PolicyConfig(ComponentSection):
 
     backend: str = option("dtensor", "Registered policy backend (`dtensor`, `megatron`).")
     model_name: str = option(
-        "tiny", ("Hugging Face model name or local folder; `tiny` builds the bundled tiny model.")
+        "tiny",
+        "Hugging Face model name or local folder; `tiny` builds the bundled tiny model.",
+        validator=NON_EMPTY,
     )
     tokenizer_name: str | None = option(None, "Tokenizer name or folder (default: model_name).")
-    precision: str = option("float32", "Parameter/compute precision: `float32` or `bfloat16`.")
-    num_workers: int = option(1, "Number of policy ranks (Ray actors), one per GPU on GPU.")
-    train_global_batch_size: int = option(32, "Samples per optimizer step, over all ranks.")
-    train_micro_batch_size: int = option(4, "Samples per forward/backward on one rank.")
+    precision: str = option(
+        "float32",
+        "Parameter/compute precision: `float32` or `bfloat16`.",
+        validator=one_of(*PRECISIONS),
+    )
+    num_workers: int = option(
+        1, "Number of policy ranks (Ray actors), one per GPU on GPU.", validator=ge(1)
+    )
+    train_global_batch_size: int = option(
+        32, "Samples per optimizer step, over all ranks.", validator=ge(1)
+    )
+    train_micro_batch_size: int = option(
+        4,
+        "Samples per forward/backward on one rank.",
+        validator=ge(1),
+    )
     micro_batch_token_budget: int | None = option(
         None,
         (
             "If set (>= 1), pack training micro batches up to this many unpadded tokens "
             "(longest first) instead of train_micro_batch_size samples."
         ),
+        validator=optional(ge(1)),
     )
-    logprob_batch_size: int = option(8, "Samples per forward when computing logprobs.")
-    max_total_sequence_length: int = option(512, "Longest prompt + response, in tokens.")
-    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables clipping).")
+    logprob_batch_size: int = option(
+        8, "Samples per forward when computing logprobs.", validator=ge(1)
+    )
+    max_total_sequence_length: int = option(
+        512, "Longest prompt + response, in tokens.", validator=ge(1)
+    )
+    max_grad_norm: float = option(
+        1.0, "Gradient clipping norm (0 disables clipping).", validator=ge(0)
+    )
     optimizer: OptimizerConfig = option(OptimizerConfig(), "Optimizer and LR schedule.")
 
 
@@ -106,12 +304,24 @@ class GenerationConfig(ComponentSection):
     selector: ClassVar[str] = "backend"
 
     backend: str = option("torch", "Registered generation backend (`torch`, `vllm`, `sglang`).")
-    max_new_tokens: int = option(128, "Most tokens generated per turn.")
-    temperature: float = option(1.0, "Sampling temperature; 0 is greedy.")
-    top_p: float = option(1.0, "Nucleus sampling threshold (1 disables).")
-    top_k: int = option(0, "Top-k sampling (0 disables).")
-    stop_strings: list[str] = option([], "Strings that end a turn (matched on decoded text).")
-    stop_token_ids: list[int] = option([], "Token ids that end a turn (EOS is always one).")
+    max_new_tokens: int = option(
+        128,
+        "Most tokens generated per turn (less than policy.max_total_sequence_length).",
+        validator=ge(1),
+    )
+    temperature: float = option(1.0, "Sampling temperature; 0 is greedy.", validator=ge(0))
+    top_p: float = option(
+        1.0, "Nucleus sampling threshold (1 disables).", validator=between(0, 1, low_open=True)
+    )
+    top_k: int = option(0, "Top-k sampling (0 disables).", validator=ge(0))
+    stop_strings: list[str] = option(
+        [],
+        "Strings that end a turn (matched on decoded text).",
+        validator=each(NON_EMPTY, "a list of non-empty strings"),
+    )
+    stop_token_ids: list[int] = option(
+        [], "Token ids that end a turn (EOS is always one).", validator=each(ge(0))
+    )
 
 
 @attrs.define
@@ -128,7 +338,9 @@ class EnvConfig(ComponentSection):
     selector: ClassVar[str] = "name"
 
     name: str = option("arithmetic", "Registered environment.")
-    num_workers: int = option(1, "Environment actors (each gets a share of every batch).")
+    num_workers: int = option(
+        1, "Environment actors (each gets a share of every batch).", validator=ge(1)
+    )
     step_timeout_s: float = option(
         120.0,
         (
@@ -136,6 +348,7 @@ class EnvConfig(ComponentSection):
             "seconds (> 0); a slower step is an error naming this key. Shorter than "
             "cluster.worker_timeout_s so that a hung environment is found quickly."
         ),
+        validator=gt(0),
     )
 
 
@@ -144,10 +357,18 @@ class DataConfig(ComponentSection):
     component_kind: ClassVar[ComponentKind] = "dataset"
     selector: ClassVar[str] = "dataset"
 
-    dataset: str = option("arithmetic", "Registered dataset name, or a path to a JSONL file.")
+    dataset: str = option(
+        "arithmetic", "Registered dataset name, or a path to a JSONL file.", validator=NON_EMPTY
+    )
     val_dataset: str | None = option(None, "Validation JSONL file (default: split off a fraction).")
-    val_fraction: float = option(0.1, "Fraction held out for validation when no val_dataset.")
-    max_val_samples: int = option(64, "Validation samples evaluated per validation step.")
+    val_fraction: float = option(
+        0.1,
+        "Fraction held out for validation when no val_dataset (0: none).",
+        validator=between(0, 1, high_open=True),
+    )
+    max_val_samples: int = option(
+        64, "Validation samples evaluated per validation step.", validator=ge(1)
+    )
     system_prompt: str | None = option(None, "System prompt prepended to every conversation.")
     apply_chat_template: bool = option(True, "Format prompts with the tokenizer's chat template.")
     shuffle: bool = option(True, "Shuffle the training data each epoch (seeded).")
@@ -160,10 +381,16 @@ class ClusterConfig(ComponentSection):
 
     backend: str = option("local", "`local` starts Ray here; `ray` joins a running cluster.")
     address: str | None = option(None, "Ray address for `ray` (default: $RAY_ADDRESS).")
-    num_cpus: int | None = option(None, "CPUs Ray may use (default: all of this machine).")
-    gpus_per_node: int | None = option(None, "GPUs per node (default: what Ray detects).")
+    num_cpus: int | None = option(
+        None, "CPUs Ray may use (default: all of this machine).", validator=optional(ge(1))
+    )
+    gpus_per_node: int | None = option(
+        None, "GPUs per node (default: what Ray detects).", validator=optional(ge(0))
+    )
     dashboard: bool = option(False, "Start the Ray dashboard (local cluster only).")
-    worker_timeout_s: float = option(600.0, "A worker call that takes longer is an error.")
+    worker_timeout_s: float = option(
+        600.0, "A worker call that takes longer is an error (seconds).", validator=gt(0)
+    )
 
 
 @attrs.define
@@ -176,22 +403,27 @@ class CheckpointingConfig:
             "checkpoints`, so that every run folder has its own."
         ),
     )
-    save_period: int = option(10, "Save every N steps (and at the last step).")
+    save_period: int = option(10, "Save every N steps (and at the last step).", validator=ge(1))
     resume: str = option(
         "auto",
         (
             "`auto` resumes from the newest complete checkpoint, `never` starts fresh, or a path "
             "to a `step_N` folder."
         ),
+        validator=Valid("`auto`, `never` or a path", lambda value: bool(value)),
     )
-    keep_last: int | None = option(3, "Keep only the newest N checkpoints (None keeps all).")
+    keep_last: int | None = option(
+        3, "Keep only the newest N checkpoints (None keeps all).", validator=optional(ge(1))
+    )
 
 
 @attrs.define
 class LoggerConfig:
-    log_dir: str = option("results/runs", "Parent folder of run directories.")
-    run_name: str = option("default", "Run directory name under log_dir.")
-    sample_period: int = option(10, "Log sampled prompt/response pairs every N steps.")
+    log_dir: str = option("results/runs", "Parent folder of run directories.", validator=NON_EMPTY)
+    run_name: str = option("default", "Run directory name under log_dir.", validator=NON_EMPTY)
+    sample_period: int = option(
+        10, "Log sampled prompt/response pairs every N steps (0 never).", validator=ge(0)
+    )
     tensorboard: bool = option(False, "Write TensorBoard events (extra `tensorboard`).")
     wandb: bool = option(False, "Log to Weights & Biases (extra `wandb`).")
     mlflow: bool = option(False, "Log to MLflow (extra `mlflow`).")
@@ -199,15 +431,26 @@ class LoggerConfig:
 
 @attrs.define
 class GRPOSection:
-    max_num_steps: int = option(100, "Training steps.")
-    num_prompts_per_step: int = option(8, "Prompts drawn per step.")
-    num_generations_per_prompt: int = option(8, "Responses per prompt (the group size).")
-    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).")
-    val_period: int = option(10, "Validate every N steps (0 disables); step 0 is validated too.")
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    num_prompts_per_step: int = option(8, "Prompts drawn per step.", validator=ge(1))
+    num_generations_per_prompt: int = option(
+        8,
+        (
+            "Responses per prompt (the group size); at least 2, since a sample's advantage is "
+            "its reward against the rest of its group (a group of one learns nothing)."
+        ),
+        validator=ge(2),
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
+    val_period: int = option(
+        10, "Validate every N steps (0 disables); step 0 is validated too.", validator=ge(0)
+    )
     normalize_rewards: bool = option(True, "Divide advantages by the group's std.")
     use_leave_one_out_baseline: bool = option(True, "Baseline = mean of the other samples.")
     dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
-    dynamic_sampling_max_batches: int = option(4, "Most extra generation rounds per step.")
+    dynamic_sampling_max_batches: int = option(
+        4, "Most extra generation rounds per step.", validator=ge(0)
+    )
     overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
     sft_warmup_steps: int = option(
         0,
@@ -216,6 +459,7 @@ class GRPOSection:
             "warm start that teaches the answer format. Step 0's validation runs after it, so the "
             "metrics show where GRPO starts from."
         ),
+        validator=ge(0),
     )
     sft_warmup_shuffle_answers: bool = option(
         False,
@@ -232,23 +476,25 @@ class GRPOSection:
 
 @attrs.define
 class SFTSection:
-    max_num_steps: int = option(100, "Training steps.")
-    val_period: int = option(10, "Validate every N steps (0 disables).")
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
 
 
 @attrs.define
 class DPOSection:
-    max_num_steps: int = option(100, "Training steps.")
-    val_period: int = option(10, "Validate every N steps (0 disables).")
-    beta: float = option(0.1, "DPO temperature.")
-    sft_loss_weight: float = option(0.0, "Weight of an NLL term on the chosen response.")
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
+    beta: float = option(0.1, "DPO temperature.", validator=gt(0))
+    sft_loss_weight: float = option(
+        0.0, "Weight of an NLL term on the chosen response.", validator=ge(0)
+    )
     average_logprobs: bool = option(False, "Average (not sum) response logprobs.")
 
 
 @attrs.define
 class RMSection:
-    max_num_steps: int = option(100, "Training steps.")
-    val_period: int = option(10, "Validate every N steps (0 disables).")
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
 
 
 @attrs.define
@@ -265,7 +511,7 @@ class EvalSection:
     num_samples: int = option(
         1,
         "Responses sampled per problem (n), at `generation.temperature`.",
-        validator=attrs.validators.ge(1),
+        validator=ge(1),
     )
     pass_k: list[int] = option(
         [],
@@ -273,13 +519,16 @@ class EvalSection:
             "The k of each reported pass@k (each at most num_samples); empty: 1 and num_samples. "
             "Unbiased estimator of Chen et al. (2021) when n > k, any-correct when n == k."
         ),
+        validator=each(ge(1)),
     )
     correct_threshold: float = option(
-        1.0, "A response is correct when its episode reward is at least this."
+        1.0,
+        "A response is correct when its episode reward is at least this.",
+        validator=FINITE,
     )
-    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).")
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
     batch_size: int = option(
-        256, "Responses rolled out together in one rollout call (0: all at once)."
+        256, "Responses rolled out together in one rollout call (0: all at once).", validator=ge(0)
     )
     output: str | None = option(
         None, "Where eval.json is written (default: <logger.log_dir>/<logger.run_name>/eval.json)."
@@ -290,7 +539,7 @@ class EvalSection:
 class RunConfig:
     """Sections shared by every algorithm."""
 
-    seed: int = option(42, "Seed of every random stream in the run.")
+    seed: int = option(42, "Seed of every random stream in the run.", validator=ge(0))
     policy: PolicyConfig = option(PolicyConfig(), "The model being trained.")
     data: DataConfig = option(DataConfig(), "Training and validation data.")
     checkpointing: CheckpointingConfig = option(CheckpointingConfig(), "Checkpoints and resume.")

@@ -14,8 +14,29 @@ from nrl_core.errors import ConfigError
 
 
 def validate_run_config(config: Any) -> None:
-    """Raise :class:`ConfigError` when settings of different sections contradict each other."""
+    """Raise :class:`ConfigError` when settings of different sections contradict each other.
+
+    Runs when a config is loaded (:func:`~nrl_core.config.loader.resolve_config`) and again in
+    :func:`~nrl_core.preflight.preflight`, for configs built or changed in code.
+    """
+    _check_response_room(config)
     _check_on_policy_shortcut(config)
+
+
+def _check_response_room(config: Any) -> None:
+    # A prompt needs at least one token, so a response budget that fills the whole sequence
+    # leaves no prompt that fits: every prompt would be dropped when the data is loaded.
+    generation = getattr(config, "generation", None)
+    policy = getattr(config, "policy", None)
+    if generation is None or policy is None:
+        return
+    limit = policy.max_total_sequence_length
+    if generation.max_new_tokens >= limit:
+        raise ConfigError(
+            f"generation.max_new_tokens={generation.max_new_tokens} leaves no room for a prompt "
+            f"in policy.max_total_sequence_length={limit} (prompt + response); lower "
+            "generation.max_new_tokens or raise policy.max_total_sequence_length"
+        )
 
 
 def optimizer_steps_per_rollout(config: Any) -> int:

@@ -13,3 +13,8 @@ import os
 # run leaves a multi-GB venv behind. Ray reads this when it is first imported, which happens in
 # the submodules below this package.
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+# Ray's API functions (ray.get, ray.kill, actor calls, ...) start a fresh local Ray instance
+# when none is connected. In nrl only the cluster component starts Ray; a call made after it
+# stopped Ray (tearing down after Ctrl-C) must fail, not start a second instance.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")

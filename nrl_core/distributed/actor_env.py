@@ -6,7 +6,12 @@ Three modes (see ``docs/runtime.md``):
   under ``<workspace>/venvs`` (``$NRL_VENV_DIR``), built with ``uv venv`` + ``uv sync --locked
   --package DIST --extra E --no-dev``; exactly the versions of the lockfile.
 * ``installed`` (nrl installed from an index, no lockfile): ``uv pip install
-  "DIST[E]==<installed version>"`` into a venv under ``~/.cache/nrl/venvs``.
+  "DIST[E]==<installed version>"`` into a venv under ``~/.cache/nrl/venvs``. A plugin installed
+  beside a checkout but not a member of its workspace (``uv pip install -e /somewhere/plugin``)
+  is also built this way, under ``<workspace>/venvs``: the plugin from its source folder
+  (editable when it was installed editable, as PEP 610's ``direct_url.json`` says), nrl-core
+  from the checkout, and the lockfile's versions of nrl-core's dependencies as constraints, so
+  the actors get the driver's ray and torch.
 * ``system``: the driver's interpreter; a path: that interpreter.
 
 A venv is keyed by distribution, extras, Python version and the lock hash (or installed
@@ -21,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -47,6 +53,10 @@ MANIFEST_VAR = "NRL_IMAGE_MANIFEST"
 IGNORE_MISMATCH_VAR = "NRL_IGNORE_VERSION_MISMATCH"
 DEFAULT_MANIFEST = "/opt/nrl/image-manifest.json"
 MANIFEST_FILES = ("pyproject.toml", "uv.lock")
+CORE_DISTRIBUTION = "nrl-core"
+CONSTRAINTS_FILE = "nrl-constraints.txt"
+"""Written inside an installed-mode venv built beside a checkout: the lock's versions of
+nrl-core's dependencies that ``uv pip install`` was held to."""
 BUILD_TIMEOUT_S = 3600.0
 
 
@@ -70,6 +80,51 @@ def find_workspace_root(start: Path | None = None) -> Path | None:
 def file_hash(path: Path) -> str:
     """sha256 of a file's bytes, hex."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def canonical_name(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): ``Nrl_Foo`` -> ``nrl-foo``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def workspace_members(root: Path) -> frozenset[str]:
+    """The canonical names of the distributions ``uv sync --package`` can build in ``root``:
+    the ``members`` of ``uv.lock``'s ``[manifest]`` (a lock without one, of a single project:
+    that project)."""
+    import tomllib
+
+    text = (Path(root) / "uv.lock").read_text()
+    # The manifest comes before the packages; parsing only the head keeps this cheap (the
+    # packages are most of a megabyte).
+    head = text.split("\n[[package]]", 1)[0]
+    try:
+        members = tomllib.loads(head).get("manifest", {}).get("members")
+        if members is None:
+            members = [
+                tomllib.loads((Path(root) / "pyproject.toml").read_text())["project"]["name"]
+            ]
+    except (tomllib.TOMLDecodeError, KeyError, OSError):
+        return frozenset()
+    return frozenset(canonical_name(m) for m in members)
+
+
+def local_source(dist: metadata.Distribution) -> tuple[Path, bool] | None:
+    """Where an installed distribution came from when it was installed from a local folder
+    (PEP 610 ``direct_url.json``): ``(folder, editable)``; None for an index install."""
+    text = dist.read_text("direct_url.json")
+    if not text:
+        return None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return None
+    url = str(info.get("url", ""))
+    if not url.startswith("file://"):
+        return None
+    from urllib.parse import unquote, urlparse
+
+    folder = Path(unquote(urlparse(url).path))
+    return folder, bool(info.get("dir_info", {}).get("editable"))
 
 
 def uv_binary() -> str:
@@ -114,25 +169,29 @@ class VenvRequest:
     """The lockfile hash (workspace mode) or the installed version/requirement (installed)."""
     workspace: str | None = None
     requirement: str | None = None
-    """What ``uv pip install`` gets (installed mode)."""
+    """What ``uv pip install`` gets (installed mode): ``DIST[E]==version``, ``DIST[E] @ url``,
+    or a source folder with its extras (``/path/to/plugin[E]``)."""
     layer: tuple[str, ...] = ()
     """Site-packages folders visible below the venv's own (see ``docs/runtime.md``)."""
     python_version: str = attrs.field(factory=_python_version)
+    editable: bool = False
+    """Install ``requirement`` (a source folder) editable: the actors then run the plugin's
+    current code, as the driver does (installed mode beside a checkout)."""
 
     @property
     def key(self) -> str:
-        blob = json.dumps(
-            [
-                self.distribution,
-                self.extras,
-                self.mode,
-                self.fingerprint,
-                self.python_version,
-                self.requirement,
-                self.layer,
-            ]
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        parts: list[Any] = [
+            self.distribution,
+            self.extras,
+            self.mode,
+            self.fingerprint,
+            self.python_version,
+            self.requirement,
+            self.layer,
+        ]
+        if self.editable:  # only then: the venvs built before this field keep their keys
+            parts.append("editable")
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
 
     @property
     def dirname(self) -> str:
@@ -179,6 +238,11 @@ def request_for(
     root = find_workspace_root() if workspace == "auto" else workspace
     layer = _truthy(environ.get(LAYER_VAR)) if layer is None else layer
     layer_dirs = tuple(site.getsitepackages()) if layer else ()
+    if root is not None and canonical_name(distribution) not in workspace_members(Path(root)):
+        # Installed beside the checkout (`uv pip install -e /somewhere/plugin`): `uv sync
+        # --package` cannot build it, so it is installed like a user's plugin, against this
+        # checkout's nrl-core and lockfile.
+        return _beside_workspace_request(distribution, extras, plugin, Path(root), layer_dirs)
     if root is not None:
         return VenvRequest(
             distribution,
@@ -190,13 +254,7 @@ def request_for(
             None,
             layer_dirs,
         )
-    try:
-        dist = metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        raise ActorEnvError(
-            f"plugin distribution {distribution!r} is not installed; install "
-            f"it (pip install {distribution}) or set NRL_ACTOR_ENV=system"
-        ) from None
+    dist = _installed(distribution)
     extra = f"[{','.join(sorted(extras))}]" if extras else ""
     requirement = f"{distribution}{extra}=={dist.version}"
     direct = dist.read_text("direct_url.json")
@@ -214,6 +272,56 @@ def request_for(
         requirement,
         layer_dirs,
     )
+
+
+def _installed(distribution: str) -> metadata.Distribution:
+    try:
+        return metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise ActorEnvError(
+            f"plugin distribution {distribution!r} is not installed; install "
+            f"it (pip install {distribution}) or set NRL_ACTOR_ENV=system"
+        ) from None
+
+
+def _beside_workspace_request(
+    distribution: str,
+    extras: Sequence[str],
+    plugin: str,
+    root: Path,
+    layer_dirs: tuple[str, ...],
+) -> VenvRequest:
+    """The installed-mode request of a plugin installed in a checkout's environment without
+    being a member of its workspace."""
+    dist = _installed(distribution)
+    extra = f"[{','.join(sorted(extras))}]" if extras else ""
+    source = local_source(dist)
+    if source is not None and source[0].is_dir():
+        requirement, editable = f"{source[0]}{extra}", source[1]
+    else:
+        requirement, editable = f"{distribution}{extra}=={dist.version}", False
+    return VenvRequest(
+        distribution,
+        tuple(extras),
+        plugin,
+        "installed",
+        _beside_workspace_fingerprint(dist, root),
+        str(root),
+        requirement,
+        layer_dirs,
+        editable=editable,
+    )
+
+
+def _beside_workspace_fingerprint(dist: metadata.Distribution, root: Path) -> str:
+    """The plugin's version, the lockfile's hash and the hash of the plugin's own
+    ``pyproject.toml`` (when installed from a folder): a changed dependency on either side
+    means a new venv, an edited source file does not (editable)."""
+    parts = [dist.version, file_hash(root / "uv.lock")[:8]]
+    source = local_source(dist)
+    if source is not None and (source[0] / "pyproject.toml").is_file():
+        parts.append(file_hash(source[0] / "pyproject.toml")[:8])
+    return "+".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +402,8 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
             _run_uv(
                 cmd, request, env | {"UV_PROJECT_ENVIRONMENT": str(venv)}, cwd=request.workspace
             )
+        elif request.workspace:
+            _install_beside_workspace(uv, venv, request, env)
         else:
             _run_uv(
                 [uv, "pip", "install", "--python", str(python), str(request.requirement)],
@@ -312,6 +422,37 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
         }
         (venv / MARKER).write_text(json.dumps(marker, indent=2))
         return VenvInfo(venv, python, True, request)
+
+
+def _install_beside_workspace(
+    uv: str, venv: Path, request: VenvRequest, env: dict[str, str]
+) -> None:
+    """Install a plugin that is not a workspace member into ``venv``, with nrl-core from the
+    checkout and nrl-core's dependencies held to the lockfile's versions (the driver's ray
+    and torch; uv takes them from its cache, as ``uv sync`` does)."""
+    workspace = str(request.workspace)
+    cmd = [uv, "pip", "install", "--python", str(venv / "bin" / "python")]
+    if canonical_name(CORE_DISTRIBUTION) in workspace_members(Path(workspace)):
+        constraints = venv / CONSTRAINTS_FILE
+        _run_uv(
+            [uv, "export", "--frozen", "--no-hashes", "--no-dev", "--no-header",
+             "--no-annotate", "--no-emit-workspace", "--package", CORE_DISTRIBUTION,
+             "--project", workspace, "--quiet", "--output-file", str(constraints)],
+            request,
+            env,
+            cwd=workspace,
+        )  # fmt: skip
+        cmd += ["--constraints", str(constraints)]
+    try:
+        core = local_source(metadata.distribution(CORE_DISTRIBUTION))
+    except metadata.PackageNotFoundError:
+        core = None
+    if core is not None and core[0].is_dir():
+        # The plugin depends on nrl-core, which is this checkout (an index has another one).
+        cmd += ["--editable", str(core[0])] if core[1] else [str(core[0])]
+    requirement = str(request.requirement)
+    cmd += ["--editable", requirement] if request.editable else [requirement]
+    _run_uv(cmd, request, env)
 
 
 def _build_task(request: dict, venv_root: str, force: bool) -> dict:
@@ -474,13 +615,16 @@ def _size(path: Path) -> int:
 
 def current_fingerprint(request: VenvRequest) -> str | None:
     """What ``request.fingerprint`` would be today (None when it cannot be known)."""
-    if request.mode == "workspace" and request.workspace:
-        lock = Path(request.workspace) / "uv.lock"
+    lock = Path(request.workspace) / "uv.lock" if request.workspace else None
+    if request.mode == "workspace" and lock is not None:
         return file_hash(lock)[:16] if lock.is_file() else None
     try:
-        return metadata.version(request.distribution)
+        dist = metadata.distribution(request.distribution)
     except metadata.PackageNotFoundError:
         return None
+    if lock is not None:  # installed beside a checkout
+        return _beside_workspace_fingerprint(dist, lock.parent) if lock.is_file() else None
+    return dist.version
 
 
 def list_venvs(venv_root: str | Path) -> list[VenvEntry]:

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -130,6 +131,13 @@ def _run_dir(context: Any) -> Path | None:
 class LocalCluster:
     """Starts a Ray head in this process; stops it when the run ends, however it ends.
 
+    Ray's temp folder (its logs, sockets and object spill files) is removed with it, together
+    with the run folder's ``ray`` link to it, unless the run failed and
+    :attr:`keep_temp_on_failure` is set (``nrl run -v``): then one line on stderr says where
+    the logs are. A watcher process (:mod:`nrl_core.distributed.reaper`) does the same when
+    this process dies without shutting down (``kill -9``), and stops the Ray agents that would
+    otherwise linger for a minute.
+
     Args:
         options: unused (the cluster component registers no options class).
         context: its ``config.cluster`` gives ``num_cpus``, ``gpus_per_node`` and ``dashboard``.
@@ -154,8 +162,31 @@ class LocalCluster:
             if temp_dir is not None
             else Path(tempfile.gettempdir()) / f"{TEMP_DIR_PREFIX}{uuid.uuid4().hex[:8]}"
         )
-        self._started = False
+        self._keep_temp_on_failure = False
+        self.failed = False
+        """Set when the run failed (by :class:`~nrl_core.algorithms.runtime.RunSession`, or by
+        a Ctrl-C / SIGTERM): with :attr:`keep_temp_on_failure`, the temp folder is kept."""
+        self._started = False  # this object's ray.init is in effect
+        self._temp_pending = False  # the temp folder exists and is not yet removed or kept
+        self._reaper: subprocess.Popen | None = None
+        self._processes: dict[int, int] = {}  # Ray's processes when it was stopped
         self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def ray_link(self) -> Path | None:
+        """The run folder's ``ray`` symlink to :attr:`temp_dir` (None without a run folder)."""
+        return None if self.log_dir is None else self.log_dir / "ray"
+
+    @property
+    def keep_temp_on_failure(self) -> bool:
+        """Keep Ray's temp folder when the run fails, or when this process is killed
+        (``nrl run -v`` sets it); otherwise it is always removed."""
+        return self._keep_temp_on_failure
+
+    @keep_temp_on_failure.setter
+    def keep_temp_on_failure(self, keep: bool) -> None:
+        self._keep_temp_on_failure = bool(keep)
+        self._tell_reaper(b"keep" if keep else b"remove")
 
     def start(self) -> ClusterResources:
         """Start the Ray head and return its resources."""
@@ -174,6 +205,7 @@ class LocalCluster:
                 f"Ray temp dir {self.temp_dir} is too long for unix sockets; "
                 "use a path under 60 characters such as /tmp/nrl-ray"
             )
+        self._temp_pending = not self.temp_dir.exists()  # never remove a folder we did not make
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         # address="local" ignores RAY_ADDRESS: this backend must never join someone's cluster.
         kwargs: dict[str, Any] = {
@@ -186,12 +218,19 @@ class LocalCluster:
             kwargs["num_cpus"] = self.config.num_cpus
         if self.config.gpus_per_node is not None:
             kwargs["num_gpus"] = self.config.gpus_per_node
+        if self._temp_pending:
+            self._start_reaper()
+        # Ours to restore at shutdown: ray.init installs a SIGTERM handler of its own.
+        self._previous_handlers = {
+            signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)
+        }
         atexit.register(self.shutdown)
         self._started = True
         try:
             ray.init(**kwargs)
         except Exception as exc:
-            self.shutdown()
+            self.failed = True
+            self._shutdown(keep_temp=True, say=False)  # the logs say why Ray did not start
             raise ClusterError(
                 f"could not start a local Ray head: {exc}; see the logs in {self.temp_dir}"
             ) from exc
@@ -200,46 +239,127 @@ class LocalCluster:
         self._link_logs()
         return ray_resources()
 
-    def shutdown(self) -> None:
-        """Stop the Ray head this object started (idempotent)."""
-        if self._started:
-            import ray
+    def shutdown(self, *, keep_temp: bool | None = None) -> None:
+        """Stop the Ray head this object started, then remove its temp folder and the run
+        folder's ``ray`` link (idempotent).
 
-            self._started = False
-            ray.shutdown()
+        Args:
+            keep_temp: keep the temp folder (and say where, on stderr) instead; default:
+                when the run :attr:`failed` and :attr:`keep_temp_on_failure` is set.
+        """
+        if keep_temp is None:
+            keep_temp = self.failed and self.keep_temp_on_failure
+        self._shutdown(keep_temp=keep_temp, say=True)
+
+    def _shutdown(self, *, keep_temp: bool, say: bool) -> None:
+        self._stop_ray()
         self._restore_handlers()
+        if not self._temp_pending:
+            self._stop_reaper()
+            return
+        self._temp_pending = False
+        from nrl_core.distributed.reaper import kill, remove_temp_dir
+
+        # Ray's agents and workers exit on their own once the raylet is gone; give them a
+        # moment (files they still write would reappear), then make sure.
+        kill(self._processes, grace_s=5)
+        if keep_temp:
+            self._stop_reaper()
+            if say:
+                print(f"Ray's logs of this run are kept in {self.temp_dir}", file=sys.stderr)
+            return
+        link = self.ray_link
+        remove_temp_dir(str(self.temp_dir), str(link) if link is not None else None)
+        self._stop_reaper()
 
     # -- clean-up on every exit path ------------------------------------------------------
+
+    def _stop_ray(self) -> None:
+        """``ray.shutdown()`` once, and only for the head this object started."""
+        if not self._started:
+            return
+        import ray
+
+        from nrl_core.distributed.reaper import session_processes
+
+        self._started = False
+        # Found now: once the raylet is gone its agents and workers are nobody's children.
+        with contextlib.suppress(OSError):  # no /proc: nothing to wait for
+            watcher = self._reaper.pid if self._reaper is not None else None
+            self._processes = session_processes(os.getpid(), str(self.temp_dir), watcher)
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def _start_reaper(self) -> None:
+        """Start the watcher that cleans up if this process dies without :meth:`shutdown`."""
+        from nrl_core.distributed import reaper
+
+        link = self.ray_link
+        try:
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-I", "-S", reaper.__file__, str(self.temp_dir), str(link or "")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # the terminal's Ctrl-C must not stop it first
+            )
+        except OSError:  # best effort: the run itself does not need it
+            self._reaper = None
+            return
+        if self._keep_temp_on_failure:
+            self._tell_reaper(b"keep")
+
+    def _tell_reaper(self, command: bytes) -> None:
+        if self._reaper is None or self._reaper.stdin is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._reaper.stdin.write(command + b"\n")
+            self._reaper.stdin.flush()
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is None:
+            return
+        reaper, self._reaper = self._reaper, None
+        with contextlib.suppress(OSError, ValueError):
+            reaper.stdin.write(b"done\n")
+            reaper.stdin.close()
+        try:
+            reaper.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
 
     def _restore_handlers(self) -> None:
         atexit.unregister(self.shutdown)
         for signum, handler in self._previous_handlers.items():
             if threading.current_thread() is threading.main_thread():
-                signal.signal(signum, handler)
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """Ctrl-C / SIGTERM: stop Ray at once, then unwind (KeyboardInterrupt: exit code 130;
+        SystemExit(128 + signum) for SIGTERM); the temp folder goes with :meth:`shutdown`."""
         previous = self._previous_handlers.get(signum)
-        self.shutdown()
-        if callable(previous) and previous not in (signal.default_int_handler,):
+        self.failed = True
+        self._stop_ray()
+        if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         sys.exit(128 + signum)
 
     def _link_logs(self) -> None:
-        if self.log_dir is None:
+        link = self.ray_link
+        if link is None:
             return
-        link = self.log_dir / "ray"
         try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            link.parent.mkdir(parents=True, exist_ok=True)
             if link.is_symlink():
                 link.unlink()
             link.symlink_to(self.temp_dir, target_is_directory=True)

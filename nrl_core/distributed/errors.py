@@ -16,7 +16,22 @@ class InsufficientResourcesError(NrlError):
 
 
 class WorkerError(NrlError):
-    """A worker of a group raised, died, or could not start."""
+    """A worker of a group raised, died, or could not start.
+
+    ``str()`` is one line: the group, the rank, what failed, and where the full story is (the
+    run log, or the worker's Ray log outside a run). The detail stays on the error.
+
+    Attributes:
+        group: the worker group's name (``policy``, ``env-<name>``, ``generation-<backend>``).
+        rank: the failing rank (the first one, when several did not finish in time).
+        node: the node IP of that rank, when known.
+        log_tail: the last lines of the rank's Ray worker log (stdout/stderr).
+        remote_traceback: the traceback the worker raised, as text ("" when it died instead).
+        log_file: the file holding the full detail: the run log (``<run dir>/nrl.log``) when
+            a run is open, else the worker's Ray log; None when neither is known.
+        exit_code: 1, or the exit code of the worker's own nrl error (2 for a
+            :class:`~nrl_core.errors.ConfigError` raised by a component: bad user input).
+    """
 
     def __init__(
         self,
@@ -26,15 +41,33 @@ class WorkerError(NrlError):
         rank: int | None = None,
         node: str | None = None,
         log_tail: str = "",
+        remote_traceback: str = "",
+        log_file: str | None = None,
+        exit_code: int | None = None,
     ) -> None:
         super().__init__(message)
         self.group, self.rank, self.node, self.log_tail = group, rank, node, log_tail
+        self.remote_traceback, self.log_file = remote_traceback, log_file
+        if exit_code is not None:
+            self.exit_code = exit_code
 
     def __reduce__(self):
         # Keeps the keyword-only attributes when the error crosses a process boundary.
         return (
             _rebuild_worker_error,
-            (type(self), self.args[0], self.group, self.rank, self.node, self.log_tail),
+            (
+                type(self),
+                self.args[0],
+                {
+                    "group": self.group,
+                    "rank": self.rank,
+                    "node": self.node,
+                    "log_tail": self.log_tail,
+                    "remote_traceback": self.remote_traceback,
+                    "log_file": self.log_file,
+                    "exit_code": self.exit_code,
+                },
+            ),
         )
 
 
@@ -52,5 +85,5 @@ class ImageMismatchError(NrlError):
     exit_code = 2
 
 
-def _rebuild_worker_error(cls, message, group, rank, node, log_tail):
-    return cls(message, group=group, rank=rank, node=node, log_tail=log_tail)
+def _rebuild_worker_error(cls, message, attributes):
+    return cls(message, **attributes)

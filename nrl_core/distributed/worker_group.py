@@ -2,8 +2,10 @@
 
 The driver talks to a group, never to single actors: ``run_all`` calls a method on every rank,
 ``run_sharded`` gives each data-parallel shard its item, ``run_one`` calls one rank. Every call
-is bounded by the group's timeout, and a worker that raises or dies becomes a
-:class:`~nrl_core.distributed.errors.WorkerError` naming the group, rank, node and log tail.
+is bounded by the group's timeout (or the method's own, :meth:`WorkerGroup.set_call_timeout`),
+and a worker that raises, dies or hangs becomes a one-line
+:class:`~nrl_core.distributed.errors.WorkerError` naming the group, rank and the file with the
+full traceback (the run log, :mod:`nrl_core.run_log`).
 
 Rank layout: tensor-parallel ranks vary fastest, then context-parallel, then pipeline-parallel,
 then data-parallel, so ``dp_rank = rank // (tp * cp * pp)`` and the first rank of DP shard ``d``
@@ -17,6 +19,7 @@ import os
 import re
 import socket
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +36,11 @@ from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext
 
 LOG_TAIL_LINES = 20
+DEFAULT_TIMEOUT_KEY = "cluster.worker_timeout_s"
+"""The config key named when a call exceeds the group's own timeout."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Lines Ray writes into every worker log to route output (":job_id:01000000"): not the worker's.
+_RAY_MARKER = re.compile(r"^:(job_id|actor_name|task_name):")
 
 
 @attrs.frozen
@@ -89,6 +96,7 @@ class _WorkerActor:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        self._store: Any = None
 
     def describe(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -99,10 +107,21 @@ class _WorkerActor:
             "logs": [_fd_path(1), _fd_path(2)],
         }
 
-    def free_port(self) -> int:
+    def free_port(self, host: str = "") -> int:
+        """A free TCP port on ``host`` (default: on every interface)."""
         with socket.socket() as sock:
-            sock.bind(("", 0))
+            sock.bind((host, 0))
             return sock.getsockname()[1]
+
+    def host_store(self, host: str) -> int | None:
+        """Serve the group's ``torch.distributed`` store from this actor (rank 0), listening on
+        ``host`` only; returns its port, or None where this actor's torch cannot be pointed at
+        it (see :func:`_serve_store`)."""
+        served = _serve_store(host)
+        if served is None:
+            return None
+        self._store = served[0]  # serves as long as the actor lives
+        return served[1]
 
     def setup(self, target: str, env: dict[str, str], args: tuple, kwargs: dict) -> None:
         from nrl_core.registry import resolve_target
@@ -153,6 +172,55 @@ def _fd_path(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
+
+
+LOOPBACK = "127.0.0.1"
+"""Where the rendezvous of a group whose ranks all run on the driver's node listens."""
+
+
+def _serve_store(host: str) -> tuple[Any, int] | None:
+    """A ``TCPStore`` server listening on ``host`` only, for ``env://`` rendezvous.
+
+    torch's own rank-0 store listens on every interface whatever ``MASTER_ADDR`` says, without
+    authentication. This one is handed a socket bound to ``host``; the ranks then connect to it
+    as clients because their environment sets ``TORCHELASTIC_USE_AGENT_STORE=True`` (the
+    torchelastic convention for "the agent serves the store at MASTER_ADDR:MASTER_PORT").
+    Only where torch limits that convention to exactly that address (``_agent_store_serves``):
+    older versions apply it to every store created in the process, which would leave an
+    engine's own ``tcp://`` rendezvous waiting for a server nobody runs. None there, and on
+    any failure: the group then rendezvous as before. Returns ``(store, port)``.
+    """
+    try:
+        import importlib
+
+        import torch.distributed as dist
+
+        # The module (torch.distributed.rendezvous is also the name of a function).
+        rendezvous = importlib.import_module("torch.distributed.rendezvous")
+        if not hasattr(rendezvous, "_agent_store_serves") or not dist.is_available():
+            return None
+        sock = socket.create_server((host, 0))
+        port = sock.getsockname()[1]
+        # The store takes the socket over (it closes it when it goes), hence detach().
+        store = dist.TCPStore(
+            host, port, None, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
+    except Exception:
+        return None
+    return store, port
+
+
+def _loopback_env() -> dict[str, str]:
+    """Variables that keep a single-node group's own connections on the loopback interface
+    (a user's own setting wins)."""
+    env: dict[str, str] = {}
+    try:
+        has_lo = any(name == "lo" for _, name in socket.if_nameindex())
+    except OSError:
+        has_lo = False
+    if has_lo and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair listeners (else: the hostname's address)
+    return env
 
 
 def _with_rank(value: Any, rank: int, world_size: int) -> Any:
@@ -230,6 +298,12 @@ class WorkerGroup:
         self.placement_group = placement_group
         self._owns_pg = owns_placement_group
         self.dp_size = layout.dp_size(len(actors))
+        self.is_local = False
+        """Every rank runs on the driver's node (known once the group started)."""
+        self.master_addr: str | None = None
+        """Where rank 0's rendezvous listens: 127.0.0.1 for a local group, else its node IP."""
+        self.call_timeouts: dict[str, tuple[float, str]] = {}
+        """Per-method (timeout in seconds, config key naming it); see :meth:`set_call_timeout`."""
 
     @property
     def num_workers(self) -> int:
@@ -307,7 +381,19 @@ class WorkerGroup:
         described = self._gather([a.describe.remote() for a in self.actors], "start")
         for info, desc in zip(self.infos, described, strict=True):
             info.node_ip, info.pid, info.logs = desc["node_ip"], desc["pid"], desc["logs"]
-        port = self._gather([self.actors[0].free_port.remote()], "start", ranks=[0])[0]
+        driver_node = ray.get_runtime_context().get_node_id()
+        # Every rank on the driver's node: nothing needs to reach rank 0 from the network, so
+        # the rendezvous store and gloo listen on loopback only (torch's store would listen on
+        # every interface, unauthenticated).
+        self.is_local = all(d["node_id"] == driver_node for d in described)
+        self.master_addr = LOOPBACK if self.is_local else described[0]["node_ip"]
+        port = None
+        if self.is_local:
+            port = self._gather([self.actors[0].host_store.remote(LOOPBACK)], "start", ranks=[0])[0]
+        hosted = port is not None
+        if port is None:
+            host = LOOPBACK if self.is_local else ""
+            port = self._gather([self.actors[0].free_port.remote(host)], "start", ranks=[0])[0]
         local_ranks: dict[str, int] = {}
         per_node = {
             d["node_id"]: sum(x["node_id"] == d["node_id"] for x in described) for d in described
@@ -324,9 +410,13 @@ class WorkerGroup:
                 "WORLD_SIZE": str(self.num_workers),
                 "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(per_node[desc["node_id"]]),
-                "MASTER_ADDR": described[0]["node_ip"],
+                "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(port),
             }
+            if hosted:  # the ranks are clients of rank 0's loopback store (see _serve_store)
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            if self.is_local:
+                env.update(_loopback_env())
             refs.append(actor.setup.remote(target, env, args_ref, kwargs_ref))
         self._gather(refs, f"construct {target}")
 
@@ -383,8 +473,14 @@ class WorkerGroup:
         return self._gather([ref], _method_name(method), ranks=[rank])[0]
 
     def shutdown(self, timeout_s: float = 30) -> None:
-        """Let workers clean up (``worker.shutdown()`` if defined), then kill the actors."""
+        """Let workers clean up (``worker.shutdown()`` if defined), then kill the actors.
+
+        Once Ray itself is stopped (a Ctrl-C or SIGTERM stops it at once) the actors are gone
+        with it and no Ray call is made: any would start a second, fresh Ray instance."""
         if not self.actors:
+            return
+        if not ray.is_initialized():
+            self.actors = []
             return
         refs = [a.close.remote() for a in self.actors]
         # Dead actors cannot close; they are killed below anyway.
@@ -400,27 +496,35 @@ class WorkerGroup:
 
     # -- waiting without hanging ----------------------------------------------------------
 
+    def set_call_timeout(self, method: str, seconds: float, key: str) -> None:
+        """Bound every later call of ``method`` by ``seconds`` instead of the group's timeout;
+        a call that takes longer fails naming ``key``, the config key that sets it (e.g. an
+        environment's ``step`` by ``env.step_timeout_s``)."""
+        self.call_timeouts[method] = (float(seconds), key)
+
+    def _timeout_of(self, what: str) -> tuple[float, str]:
+        return self.call_timeouts.get(what, (self.timeout_s, DEFAULT_TIMEOUT_KEY))
+
     def _gather(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
-        """``ray.get`` of ``refs`` bounded by the timeout; the first failure raises."""
+        """``ray.get`` of ``refs`` bounded by the timeout of ``what`` (see
+        :meth:`set_call_timeout`); the first failure raises a one-line
+        :class:`~nrl_core.distributed.errors.WorkerError`."""
         ranks = list(range(len(refs))) if ranks is None else ranks
         rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
         results: dict[Any, Any] = {}
         pending = list(refs)
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s, key = self._timeout_of(what)
+        deadline = time.monotonic() + timeout_s
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                late = sorted(rank_of[r] for r in pending)
-                rank = late[0]
-                raise WorkerTimeoutError(
-                    f"{self.name} rank(s) {late} did not finish {what!r} within "
-                    f"{self.timeout_s:g}s (first on node {self.infos[rank].node_ip}); raise "
-                    f"cluster.worker_timeout_s if this is expected{self._log_suffix(rank)}",
-                    group=self.name,
-                    rank=rank,
-                    node=self.infos[rank].node_ip,
-                    log_tail=self._log_tail(rank),
+                late = sorted({rank_of[r] for r in pending})
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+                summary = (
+                    f"{self.name} {who} did not finish {what} within {timeout_s:g}s; raise {key} "
+                    "if this is expected"
                 )
+                raise self._error(WorkerTimeoutError, summary, late[0])
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             for ref in ready:
                 try:
@@ -430,42 +534,76 @@ class WorkerGroup:
         return [results[r] for r in refs]
 
     def _worker_error(self, rank: int, what: str, exc: Exception) -> WorkerError:
-        info = self.infos[rank]
-        node = info.node_ip or "unknown node"
-        who = f"{self.name} worker rank {rank} (node {node}, pid {info.pid or '?'})"
+        """The one-line error of ``rank``'s failure in ``what``; the detail goes to the run log."""
+        exit_code = None
         if isinstance(exc, ray.exceptions.RayTaskError):
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            first = (str(cause).strip().splitlines() or [""])[0]
-            detail = (
-                f"raised {type(cause).__name__}: {first}"
-                if first
-                else f"raised {type(cause).__name__}"
-            )
-            trace = [
+            first = _first_line(cause)
+            if isinstance(cause, NrlError):
+                # A component's own user-facing error (a ConfigError: bad user input) keeps its
+                # message and its exit code.
+                detail = f"failed in {what}: {first}"
+                exit_code = cause.exit_code
+            else:
+                name = type(cause).__name__
+                detail = (
+                    f"failed in {what}: {name}: {first}" if first else f"failed in {what}: {name}"
+                )
+            # Without colour codes and caret-only lines, which only make sense on a terminal.
+            trace = "\n".join(
                 ln for ln in _ANSI.sub("", str(exc)).strip().splitlines() if ln.strip(" ^~")
-            ]  # drop colour codes and caret-only lines
-            tail = "\n".join(trace[-LOG_TAIL_LINES:])
-            message = f"{who} {detail} in {what!r}\n--- remote traceback (tail) ---\n{tail}"
-        elif isinstance(exc, ray.exceptions.RuntimeEnvSetupError):
-            first = (str(exc).strip().splitlines() or [""])[-1]
-            message = f"{who} could not start its runtime environment (python/env_vars): {first}"
-        elif isinstance(exc, ray.exceptions.RayActorError):
-            message = (
-                f"{who} died during {what!r} (the process exited or was killed; "
-                "out of memory and os._exit are common causes)"
             )
+        elif isinstance(exc, ray.exceptions.RuntimeEnvSetupError):
+            last = (str(exc).strip().splitlines() or [""])[-1]
+            detail = f"could not start its runtime environment (python/env_vars): {last}"
+            trace = str(exc)
+        elif isinstance(exc, ray.exceptions.RayActorError):
+            detail = f"died in {what}: its process exited or was killed (out of memory, os._exit)"
+            trace = ""
         else:
-            message = f"{who} failed in {what!r}: {type(exc).__name__}: {exc}"
-        log_tail = self._log_tail(rank)
-        return WorkerError(
-            message + self._log_suffix(rank, log_tail),
+            detail = f"failed in {what}: {type(exc).__name__}: {_first_line(exc)}"
+            trace = "".join(traceback.format_exception(exc))
+        return self._error(WorkerError, f"{self.name} rank {rank} {detail}", rank, trace, exit_code)
+
+    def _error(
+        self,
+        cls: type[WorkerError],
+        summary: str,
+        rank: int,
+        trace: str = "",
+        exit_code: int | None = None,
+    ) -> WorkerError:
+        """``cls`` with the one-line ``summary`` plus where the detail is: the run log (where
+        the detail is written now) or, outside a run, the rank's Ray worker log."""
+        from nrl_core.run_log import log_failure
+
+        info = self.infos[rank]
+        tail = self._log_tail(rank)
+        logs = [p for p in info.logs if p]
+        parts = [
+            f"group {self.name}, rank {rank}, node {info.node_ip or '?'}, pid {info.pid or '?'}, "
+            f"worker logs: {', '.join(logs) or 'unknown'}"
+        ]
+        if trace:
+            parts.append(f"--- remote traceback ---\n{trace}")
+        if tail:
+            parts.append(f"--- worker log (last {LOG_TAIL_LINES} lines) ---\n{tail}")
+        run_log = log_failure(summary, "\n".join(parts))
+        log_file = str(run_log) if run_log else (logs[-1] if logs else None)
+        return cls(
+            summary + self._log_suffix(rank, run_log, bool(trace)),
             group=self.name,
             rank=rank,
             node=info.node_ip,
-            log_tail=log_tail,
+            log_tail=tail,
+            remote_traceback=trace,
+            log_file=log_file,
+            exit_code=exit_code,
         )
 
     def _log_tail(self, rank: int) -> str:
+        """The last lines of ``rank``'s Ray worker logs (stdout, stderr), each line prefixed
+        with the end of its file's name (``.out|``, ``.err|``)."""
         lines: list[str] = []
         for path in self.infos[rank].logs:
             if path and Path(path).is_file():
@@ -473,17 +611,25 @@ class WorkerGroup:
                     text = Path(path).read_text(errors="replace")
                 except OSError:
                     continue
-                lines += [
-                    f"{Path(path).name[-4:]}| {line}"
-                    for line in text.splitlines()[-LOG_TAIL_LINES:]
-                ]
+                own = [ln for ln in text.splitlines() if not _RAY_MARKER.match(ln)]
+                lines += [f"{Path(path).name[-4:]}| {line}" for line in own[-LOG_TAIL_LINES:]]
         return "\n".join(lines)
 
-    def _log_suffix(self, rank: int, tail: str | None = None) -> str:
-        tail = self._log_tail(rank) if tail is None else tail
+    def _log_suffix(self, rank: int, run_log: Path | None, has_trace: bool) -> str:
+        """Where the rest is, in parentheses: the run log, else the worker's Ray log (whose
+        traceback ``nrl -v`` prints, from the error's attributes)."""
+        if run_log is not None:
+            return f" (full traceback: {run_log})" if has_trace else f" (details: {run_log})"
         logs = [p for p in self.infos[rank].logs if p]
-        where = f"\nworker logs: {', '.join(logs)}" if logs else ""
-        return f"{where}\n--- worker log (tail) ---\n{tail}" if tail else where
+        where = f"worker log: {logs[-1]}" if logs else ""
+        if has_trace:
+            where = f"{where}; -v prints the traceback" if where else "-v prints the traceback"
+        return f" ({where})" if where else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message ("" when it has none)."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
 
 
 class InProcessGroup:

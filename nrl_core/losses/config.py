@@ -13,7 +13,7 @@ from typing import Literal
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import Valid, between, ge, gt, one_of, option, optional
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -45,18 +45,9 @@ SequenceISWeight = Literal["geometric_mean", "product"]
 SEQUENCE_IS_WEIGHTS: tuple[str, ...] = ("geometric_mean", "product")
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
-
-
-def _dual_clip_above_one(
-    _instance: object, attribute: attrs.Attribute, value: float | None
-) -> None:
-    # c <= 1 would cap the loss of negative-advantage tokens below the unclipped PPO value
-    # even at ratio 1, i.e. it would change the on-policy gradient, not just bound outliers.
-    if value is not None and value <= 1:
-        raise ValueError(f"{attribute.name} must be > 1 (commonly 3), got {value}")
+# c <= 1 would cap the loss of negative-advantage tokens below the unclipped PPO value even at
+# ratio 1, i.e. it would change the on-policy gradient, not just bound outliers.
+_DUAL_CLIP = optional(Valid("> 1 (commonly 3)", lambda c: c > 1))
 
 
 @attrs.define
@@ -75,32 +66,32 @@ class ClippedPGConfig:
 
     clip_eps_low: float = option(
         0.2,
-        "Lower clip range: the ratio is clipped below at `1 - clip_eps_low`.",
-        validator=_non_negative,
+        "Lower clip range: the ratio is clipped below at `1 - clip_eps_low` (so below 1).",
+        validator=between(0, 1, high_open=True),
     )
     clip_eps_high: float = option(
         0.2,
         "Upper clip range: the ratio is clipped above at `1 + clip_eps_high` "
         "(DAPO clip-higher uses 0.28).",
-        validator=_non_negative,
+        validator=ge(0),
     )
     dual_clip_c: float | None = option(
         None,
         "Dual clip for negative advantages: the per-token loss is capped at "
         "`-A * c` (c > 1, commonly 3). None disables it.",
-        validator=_dual_clip_above_one,
+        validator=_DUAL_CLIP,
     )
     kl_coef: float = option(
         0.0,
         "Coefficient of the KL penalty to the reference policy added to the loss. 0 "
         "disables it, and then no reference model is loaded.",
-        validator=_non_negative,
+        validator=ge(0),
     )
     kl_estimator: KLEstimator = option(
         "k3",
         "KL estimator with d = ref - logp (clamped to +-20): `k1` = -d, `k2` = d^2/2, "
         "`k3` = exp(d) - 1 - d.",
-        validator=attrs.validators.in_(KL_ESTIMATORS),
+        validator=one_of(*KL_ESTIMATORS),
     )
     aggregation: ClippedPGAggregation = option(
         "auto",
@@ -110,14 +101,14 @@ class ClippedPGConfig:
         "sequences * max_total_sequence_length)). `auto` is `seq_mean_token_mean` with "
         "`ratio_level=sequence` (GSPO aggregates per sequence) and `token_mean` otherwise; "
         "`token_mean` with `ratio_level=sequence` is refused (it weights sequences by length).",
-        validator=attrs.validators.in_(CLIPPED_PG_AGGREGATIONS),
+        validator=one_of(*CLIPPED_PG_AGGREGATIONS),
     )
     ratio_level: RatioLevel = option(
         "token",
         "`token`: one ratio per token (PPO/GRPO). `sequence`: GSPO, one ratio per "
         "sequence, exp of the mean log-ratio over its valid tokens, clipped and applied to "
         "every token of the sequence.",
-        validator=attrs.validators.in_(RATIO_LEVELS),
+        validator=one_of(*RATIO_LEVELS),
     )
     is_correction: ISCorrection = option(
         "auto",
@@ -127,22 +118,22 @@ class ClippedPGConfig:
         "`sequence_mask` (the same with one weight per sequence, see `is_sequence_weight`). "
         "`auto` is resolved by the core: `none` for colocated torch generation (it shares the "
         "trainer's weights and kernels), `token_truncate` for every other backend.",
-        validator=attrs.validators.in_(IS_CORRECTIONS),
+        validator=one_of(*IS_CORRECTIONS),
     )
     is_truncate_c: float = option(
-        2.0, "Truncation bound C of the `*_truncate` corrections.", validator=_non_negative
+        2.0, "Truncation bound C of the `*_truncate` corrections.", validator=ge(0)
     )
     is_mask_low: float = option(
-        0.5, "Lower bound of the weight kept by the `*_mask` corrections.", validator=_non_negative
+        0.5, "Lower bound of the weight kept by the `*_mask` corrections.", validator=ge(0)
     )
     is_mask_high: float = option(
-        5.0, "Upper bound of the weight kept by the `*_mask` corrections.", validator=_non_negative
+        5.0, "Upper bound of the weight kept by the `*_mask` corrections.", validator=ge(0)
     )
     is_sequence_weight: SequenceISWeight = option(
         "geometric_mean",
         "Sequence weight of the `sequence_*` corrections: `geometric_mean` "
         "= exp(mean_t(old - gen)) (length independent) or `product` = exp(sum_t(old - gen)).",
-        validator=attrs.validators.in_(SEQUENCE_IS_WEIGHTS),
+        validator=one_of(*SEQUENCE_IS_WEIGHTS),
     )
     on_policy_shortcut: bool = option(
         False,
@@ -217,7 +208,7 @@ class NLLConfig:
         "Normaliser of the summed NLL: `token_mean` (global valid tokens, the "
         "usual SFT loss), `seq_mean_token_mean` or `seq_mean_token_sum_norm` (see "
         "`clipped_pg.aggregation`).",
-        validator=attrs.validators.in_(AGGREGATIONS),
+        validator=one_of(*AGGREGATIONS),
     )
 
 
@@ -225,11 +216,11 @@ class NLLConfig:
 class DPOLossConfig:
     """Options of the DPO loss (``loss.name=dpo``)."""
 
-    beta: float = option(0.1, "DPO temperature beta (0.05-0.1 is common).", validator=_non_negative)
+    beta: float = option(0.1, "DPO temperature beta (0.05-0.1 is common).", validator=gt(0))
     sft_loss_weight: float = option(
         0.0,
         "Weight of an NLL term on the chosen response (0 disables it).",
-        validator=_non_negative,
+        validator=ge(0),
     )
     average_logprobs: bool = option(
         False,

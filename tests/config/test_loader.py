@@ -210,3 +210,26 @@ def test_every_config_field_is_documented():
     for cls in ALGORITHM_CONFIGS.values():
         walk(cls)
     assert len(seen) > 8
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00", r"config file .*cfg\.yaml is a binary file, not YAML"),
+        (b"seed: 1\nlogger: {run_name: caf\xe9}\n", r"cfg\.yaml, line 2: not UTF-8 text \(byte 0xe9\)"),
+        (b"just words\n", r"must hold a mapping of config keys \(key: value lines\), not a plain string"),
+        (b"1: one\n", r"cfg\.yaml: config keys are names, not int 1"),
+        (b"seed: \x01\n", r"bad YAML in .*cfg\.yaml: unacceptable character"),
+    ],
+)  # fmt: skip
+def test_unreadable_config_files_are_one_line(tmp_path, registry, content, message):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve_config("grpo", path, registry=registry)
+    assert "\n" not in str(error.value)
+
+
+def test_a_folder_given_as_config_file(tmp_path, registry):
+    with pytest.raises(ConfigError, match=r"is a folder; pass a YAML file"):
+        resolve_config("grpo", tmp_path, registry=registry)

@@ -106,7 +106,7 @@ def test_raising_worker_is_named(tp2_group):
         tp2_group.run_all("fail", 2)
     err = info.value
     assert err.rank == 2 and err.group == "echo"
-    assert "echo worker rank 2" in str(err) and "ValueError: boom from rank 2" in str(err)
+    assert "echo rank 2 failed in fail: ValueError: boom from rank 2" in str(err)
     assert err.node
 
 
@@ -114,7 +114,7 @@ def test_slow_worker_times_out(tp2_group):
     tp2_group.timeout_s = 2
     try:
         started = time.monotonic()
-        with pytest.raises(WorkerTimeoutError, match="did not finish 'sleep' within 2s"):
+        with pytest.raises(WorkerTimeoutError, match="did not finish sleep within 2s"):
             tp2_group.run_one(1, "sleep", 5)
         assert time.monotonic() - started < 4.5
     finally:
@@ -139,7 +139,7 @@ def test_dying_worker_is_named_without_hanging(ray_cluster, worker_env):
         with pytest.raises(WorkerError) as info:
             group.run_all("die", 1)  # rank 0 sleeps 60 s: only rank 1's death ends the call
         assert time.monotonic() - started < 25
-        assert info.value.rank == 1 and "gen worker rank 1" in str(info.value)
+        assert info.value.rank == 1 and "gen rank 1" in str(info.value)
         assert "died" in str(info.value)
         assert "rank 1 is about to exit" in info.value.log_tail
     finally:

@@ -134,3 +134,33 @@ def test_mkdocs_build_strict(tmp_path):
     assert "nrl_register_environments" in hooks and "nrl:hook-reference" not in hooks
     config = (tmp_path / "site/configuration/index.html").read_text()
     assert "policy.optimizer.lr" in config and "nrl:config-reference" not in config
+
+
+def _row(page, key):
+    match = re.search(rf"^\| `{re.escape(key)}` \|(.*)$", page, re.M)
+    assert match, f"{key} is missing from the configuration reference"
+    return [cell.strip() for cell in match.group(1).split(" | ")]
+
+
+def test_config_reference_shows_each_valid_range(nrl_registry):
+    page = gen.config_reference(nrl_registry)
+    assert "| key | type | default | valid | description |" in page
+    expected = {
+        "policy.optimizer.lr": "> 0",
+        "generation.top_p": "in (0, 1]",
+        "data.val_fraction": "in [0, 1)",
+        "policy.precision": "one of `float32`, `bfloat16`",
+        "policy.micro_batch_token_budget": ">= 1 or null",
+        "grpo.num_generations_per_prompt": ">= 2",
+        "env.step_timeout_s": "> 0",
+        "policy.backend": "a registered policy",
+        "data.dataset": "a registered dataset or a `.jsonl` path",
+        "loss.clipped_pg.kl_estimator": "one of `k1`, `k2`, `k3`",
+        "generation.vllm.sleep_level": "one of `1`, `2`",
+        "policy.dtensor.lora_dropout": "in [0, 1)",
+    }
+    for key, valid in expected.items():
+        assert _row(page, key)[2] == valid, key
+    # Every numeric key says its range (the validators behind it are tested in tests/config).
+    for match in re.finditer(r"^\| `([\w.]+)` \| `(int|float)[^`]*` \|(.*)$", page, re.M):
+        assert match.group(3).split(" | ")[1].strip(), f"{match.group(1)} shows no valid range"

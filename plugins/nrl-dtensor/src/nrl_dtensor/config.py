@@ -5,7 +5,7 @@ Import-light: only attrs. The CLI validates configs with these classes without t
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import Valid, between, ge, gt, option
 
 
 @attrs.define
@@ -16,6 +16,7 @@ class DTensorConfig:
             "Tensor parallel degree via DTensor plans (Llama/Qwen2-style models); must divide the "
             "number of ranks and the number of key/value heads."
         ),
+        validator=ge(1),
     )
     activation_checkpointing: bool = option(False, "Recompute activations in backward.")
     cpu_offload: bool = option(False, "FSDP2 CPU offload of parameters and gradients.")
@@ -30,19 +31,38 @@ class DTensorConfig:
         validator=attrs.validators.in_(("auto", "lm", "scalar")),
     )
     lora_rank: int = option(
-        0, "LoRA rank (needs `peft`); 0 trains all weights. Only adapters are then trained."
+        0,
+        (
+            "LoRA rank; 0 trains all weights. Above 0 only adapters are trained, which needs "
+            "`peft` in the policy's actor environment (the plugin's `lora` extra)."
+        ),
+        validator=ge(0),
     )
-    lora_alpha: float = option(16.0, "LoRA scaling numerator (the update is scaled by alpha/rank).")
-    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_alpha: float = option(
+        16.0, "LoRA scaling numerator (the update is scaled by alpha/rank).", validator=gt(0)
+    )
+    lora_dropout: float = option(
+        0.0, "Dropout on the LoRA input.", validator=between(0, 1, high_open=True)
+    )
     lora_target_modules: list[str] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get LoRA adapters (peft `target_modules`; `all-linear` for all).",
+        validator=Valid(
+            "a non-empty list of module names",
+            lambda names: bool(names) and all(isinstance(n, str) and n for n in names),
+        ),
     )
+
+    def required_modules(self) -> dict[str, tuple[str, str]]:
+        """Modules the policy's actors must import for these options: ``{module: (extra of
+        nrl-dtensor that installs it, the setting that needs it)}``; the driver checks them
+        before anything starts (:func:`nrl_core.preflight.check_component_requirements`)."""
+        return {"peft": ("lora", f"lora_rank={self.lora_rank}")} if self.lora_rank > 0 else {}
 
 
 @attrs.define
 class TorchGenerationConfig:
-    generation_batch_size: int = option(64, "Prompts generated together per rank.")
+    generation_batch_size: int = option(64, "Prompts generated together per rank.", validator=ge(1))
     stop_at_eos: bool = option(
         True, ("Stop a sample at the tokenizer's EOS token (off only for fixed-length benchmarks).")
     )

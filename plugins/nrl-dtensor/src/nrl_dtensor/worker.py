@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -143,8 +144,13 @@ class DTensorPolicyWorker:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
+            # Normally found by the driver's preflight before any worker starts; this is for
+            # an interpreter that lost it since. The fix is where this actor runs, not here.
             raise DTensorSetupError(
-                "policy.dtensor.lora_rank > 0 needs `peft` (pip install peft)"
+                f"policy.dtensor.lora_rank={self.options.lora_rank} needs `peft`, which this "
+                f"policy actor's interpreter ({sys.executable}) lacks; install "
+                "'nrl-dtensor[lora]' into it, or set policy.actor_env=system to run the policy "
+                "in the driver's environment"
             ) from None
         if self.options.tensor_parallel_size > 1:
             raise DTensorSetupError(
@@ -362,13 +368,17 @@ class DTensorPolicyWorker:
         self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same world size for the RNG states)."""
-        import torch.distributed.checkpoint as dcp
+        """Restore what :meth:`save_checkpoint` wrote (same world size for the RNG states).
+
+        Nothing in the folder can run code: DCP's own ``.metadata`` read is a plain
+        ``pickle.load``, so the load goes through :func:`nrl_core.safe_pickle.dcp_load`."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from nrl_core.safe_pickle import dcp_load
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        dcp_load(state, path)
         set_state_dict(
             self.model,
             self.optimizer,

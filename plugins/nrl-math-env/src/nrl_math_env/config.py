@@ -6,14 +6,17 @@ the environments, math-verify or sympy.
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import FINITE, NON_EMPTY, Valid, ge, gt, option, optional
 
 MATH_PROMPT = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 """Default user message of the math datasets; ``{problem}`` is replaced by the problem."""
 
-_at_least_1 = attrs.validators.ge(1)
+_at_least_1 = ge(1)
+_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _TEMPLATE_DOC = (
     "User message; `{problem}` is replaced by the problem text (other braces stay as written)."
 )
@@ -30,10 +33,12 @@ class MathEnvConfig:
         5.0,
         "Time limit of one verification; a verifier over it is killed, the reward is 0, and "
         "the response counts as a timeout.",
+        validator=gt(0),
     )
     verify_fn: str = option(
         "nrl_math_env.verify:math_verify_reward",
         "`module:function` each verifier process calls as fn(response, answer) -> reward.",
+        validator=Valid("`module:function`", lambda s: bool(_TARGET.fullmatch(s))),
     )
 
 
@@ -64,20 +69,28 @@ class ArithmeticDataConfig:
         validator=attrs.validators.deep_iterable(attrs.validators.in_(("+", "-", "*"))),
     )
     num_operands: int = option(2, "Numbers per problem.", validator=attrs.validators.ge(2))
-    train_size: int = option(2048, "Training problems.")
-    validation_size: int = option(128, "Validation problems.")
-    seed: int | None = option(None, "Generation seed (default: the run's seed).")
+    train_size: int = option(2048, "Training problems.", validator=_at_least_1)
+    validation_size: int = option(128, "Validation problems.", validator=ge(0))
+    seed: int | None = option(
+        None, "Generation seed (default: the run's seed).", validator=optional(ge(0))
+    )
 
 
 @attrs.define
 class GuessNumberDataConfig:
     """Options of the ``guess_number`` dataset (``data.guess_number``): one game per sample."""
 
-    low: int = option(1, "Smallest secret number.")
-    high: int = option(16, "Largest secret number.")
-    train_size: int = option(1024, "Training games.")
-    validation_size: int = option(64, "Validation games.")
-    seed: int | None = option(None, "Seed of the secret numbers (default: the run's seed).")
+    low: int = option(1, "Smallest secret number.", validator=FINITE)
+    high: int = option(16, "Largest secret number (at least low).", validator=FINITE)
+    train_size: int = option(1024, "Training games.", validator=_at_least_1)
+    validation_size: int = option(64, "Validation games.", validator=ge(0))
+    seed: int | None = option(
+        None, "Seed of the secret numbers (default: the run's seed).", validator=optional(ge(0))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.high < self.low:
+            raise ValueError(f"high ({self.high}) must be at least low ({self.low})")
 
 
 @attrs.define
@@ -89,8 +102,8 @@ class JsonlDataConfig:
     """
 
     path: str | None = option(None, "The JSONL file (default: data.dataset when it is a path).")
-    problem_field: str = option("problem", "Field holding the problem text.")
-    answer_field: str = option("answer", "Field holding the reference answer.")
+    problem_field: str = option("problem", "Field holding the problem text.", validator=NON_EMPTY)
+    answer_field: str = option("answer", "Field holding the reference answer.", validator=NON_EMPTY)
     prompt_template: str = option(MATH_PROMPT, _TEMPLATE_DOC)
     task: str = option("math", "Task name of every sample (routes it to its environment).")
 
@@ -112,4 +125,6 @@ class HFDatasetConfig:
         "with the `datasets` library).",
     )
     prompt_template: str = option(MATH_PROMPT, _TEMPLATE_DOC)
-    max_samples: int | None = option(None, "Keep at most this many samples per split.")
+    max_samples: int | None = option(
+        None, "Keep at most this many samples per split.", validator=optional(_at_least_1)
+    )

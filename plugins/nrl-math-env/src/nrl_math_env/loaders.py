@@ -7,7 +7,6 @@ rows built by hand. Validation splits that a source lacks are held out from its 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from importlib import resources
@@ -16,36 +15,26 @@ from typing import Any, ClassVar, TypeVar
 
 from nrl_core.config.schema import DataConfig
 from nrl_core.data import Sample
-from nrl_core.errors import NrlError
+from nrl_core.datasets import read_jsonl_rows, require_text
+from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_math_env.config import HFDatasetConfig, JsonlDataConfig, WordProblemsDataConfig
 
 T = TypeVar("T")
 
 
-class DataFileError(NrlError):
-    """A data file is missing or malformed."""
+class DataFileError(ConfigError):
+    """A data file is missing or malformed (exit code 2: the user fixes the file or the key)."""
 
 
-class DatasetUnavailableError(NrlError):
+class DatasetUnavailableError(ConfigError):
     """A hub dataset cannot be loaded (no `datasets` library, or no hub)."""
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The objects of a JSON Lines file (blank lines skipped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataFileError(f"data file {path} does not exist; check the path in your data config")
-    rows = []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataFileError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
-    return rows
+    """The objects of a JSON Lines file (blank lines skipped); every line is checked to be a
+    JSON object first (see :func:`nrl_core.datasets.read_jsonl_rows`)."""
+    return [row for _, row in read_jsonl_rows(path, error=DataFileError)]
 
 
 def hold_out(items: list[T], split: str, fraction: float) -> list[T]:
@@ -114,15 +103,21 @@ class JsonlDataset:
         return local_split(self._samples, self.path(), split, self.data)
 
     def _samples(self, path: str | Path) -> list[Sample]:
+        o = self.options
+        fix = "set data.jsonl.problem_field / answer_field to the file's field names"
         samples = []
-        for number, row in enumerate(read_jsonl(path), start=1):
-            try:
-                samples.append(self.to_sample(row))
-            except KeyError as exc:
+        for where, row in read_jsonl_rows(path, error=DataFileError):
+            require_text(row, o.problem_field, where, fix, DataFileError)
+            if o.answer_field not in row:
+                require_text(
+                    row, o.answer_field, where, fix, DataFileError
+                )  # raises: names the fields
+            if not isinstance(row[o.answer_field], str | int | float):
                 raise DataFileError(
-                    f"{path}: row {number} has no field {exc.args[0]!r}; set "
-                    "data.<dataset>.problem_field / answer_field to the file's field names"
-                ) from None
+                    f"{where}: field {o.answer_field!r} must be text or a number, got "
+                    f"{row[o.answer_field]!r:.60}"
+                )
+            samples.append(self.to_sample(row))
         return samples
 
     def to_sample(self, row: dict[str, Any]) -> Sample:

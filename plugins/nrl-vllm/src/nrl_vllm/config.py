@@ -2,27 +2,48 @@
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import between, ge, one_of, option, optional
+
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
+"""Engine dtypes: torch dtype names, since refit casts the policy's tensors to it."""
+REFIT_TRANSPORTS = ("auto", "cuda_ipc", "nccl", "shm")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+"""vLLM's ``logprobs_mode`` values (``nrl_vllm.translate`` maps ``auto`` to one of them)."""
 
 
 @attrs.define
 class VllmConfig:
-    tensor_parallel_size: int = option(1, "GPUs per engine.")
-    num_engines: int = option(1, "Engines (data parallel).")
+    tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
+    num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
     colocated: bool = option(True, "Share GPUs with the policy (sleep/wake between phases).")
-    gpu_memory_utilization: float = option(0.6, "Fraction of GPU memory vLLM may use.")
+    gpu_memory_utilization: float = option(
+        0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
+    )
     enforce_eager: bool = option(False, "Disable CUDA graphs.")
     async_engine: bool = option(False, "Use vLLM's async engine.")
     expose_http_server: bool = option(False, "Serve an OpenAI-compatible endpoint for agents.")
-    refit_bucket_mb: int = option(512, "Size bound of each weight bucket during refit.")
-    dtype: str = option("bfloat16", "Engine weight and activation dtype (refit casts to it).")
-    max_model_len: int | None = option(None, "Context length (default: the model's).")
+    refit_bucket_mb: int = option(
+        512, "Size bound of each weight bucket during refit.", validator=ge(1)
+    )
+    dtype: str = option(
+        "bfloat16",
+        "Engine weight and activation dtype (refit casts to it).",
+        validator=one_of(*ENGINE_DTYPES),
+    )
+    max_model_len: int | None = option(
+        None, "Context length (default: the model's).", validator=optional(ge(1))
+    )
     logprobs_mode: str = option(
         "auto",
         "vLLM logprobs_mode; `auto` picks the mode that matches the trainer's logprobs "
         "(see docs/generation-engines.md).",
+        validator=one_of("auto", *LOGPROBS_MODES),
     )
-    sleep_level: int = option(1, "vLLM sleep level between phases when colocated (1 or 2).")
+    sleep_level: int = option(
+        1, "vLLM sleep level between phases when colocated (1 or 2).", validator=one_of(1, 2)
+    )
     refit_transport: str = option(
-        "auto", "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`."
+        "auto",
+        "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`.",
+        validator=one_of(*REFIT_TRANSPORTS),
     )

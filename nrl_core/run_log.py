@@ -1,0 +1,67 @@
+"""The run log, ``<run dir>/nrl.log``: what the driver knows about a failure beyond one line.
+
+The console gets one line per error (``error: policy rank 1 failed in forward_backward: ...``);
+the full story of a worker error (the remote traceback, the tail of the worker's Ray log, its
+node and pid) is written here by the driver, and the line names this file. A run opens the
+log in :class:`~nrl_core.algorithms.runtime.RunSession` and closes it when the run ends.
+Commands without a run folder (``nrl convert``) have no run log: their errors keep the detail
+in their attributes and name the worker's Ray log instead.
+
+Standard library only: this module is imported by the worker-group code in the driver, and
+costs nothing at ``nrl`` start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+RUN_LOG_FILE = "nrl.log"
+"""The run log's name inside the run folder."""
+LOGGER_NAME = "nrl_core.run"
+"""The :mod:`logging` logger whose records go to the run log (and nowhere else)."""
+
+_logger = logging.getLogger(LOGGER_NAME)
+# Records stop here: the console shows the one-line error, not a second copy of the detail.
+_logger.propagate = False
+_logger.setLevel(logging.INFO)
+# The run logs opened here, newest last (other code, e.g. pytest, adds handlers of its own).
+_open: list[logging.FileHandler] = []
+
+
+def open_run_log(run_dir: str | Path) -> Callable[[], None]:
+    """Start writing ``<run_dir>/nrl.log`` (appending: a resumed run keeps the earlier runs'
+    entries); returns the function that stops writing it."""
+    path = Path(run_dir).absolute() / RUN_LOG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    _logger.addHandler(handler)
+    _open.append(handler)
+    _logger.info("nrl started (pid %d): %s", os.getpid(), " ".join(sys.argv))
+
+    def close() -> None:
+        if handler in _open:
+            _open.remove(handler)
+        _logger.removeHandler(handler)
+        handler.close()
+
+    return close
+
+
+def run_log_path() -> Path | None:
+    """The run log being written now, or None outside a run."""
+    return Path(_open[-1].baseFilename) if _open else None
+
+
+def log_failure(summary: str, detail: str) -> Path | None:
+    """Write ``summary`` (the error's one line) and ``detail`` (tracebacks, log tails) to the
+    run log; returns its path, or None when no run log is open (nothing is written then)."""
+    path = run_log_path()
+    if path is None:
+        return None
+    _logger.error("%s\n%s", summary, detail.rstrip())  # FileHandler flushes every record
+    return path

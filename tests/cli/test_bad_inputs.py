@@ -1,0 +1,403 @@
+"""Every bad input is refused in ONE line, before anything starts (issue 14, part E).
+
+A table of bad inputs to ``nrl``: config values out of range, contradicting settings, unknown
+components, broken config files, models, tokenizers, data files, checkpoints, output folders
+and metrics files. Each must end with exit code 2 and exactly one stderr line ``error: ...``
+that names the key or the file, with no traceback, within 10 s, and without Ray starting.
+
+Most cases run in this process through ``nrl_core.cli.main`` (fast); a few run the real entry
+point in a subprocess (``python -m nrl_core.cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nrl_core.cli import main
+
+CASE_BUDGET_S = 10.0
+
+
+class RayStarted(BaseException):
+    """Raised by the tripwire on ``ray.init``: a bad input got past every check.
+
+    A BaseException, so that no ``except Exception`` on the way can swallow it."""
+
+
+# -- the files the cases point at ----------------------------------------------------------------
+
+
+def _write(path, content):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def _jsonl(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _model_copy(tiny, dest, drop=()):
+    shutil.copytree(tiny, dest)
+    for pattern in drop:
+        for path in dest.glob(pattern):
+            path.unlink()
+
+
+def _damaged_checkpoints(d):
+    """A checkpoint whose trainer state is not JSON, and one whose weights file was cut short
+    after its manifest recorded the full size."""
+    _write(d / "ckpt_corrupt" / "step_3" / "trainer_state.json", '{"step": 3, "rng":')
+    step = d / "ckpt_trunc" / "step_2"
+    _write(step / "policy" / "__0_0.distcp", os.urandom(4096))
+    _write(step / "trainer_state.json", json.dumps({"step": 2}))
+    try:
+        from nrl_core.checkpoint import write_manifest
+    except ImportError:  # an older nrl without manifests: the state file alone
+        pass
+    else:
+        write_manifest(step)
+    with (step / "policy" / "__0_0.distcp").open("r+b") as handle:
+        handle.truncate(100)
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory):
+    """A folder of broken inputs (and a few good ones), shared by the cases."""
+    from nrl_core.testing.tiny import tiny_model_path
+
+    d = tmp_path_factory.mktemp("bad-inputs")
+    tiny = tiny_model_path()
+    # Config files.
+    _write(d / "binary.yaml", b"\x7fELF\x02\x01\x01\x00\x00\x00seed: 1\n")
+    _write(d / "latin1.yaml", b"seed: 1\nlogger:\n  run_name: caf\xe9\n")
+    _write(d / "list.yaml", "- seed\n- 1\n")
+    _write(d / "scalar.yaml", "just some words\n")
+    _write(d / "unclosed.yaml", "policy:\n  optimizer: {lr: [1, 2\n")
+    _write(d / "typo.yaml", "polcy:\n  model_name: tiny\n")
+    _write(d / "cycle_a.yaml", "defaults: cycle_b.yaml\n")
+    _write(d / "cycle_b.yaml", "defaults: cycle_a.yaml\n")
+    _write(d / "int_keys.yaml", "1: one\n")
+    (d / "conf_dir").mkdir()
+    # Model and tokenizer folders.
+    (d / "empty_model").mkdir()
+    _model_copy(tiny, d / "no_weights", ["*.safetensors"])
+    _model_copy(tiny, d / "no_tokenizer", ["tokenizer*", "chat_template*"])
+    _model_copy(tiny, d / "broken_config")
+    _write(d / "broken_config" / "config.json", '{"model_type": "llama",')
+    _write(d / "model.bin", b"\x00" * 64)
+    # Data files.
+    good = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(20)]
+    _write(d / "good.jsonl", _jsonl(good))
+    _write(d / "empty.jsonl", "")
+    _write(d / "blank.jsonl", "\n\n  \n")
+    _write(d / "notjson.jsonl", _jsonl(good[:3]) + "{problem: 1+1}\n")
+    _write(d / "listline.jsonl", _jsonl(good[:2]) + '["1+1", "2"]\n')
+    _write(d / "nofield.jsonl", _jsonl([{"question": "1+1", "answer": "2"}]))
+    _write(d / "numeric.jsonl", _jsonl([*good[:1], {"problem": 11, "answer": "2"}]))
+    _write(d / "binary.jsonl", _jsonl(good[:1]).encode() + b"\xff\xfe\x00\x01\n")
+    _write(d / "val_list.jsonl", "[1, 2, 3]\n")
+    _write(d / "chat_numeric.jsonl", _jsonl([{"messages": [{"role": "user", "content": 7}]}]))
+    _write(d / "chat_user_only.jsonl", _jsonl([{"messages": [{"role": "user", "content": "hi"}]}]))
+    _write(d / "pref_no_rejected.jsonl", _jsonl([{"prompt": "hi", "chosen": "hello"}]))
+    _write(d / "pref_number.jsonl", "42\n")
+    (d / "data_dir.jsonl").mkdir()
+    # Output folders, checkpoints, metrics.
+    _write(d / "afile", "not a folder\n")
+    (d / "out_dir").mkdir()
+    _damaged_checkpoints(d)
+    _write(d / "plot_garbage" / "metrics.jsonl", 'garbage\n{"step": 1, "train/loss": 1.0}\n')
+    _write(d / "plot_binary" / "metrics.jsonl", b'{"step": 1}\n\xff\xfe\n{"step": 2}\n')
+    _write(d / "plot_empty" / "metrics.jsonl", "")
+    _write(d / "plot_no_steps" / "metrics.jsonl", '[1, 2]\n{"train/loss": "high"}\n')
+    (d / "plot_dir" / "metrics.jsonl").mkdir(parents=True)
+    (d / "plot_none").mkdir()
+    return d
+
+
+# -- the cases -----------------------------------------------------------------------------------
+
+# (id, argv after `nrl` with {d} for the inputs folder, text the one line must hold, env)
+# `run`/`eval` cases get logger.log_dir=<the test's own folder>/runs and
+# checkpointing.enabled=false first (a case's own overrides come later and win).
+
+
+def run(algorithm, *overrides):
+    return ["run", algorithm, *overrides]
+
+
+def show(algorithm, *overrides):
+    return ["config", "show", algorithm, *overrides]
+
+
+def evaluate(*overrides):
+    return ["eval", *overrides]
+
+
+VLLM = "generation.backend=vllm"
+SGLANG = "generation.backend=sglang"
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+VENV = {"NRL_ACTOR_ENV": None, "NRL_ACTOR_VENV_LAYER": None}
+
+CASES = [
+    # Numeric fields below their minimum (and above their maximum where there is one).
+    ("seed", run("grpo", "seed=-1"), "seed must be >= 0, got -1", {}),
+    ("num_workers", run("grpo", "policy.num_workers=0"), "policy.num_workers must be >= 1, got 0", {}),
+    ("global_batch_0", run("grpo", "policy.train_global_batch_size=0"), "policy.train_global_batch_size must be >= 1, got 0", {}),
+    ("global_batch_neg", run("sft", "policy.train_global_batch_size=-8"), "policy.train_global_batch_size must be >= 1, got -8", {}),
+    ("micro_batch", run("grpo", "policy.train_micro_batch_size=0"), "policy.train_micro_batch_size must be >= 1", {}),
+    ("token_budget", run("sft", "policy.micro_batch_token_budget=0"), "policy.micro_batch_token_budget must be >= 1 or null, got 0", {}),
+    ("logprob_batch", run("grpo", "policy.logprob_batch_size=-1"), "policy.logprob_batch_size must be >= 1", {}),
+    ("max_seq_len", run("grpo", "policy.max_total_sequence_length=0"), "policy.max_total_sequence_length must be >= 1, got 0", {}),
+    ("grad_norm", run("grpo", "policy.max_grad_norm=-1"), "policy.max_grad_norm must be >= 0", {}),
+    ("lr_negative", run("grpo", "policy.optimizer.lr=-1"), "policy.optimizer.lr must be > 0, got -1", {}),
+    ("lr_zero", run("sft", "policy.optimizer.lr=0"), "policy.optimizer.lr must be > 0, got 0", {}),
+    ("weight_decay", run("grpo", "policy.optimizer.weight_decay=-0.1"), "policy.optimizer.weight_decay must be >= 0, got -0.1", {}),
+    ("adam_eps", run("grpo", "policy.optimizer.eps=0"), "policy.optimizer.eps must be > 0", {}),
+    ("warmup", run("grpo", "policy.optimizer.warmup_steps=-2"), "policy.optimizer.warmup_steps must be >= 0", {}),
+    ("betas_above_max", run("grpo", "policy.optimizer.betas=[0.9,1.5]"), "policy.optimizer.betas must be two numbers in [0, 1)", {}),
+    ("optimizer_name", run("grpo", "policy.optimizer.name=lion"), "policy.optimizer.name must be one of adamw, sgd, got 'lion'", {}),
+    ("precision", run("grpo", "policy.precision=float8"), "policy.precision must be one of float32, bfloat16, got 'float8'", {}),
+    ("max_new_tokens_0", run("grpo", "generation.max_new_tokens=0"), "generation.max_new_tokens must be >= 1, got 0", {}),
+    ("max_new_tokens_neg", evaluate("generation.max_new_tokens=-5"), "generation.max_new_tokens must be >= 1, got -5", {}),
+    ("temperature", run("grpo", "generation.temperature=-1"), "generation.temperature must be >= 0, got -1", {}),
+    ("top_p_above_max", run("grpo", "generation.top_p=2"), "generation.top_p must be in (0, 1], got 2", {}),
+    ("top_p_zero", run("grpo", "generation.top_p=0"), "generation.top_p must be in (0, 1], got 0", {}),
+    ("top_k", run("grpo", "generation.top_k=-1"), "generation.top_k must be >= 0", {}),
+    ("stop_token_ids", run("grpo", "generation.stop_token_ids=[2,-1]"), "generation.stop_token_ids must be a list of items >= 0", {}),
+    ("stop_strings", run("grpo", 'generation.stop_strings=[""]'), "generation.stop_strings must be a list of non-empty strings", {}),
+    ("env_workers", run("grpo", "env.num_workers=0"), "env.num_workers must be >= 1", {}),
+    ("env_step_timeout", run("grpo", "env.step_timeout_s=0"), "env.step_timeout_s must be > 0, got 0", {}),
+    ("val_fraction_above_max", run("grpo", "data.val_fraction=1.5"), "data.val_fraction must be in [0, 1), got 1.5", {}),
+    ("val_fraction_neg", run("sft", "data.val_fraction=-0.1"), "data.val_fraction must be in [0, 1)", {}),
+    ("max_val_samples", run("grpo", "data.max_val_samples=0"), "data.max_val_samples must be >= 1", {}),
+    ("num_cpus", run("grpo", "cluster.num_cpus=0"), "cluster.num_cpus must be >= 1 or null, got 0", {}),
+    ("gpus_per_node", run("grpo", "cluster.gpus_per_node=-1"), "cluster.gpus_per_node must be >= 0 or null", {}),
+    ("worker_timeout", run("grpo", "cluster.worker_timeout_s=-5"), "cluster.worker_timeout_s must be > 0", {}),
+    ("save_period", run("grpo", "checkpointing.save_period=0"), "checkpointing.save_period must be >= 1", {}),
+    ("keep_last", run("grpo", "checkpointing.keep_last=0"), "checkpointing.keep_last must be >= 1 or null", {}),
+    ("sample_period", run("grpo", "logger.sample_period=-1"), "logger.sample_period must be >= 0", {}),
+    ("run_name_empty", run("grpo", "logger.run_name="), "logger.run_name must be a non-empty string", {}),
+    ("grpo_steps", run("grpo", "grpo.max_num_steps=-1"), "grpo.max_num_steps must be >= 0, got -1", {}),
+    ("prompts_per_step", run("grpo", "grpo.num_prompts_per_step=0"), "grpo.num_prompts_per_step must be >= 1, got 0", {}),
+    ("generations_0", run("grpo", "grpo.num_generations_per_prompt=0"), "grpo.num_generations_per_prompt must be >= 2, got 0", {}),
+    ("generations_1", run("grpo", "grpo.num_generations_per_prompt=1"), "grpo.num_generations_per_prompt must be >= 2, got 1", {}),
+    ("rollout_turns", run("grpo", "grpo.max_rollout_turns=0"), "grpo.max_rollout_turns must be >= 1", {}),
+    ("val_period", run("grpo", "grpo.val_period=-1"), "grpo.val_period must be >= 0", {}),
+    ("dynamic_batches", run("grpo", "grpo.dynamic_sampling_max_batches=-1"), "grpo.dynamic_sampling_max_batches must be >= 0", {}),
+    ("sft_warmup", run("grpo", "grpo.sft_warmup_steps=-3"), "grpo.sft_warmup_steps must be >= 0", {}),
+    ("sft_steps", run("sft", "sft.max_num_steps=-1"), "sft.max_num_steps must be >= 0", {}),
+    ("sft_val_period", show("sft", "sft.val_period=-2"), "sft.val_period must be >= 0", {}),
+    ("dpo_beta", run("dpo", "dpo.beta=0"), "dpo.beta must be > 0, got 0", {}),
+    ("dpo_sft_weight", run("dpo", "dpo.sft_loss_weight=-1"), "dpo.sft_loss_weight must be >= 0", {}),
+    ("rm_steps", run("rm", "rm.max_num_steps=-1"), "rm.max_num_steps must be >= 0", {}),
+    ("eval_samples", evaluate("eval.num_samples=0"), "eval.num_samples must be >= 1, got 0", {}),
+    ("eval_batch", evaluate("eval.batch_size=-1"), "eval.batch_size must be >= 0", {}),
+    ("eval_turns", evaluate("eval.max_rollout_turns=0"), "eval.max_rollout_turns must be >= 1", {}),
+    ("eval_pass_k", evaluate("eval.pass_k=[0]"), "eval.pass_k must be a list of items >= 1", {}),
+    # Component options.
+    ("clip_low_above_max", run("grpo", "loss.clipped_pg.clip_eps_low=1.5"), "loss.clipped_pg.clip_eps_low must be in [0, 1), got 1.5", {}),
+    ("kl_coef", run("grpo", "loss.clipped_pg.kl_coef=-1"), "loss.clipped_pg.kl_coef must be >= 0", {}),
+    ("dual_clip", run("grpo", "loss.clipped_pg.dual_clip_c=0.5"), "loss.clipped_pg.dual_clip_c must be > 1 (commonly 3) or null, got 0.5", {}),
+    ("kl_estimator", run("grpo", "loss.clipped_pg.kl_estimator=k9"), "loss.clipped_pg.kl_estimator must be one of k1, k2, k3, got 'k9'", {}),
+    ("nll_aggregation", run("sft", "loss.nll.aggregation=sum"), "loss.nll.aggregation must be one of token_mean", {}),
+    ("tensor_parallel", run("grpo", "policy.dtensor.tensor_parallel_size=0"), "policy.dtensor.tensor_parallel_size must be >= 1", {}),
+    ("lora_rank", run("sft", "policy.dtensor.lora_rank=-1"), "policy.dtensor.lora_rank must be >= 0", {}),
+    ("lora_dropout_above_max", run("sft", "policy.dtensor.lora_dropout=1"), "policy.dtensor.lora_dropout must be in [0, 1), got 1", {}),
+    ("torch_gen_batch", run("grpo", "generation.torch.generation_batch_size=0"), "generation.torch.generation_batch_size must be >= 1", {}),
+    ("vllm_memory_above_max", run("grpo", VLLM, "generation.vllm.gpu_memory_utilization=1.5"), "generation.vllm.gpu_memory_utilization must be in (0, 1], got 1.5", {}),
+    ("vllm_sleep_level", run("grpo", VLLM, "generation.vllm.sleep_level=3"), "generation.vllm.sleep_level must be one of 1, 2, got 3", {}),
+    ("vllm_dtype", run("grpo", VLLM, "generation.vllm.dtype=auto"), "generation.vllm.dtype must be one of bfloat16, float16, float32", {}),
+    ("sglang_transport", run("grpo", SGLANG, "generation.sglang.refit_transport=pigeon"), "generation.sglang.refit_transport must be one of auto, cuda_ipc, nccl, shm", {}),
+    ("sglang_memory_above_max", run("grpo", SGLANG, "generation.sglang.mem_fraction_static=2"), "generation.sglang.mem_fraction_static must be in (0, 1]", {}),
+    ("megatron_pp", run("sft", "policy.backend=megatron", "policy.megatron.pipeline_model_parallel_size=0"), "policy.megatron.pipeline_model_parallel_size must be >= 1", {}),
+    ("math_timeout", run("grpo", "env.name=math", "env.math.timeout_s=0"), "env.math.timeout_s must be > 0", {}),
+    ("math_verify_fn", run("grpo", "env.name=math", "env.math.verify_fn=not-a-target"), "env.math.verify_fn must be `module:function`", {}),
+    ("arith_digits", run("grpo", "data.arithmetic.num_digits=0"), "data.arithmetic.num_digits must be >= 1", {}),
+    ("arith_train_size", run("grpo", "data.arithmetic.train_size=0"), "data.arithmetic.train_size must be >= 1", {}),
+    ("guess_turns", run("grpo", "env.name=guess_number", "env.guess_number.max_turns=0"), "env.guess_number.max_turns must be >= 1", {}),
+    ("guess_low_high", run("grpo", "data.dataset=guess_number", "data.guess_number.low=10", "data.guess_number.high=1"), "data.guess_number: high (1) must be at least low (10)", {}),
+    ("chat_max_samples", run("sft", "data.chat.max_samples=0"), "data.chat.max_samples must be >= 1 or null", {}),
+    # Settings that contradict each other.
+    ("no_room_for_prompt", run("grpo", "generation.max_new_tokens=48"), "generation.max_new_tokens=48 leaves no room for a prompt in policy.max_total_sequence_length=48", {}),
+    ("no_room_eval", evaluate("generation.max_new_tokens=4096"), "generation.max_new_tokens=4096 leaves no room", {}),
+    # Unknown components.
+    ("policy_backend", run("grpo", "policy.backend=nope"), "policy.backend", {}),
+    ("generation_backend", run("grpo", "generation.backend=nope"), "generation.backend", {}),
+    ("loss_name", run("grpo", "loss.name=nope"), "loss.name", {}),
+    ("env_name", evaluate("env.name=nope"), "env.name", {}),
+    ("cluster_backend", run("sft", "cluster.backend=nope"), "cluster.backend", {}),
+    ("data_dataset", run("dpo", "data.dataset=nope"), "data.dataset", {}),
+    # Config files and overrides.
+    ("config_missing", ["run", "grpo", "--config", "{d}/nope.yaml"], "config file {d}/nope.yaml does not exist", {}),
+    ("config_binary", ["run", "grpo", "--config", "{d}/binary.yaml"], "config file {d}/binary.yaml is a binary file", {}),
+    ("config_latin1", ["run", "sft", "--config", "{d}/latin1.yaml"], "config file {d}/latin1.yaml, line 3: not UTF-8", {}),
+    ("config_list", ["run", "grpo", "--config", "{d}/list.yaml"], "{d}/list.yaml must hold a mapping of config keys", {}),
+    ("config_scalar", show("grpo", "--config", "{d}/scalar.yaml"), "{d}/scalar.yaml must hold a mapping", {}),
+    ("config_folder", ["eval", "--config", "{d}/conf_dir"], "config file {d}/conf_dir is a folder", {}),
+    ("config_bad_yaml", ["run", "dpo", "--config", "{d}/unclosed.yaml"], "bad YAML in {d}/unclosed.yaml, line", {}),
+    ("config_typo", ["run", "grpo", "--config", "{d}/typo.yaml"], "unknown key polcy; did you mean policy?", {}),
+    ("config_cycle", ["run", "grpo", "--config", "{d}/cycle_a.yaml"], "defaults form a cycle", {}),
+    ("config_int_keys", ["run", "grpo", "--config", "{d}/int_keys.yaml"], "{d}/int_keys.yaml: config keys are names", {}),
+    ("override_type", run("grpo", "policy.optimizer.lr=fast"), "policy.optimizer.lr: expected float, got str 'fast'", {}),
+    ("override_shape", run("grpo", "justakey"), "override 'justakey' must look like key.path=value", {}),
+    # Model and tokenizer.
+    ("model_missing", run("grpo", "policy.model_name={d}/no-such-model"), "policy.model_name={d}/no-such-model: no such folder", {}),
+    ("model_empty_folder", run("sft", "policy.model_name={d}/empty_model"), "policy.model_name={d}/empty_model has no config.json", {}),
+    ("model_no_weights", run("dpo", "policy.model_name={d}/no_weights"), "policy.model_name={d}/no_weights has no weights", {}),
+    ("model_bad_config", evaluate("policy.model_name={d}/broken_config"), "policy.model_name={d}/broken_config: config.json is not valid JSON", {}),
+    ("model_is_file", run("rm", "policy.model_name={d}/model.bin"), "policy.model_name={d}/model.bin is a file", {}),
+    ("model_hub_offline", run("grpo", "policy.model_name=nrl-tests/no-such-model-h2"), "policy.model_name=nrl-tests/no-such-model-h2 is not a local folder and not in the Hugging Face cache", OFFLINE),
+    ("tokenizer_missing_files", run("grpo", "policy.model_name={d}/no_tokenizer"), "policy.model_name={d}/no_tokenizer has no tokenizer files", {}),
+    ("tokenizer_folder_empty", run("sft", "policy.tokenizer_name={d}/empty_model"), "policy.tokenizer_name={d}/empty_model has no tokenizer files", {}),
+    ("lora_without_peft_extra", run("sft", "policy.dtensor.lora_rank=8"), "policy.dtensor.lora_rank=8 needs `peft`", VENV),
+    ("actor_env_not_python", run("grpo", "policy.actor_env={d}/no-python"), "policy.actor_env={d}/no-python is not an executable Python interpreter", {}),
+    ("cluster_actor_env_file", run("grpo", "cluster.actor_env={d}/afile"), "cluster.actor_env={d}/afile is not an executable Python interpreter", {}),
+    # Data files: checked line by line when loaded, before Ray or any worker.
+    ("data_missing", run("grpo", "data.dataset={d}/missing.jsonl"), "data.dataset={d}/missing.jsonl does not exist", {}),
+    ("data_empty", run("grpo", "data.dataset={d}/empty.jsonl"), "data.dataset={d}/empty.jsonl is empty", {}),
+    ("data_blank_lines", run("grpo", "data.dataset={d}/blank.jsonl"), "data file {d}/blank.jsonl is empty", {}),
+    ("data_folder", run("grpo", "data.dataset={d}/data_dir.jsonl"), "data.dataset={d}/data_dir.jsonl is a folder", {}),
+    ("data_not_json", run("grpo", "data.dataset={d}/notjson.jsonl"), "{d}/notjson.jsonl:4: not valid JSON", {}),
+    ("data_list_line", run("grpo", "data.dataset={d}/listline.jsonl"), "{d}/listline.jsonl:3: expected a JSON object", {}),
+    ("data_missing_field", run("grpo", "data.dataset={d}/nofield.jsonl"), "{d}/nofield.jsonl:1: no field 'problem'", {}),
+    ("data_numeric_field", run("grpo", "data.dataset={d}/numeric.jsonl"), "{d}/numeric.jsonl:2: field 'problem' must be text", {}),
+    ("data_not_utf8", run("grpo", "data.dataset={d}/binary.jsonl"), "{d}/binary.jsonl:2: not UTF-8", {}),
+    ("val_missing", run("grpo", "data.dataset={d}/good.jsonl", "data.val_dataset={d}/nope.jsonl"), "data.val_dataset={d}/nope.jsonl does not exist", {}),
+    ("val_list_line", evaluate("data.dataset={d}/good.jsonl", "data.val_dataset={d}/val_list.jsonl", "env.name=arithmetic"), "{d}/val_list.jsonl:1: expected a JSON object", {}),
+    ("chat_missing", run("sft", "data.chat.path={d}/missing.jsonl"), "data.chat.path={d}/missing.jsonl does not exist", {}),
+    ("chat_numeric_content", run("sft", "data.chat.path={d}/chat_numeric.jsonl"), "{d}/chat_numeric.jsonl:1: a message's 'role' and 'content' must be text", {}),
+    ("chat_no_assistant", run("sft", "data.chat.path={d}/chat_user_only.jsonl"), "{d}/chat_user_only.jsonl:1 has no assistant message", {}),
+    ("pref_no_rejected", run("dpo", "data.preference.path={d}/pref_no_rejected.jsonl"), "{d}/pref_no_rejected.jsonl:1 has no field 'rejected'", {}),
+    ("pref_number_line", run("rm", "data.preference.path={d}/pref_number.jsonl"), "{d}/pref_number.jsonl:1: expected a JSON object", {}),
+    # Output folders, checkpoints.
+    ("log_dir_under_file", run("grpo", "logger.log_dir={d}/afile/runs"), "logger.log_dir={d}/afile/runs: {d}/afile is a file", {}),
+    ("log_dir_unwritable", run("sft", "logger.log_dir=/proc/nrl-runs"), "logger.log_dir=/proc/nrl-runs: cannot create", {}),
+    ("checkpoint_dir_under_file", run("grpo", "checkpointing.enabled=true", "checkpointing.checkpoint_dir={d}/afile/ck"), "checkpointing.checkpoint_dir={d}/afile/ck", {}),
+    ("eval_output_folder", evaluate("eval.output={d}/out_dir"), "eval.output={d}/out_dir is a folder", {}),
+    ("resume_missing", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ck/step_9"), "checkpointing.resume={d}/ck/step_9: no such folder", {}),
+    ("resume_corrupt_state", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_corrupt/step_3"), "checkpointing.resume={d}/ckpt_corrupt/step_3", {}),
+    ("resume_truncated", run("sft", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_trunc/step_2"), "checkpointing.resume={d}/ckpt_trunc/step_2", {}),
+    ("eval_checkpoint_missing", evaluate("eval.checkpoint={d}/no-ckpt"), "{d}/no-ckpt", {}),
+    ("convert_missing", ["convert", "{d}/no-ckpt", "{d}/converted"], "{d}/no-ckpt", {}),
+    ("convert_corrupt", ["convert", "{d}/ckpt_corrupt/step_3", "{d}/converted"], "{d}/ckpt_corrupt/step_3", {}),
+    # Metrics for `nrl plot`.
+    ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
+    ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),
+    ("plot_metrics_is_folder", ["plot", "{d}/plot_dir"], "{d}/plot_dir has no metrics.jsonl", {}),
+    ("plot_garbage_line", ["plot", "{d}/plot_garbage"], "{d}/plot_garbage/metrics.jsonl: metrics.jsonl line 1 is not JSON", {}),
+    ("plot_binary_line", ["plot", "{d}/plot_binary"], "{d}/plot_binary/metrics.jsonl:2: not UTF-8", {}),
+    ("plot_empty", ["plot", "{d}/plot_empty"], "{d}/plot_empty/metrics.jsonl holds no metrics", {}),
+    ("plot_no_steps", ["plot", "{d}/plot_no_steps"], "{d}/plot_no_steps/metrics.jsonl holds no metrics", {}),
+]  # fmt: skip
+
+SUBPROCESS_CASES = [
+    "lr_negative",
+    "config_binary",
+    "policy_backend",
+    "model_missing",
+    "lora_without_peft_extra",
+    "plot_garbage_line",
+]
+
+
+def _argv(case_argv, d, runs):
+    argv = [a.replace("{d}", str(d)) for a in case_argv]
+    if argv[0] in ("run", "eval") and "--config" not in argv:
+        head = 2 if argv[0] == "run" else 1
+        safe = [f"logger.log_dir={runs}", "checkpointing.enabled=false"]
+        argv = argv[:head] + safe + argv[head:]
+    return argv
+
+
+def _assert_one_line(rc, out, err, expected, elapsed):
+    assert rc == 2, f"exit code {rc}; stderr: {err[-1500:]}"
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), f"stderr is not one line:\n{err[-3000:]}"
+    assert lines[0].startswith("error: ") and lines[0][len("error: ") :].strip()
+    assert expected in lines[0], lines[0]
+    assert elapsed < CASE_BUDGET_S, f"took {elapsed:.1f}s"
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """Import what the algorithms import, once: the 10 s budget of a case is for its checks,
+    not for the first import of torch and transformers (which every `nrl run` pays anyway)."""
+    from transformers import AutoTokenizer
+
+    import nrl_core.algorithms.dpo
+    import nrl_core.algorithms.evaluate
+    import nrl_core.algorithms.grpo
+    import nrl_core.algorithms.rm
+    import nrl_core.algorithms.sft  # noqa: F401
+    from nrl_core.testing.tiny import tiny_model_path
+
+    AutoTokenizer.from_pretrained(tiny_model_path())
+
+
+@pytest.fixture
+def ray_tripwire(monkeypatch):
+    """Fail the case the moment anything would start Ray; report whether Ray ran before."""
+    import ray
+
+    def tripped(*args, **kwargs):
+        raise RayStarted("a bad input got past every check: ray.init was called")
+
+    was_initialized = ray.is_initialized()
+    monkeypatch.setattr(ray, "init", tripped)
+    yield
+    if not was_initialized:
+        assert not ray.is_initialized()
+
+
+def test_the_table_is_large_and_unique():
+    ids = [case[0] for case in CASES]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+    assert set(SUBPROCESS_CASES) <= set(ids)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected", "env"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_one_line_exit_2(argv, expected, env, d, warm, ray_tripwire, capsys, monkeypatch, tmp_path):  # fmt: skip
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    argv = _argv(argv, d, tmp_path / "runs")
+    capsys.readouterr()
+    started = time.perf_counter()
+    rc = main(argv)
+    elapsed = time.perf_counter() - started
+    out, err = capsys.readouterr()
+    _assert_one_line(rc, out, err, expected.replace("{d}", str(d)), elapsed)
+    assert not (tmp_path / "runs").exists(), "a refused run must leave no run folder"
+
+
+@pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+def test_bad_input_through_the_entry_point(case_id, d, tmp_path):
+    _, argv, expected, env = next(c for c in CASES if c[0] == case_id)
+    environ = {k: v for k, v in os.environ.items() if env.get(k, "") is not None}
+    environ.update({k: v for k, v in env.items() if v is not None})
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", *_argv(argv, d, tmp_path / "runs")],
+        capture_output=True, text=True, env=environ, timeout=120,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    _assert_one_line(
+        result.returncode, result.stdout, result.stderr, expected.replace("{d}", str(d)), elapsed
+    )
+    assert not (tmp_path / "runs").exists(), "a refused run must leave no run folder"

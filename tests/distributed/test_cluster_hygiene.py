@@ -1,0 +1,386 @@
+"""What a run leaves on the machine: Ray's temp folder, listening sockets, processes.
+
+Every test drives real Ray processes from a driver subprocess (a process holds one Ray head)
+and inspects them from outside, through ``/proc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .conftest import HERE, alive, descendants, processes_matching, stop_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = HERE.parents[1]
+
+_DRIVER = """
+import json, sys, time
+from nrl_core.config.schema import ClusterConfig, RunConfig
+from nrl_core.distributed.cluster import LocalCluster
+from nrl_core.distributed.worker_group import WorkerGroup
+from nrl_core.interfaces import ComponentContext
+config = RunConfig(cluster=ClusterConfig(num_cpus=2))
+cluster = LocalCluster(None, ComponentContext(config=config), temp_dir={temp_dir!r},
+                       log_dir={log_dir!r})
+cluster.keep_temp_on_failure = {keep!r}
+cluster.start()
+group = WorkerGroup.start({target!r}, 2, name="hygiene", env_vars={{"PYTHONPATH": {here!r}}},
+                          num_cpus_per_worker=0.5, timeout_s=120)
+ready = {{"pids": [info.pid for info in group.infos],
+          "env": group.run_all("env") if {target!r}.endswith("AllReduceWorker") else None,
+          "sum": group.run_all("all_reduce", 1) if {target!r}.endswith("AllReduceWorker") else None}}
+print("READY", json.dumps(ready), flush=True)
+{then}
+"""
+
+
+def _driver(tmp_path: Path, *, target="nrl_test_workers:EchoWorker", keep=False, then="") -> tuple:
+    temp_dir = f"/tmp/nrl-y-{uuid.uuid4().hex[:6]}"
+    log_dir = tmp_path / "run"
+    script = tmp_path / "driver.py"
+    script.write_text(
+        _DRIVER.format(
+            temp_dir=temp_dir,
+            log_dir=str(log_dir),
+            keep=keep,
+            target=target,
+            here=str(HERE),
+            then=textwrap.dedent(then),
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()  # blocks until READY (or the driver dies)
+    if not line.startswith("READY"):
+        proc.kill()
+        pytest.fail(f"the driver did not start: {line}{proc.stderr.read()[-3000:]}")
+    return proc, json.loads(line.split(" ", 1)[1]), temp_dir, log_dir / "ray"
+
+
+def _wait_gone(pids, temp_dir: str, timeout_s: float) -> tuple[list[int], list[int]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left, named = alive(pids), processes_matching(temp_dir)
+        if not left and not named:
+            break
+        time.sleep(0.2)
+    return alive(pids), processes_matching(temp_dir)
+
+
+def _cleanup(proc, pids, temp_dir: str) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    stop_processes(set(alive(pids)) | set(processes_matching(temp_dir)))
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["removed", "kept-with-v-after-failure"])
+def test_shutdown_removes_rays_temp_folder_and_the_run_link(tmp_path, keep):
+    """A normal shutdown leaves no temp folder and no dangling ``<run dir>/ray`` link; a failed
+    run with ``keep_temp_on_failure`` (``nrl run -v``) keeps both and says where, in one line."""
+    then = f"""
+    assert (cluster.log_dir / "ray").resolve() == cluster.temp_dir.resolve()
+    cluster.failed = {keep!r}
+    cluster.shutdown()
+    print("DONE", flush=True)
+    """
+    proc, _, temp_dir, link = _driver(tmp_path, keep=keep, then=then)
+    started = descendants(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "DONE" in out, err[-3000:]
+        # The watcher process is gone too, with every Ray process.
+        assert _wait_gone(started, temp_dir, 10) == ([], [])
+        message = f"Ray's logs of this run are kept in {temp_dir}"
+        if keep:
+            assert Path(temp_dir, "session_latest", "logs").is_dir()
+            assert link.resolve() == Path(temp_dir).resolve()
+            assert [ln for ln in err.splitlines() if "kept in" in ln] == [message]
+        else:
+            assert not os.path.lexists(temp_dir), os.listdir(temp_dir)
+            assert not os.path.lexists(link)
+            assert "kept in" not in err
+    finally:
+        _cleanup(proc, started, temp_dir)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["removed", "kept-with-v"])
+def test_kill_9_of_the_driver_leaves_no_ray_process_within_seconds(tmp_path, keep):
+    """Without nrl's watcher, Ray's dashboard and runtime-env agents outlive a SIGKILLed
+    driver by 60 s (they try to report the raylet's death to the GCS that died with it), and
+    the temp folder stays forever."""
+    proc, _, temp_dir, link = _driver(tmp_path, keep=keep, then="time.sleep(600)")
+    time.sleep(1.5)  # the watcher's list of Ray processes is refreshed every second
+    started = descendants(proc.pid) | set(processes_matching(temp_dir))
+    watcher = [pid for pid in started if "reaper.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    ray_processes = set(started) - set(watcher)
+    try:
+        assert len(ray_processes) >= 5, "expected gcs, raylet, agents and 2 workers"
+        proc.kill()
+        proc.wait(timeout=30)
+        killed_at = time.monotonic()
+        assert _wait_gone(started, temp_dir, 15) == ([], [])
+        gone_after = time.monotonic() - killed_at
+        assert gone_after < 15
+        if keep:
+            assert Path(temp_dir, "session_latest", "logs").is_dir()
+        else:
+            deadline = time.monotonic() + 10
+            while os.path.lexists(temp_dir) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not os.path.lexists(temp_dir)
+            assert not os.path.lexists(link)
+    finally:
+        _cleanup(proc, started, temp_dir)
+
+
+# -- listening sockets ---------------------------------------------------------------------
+
+
+def _address(hexaddr: str, v6: bool) -> tuple[str, int]:
+    ip, port = hexaddr.split(":")
+    raw = bytes.fromhex(ip)
+    if v6:  # /proc/net/tcp6 holds four host-order 32-bit words
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+        return socket.inet_ntop(socket.AF_INET6, raw), int(port, 16)
+    return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
+
+
+def listening_sockets(pids) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every TCP socket in LISTEN state that ``pids`` hold."""
+    owner = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                owner[target[8:-1]] = pid
+    found = []
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in owner:  # 0A: LISTEN
+                found.append((owner[fields[9]], *_address(fields[1], v6)))
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+
+
+def _ray_worker_port(temp_dir: str, pid: int) -> int | None:
+    """The port of the Ray core worker's own gRPC server in process ``pid`` (from its log)."""
+    for log in Path(temp_dir, "session_latest", "logs").glob(f"python-core-worker-*_{pid}.log"):
+        found = re.search(r"worker server started, listening on port (\d+)", log.read_text())
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def test_a_single_node_group_listens_on_loopback_only(tmp_path):
+    """Rank 0's rendezvous store (torch's own would listen on every interface, without
+    authentication) and gloo's sockets listen on 127.0.0.1; what still listens on other
+    addresses in the workers is Ray's own core-worker server, which Ray binds to every
+    interface whatever ``ray.init`` is given."""
+    proc, ready, temp_dir, _ = _driver(
+        tmp_path, target="nrl_test_workers:AllReduceWorker", then="sys.stdin.readline()"
+    )
+    started = descendants(proc.pid)
+    try:
+        assert ready["sum"] == [3.0, 3.0]  # 1+0 + 1+1 over two ranks: the group works
+        assert {e["MASTER_ADDR"] for e in ready["env"]} == {"127.0.0.1"}
+        master_port = int(ready["env"][0]["MASTER_PORT"])
+        sockets = listening_sockets(ready["pids"])
+        store = [(addr, port) for _, addr, port in sockets if port == master_port]
+        assert store == [("127.0.0.1", master_port)], sockets
+        ray_ports = {pid: _ray_worker_port(temp_dir, pid) for pid in ready["pids"]}
+        assert all(ray_ports.values()), ray_ports
+        ours = [(pid, a, p) for pid, a, p in sockets if p != ray_ports[pid]]
+        assert len(ours) >= 3, sockets  # the store and each rank's gloo listener
+        assert [s for s in ours if not _is_loopback(s[1])] == [], sockets
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.communicate(timeout=120)
+    finally:
+        _cleanup(proc, started, temp_dir)
+
+
+# -- Ctrl-C and SIGTERM through the CLI ----------------------------------------------------
+
+TINY = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=4",
+    "grpo.sft_warmup_steps=0",
+    "grpo.val_period=0",
+    "grpo.max_num_steps=50",
+    "checkpointing.enabled=false",
+    "cluster.num_cpus=2",
+]
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "verbose"),
+    [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)],
+    ids=["ctrl-c", "sigterm-with-v"],
+)
+def test_a_signal_stops_the_run_once_and_leaves_no_process(tmp_path, signum, code, verbose):
+    """The signal stops Ray at once; the tear-down that follows makes no Ray call (each used to
+    start a second local Ray instance, with a dashboard, for a few seconds). With ``-v`` the
+    interrupted run keeps Ray's logs and says where."""
+    # A private, short temp root: every Ray temp folder of this run appears in it.
+    tmp_root = Path(tempfile.mkdtemp(prefix="nrl-s-", dir="/tmp"))
+    command = [
+        sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-v" if verbose else "-q",
+        f"logger.log_dir={tmp_path}", "logger.run_name=run", *TINY,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, "NRL_ACTOR_ENV": "system", "TMPDIR": str(tmp_root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    gcs_servers: set[int] = set()
+    seen: set[int] = set()
+
+    def watch() -> None:
+        for pid in descendants(proc.pid):
+            if pid not in seen:
+                seen.add(pid)
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                        if b"gcs_server" in cmdline.read():
+                            gcs_servers.add(pid)
+                except OSError:  # gone meanwhile
+                    continue
+
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.is_file() and metrics.read_text().strip():
+                break  # the workers run: the loop is in its first step
+            watch()
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        temp_dirs = [p.name for p in tmp_root.iterdir() if p.name.startswith("nrl-ray-")]
+        assert len(temp_dirs) == 1, temp_dirs
+        before = descendants(proc.pid)
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        while proc.poll() is None and time.monotonic() - sent < 60:
+            watch()
+            time.sleep(0.1)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+        assert proc.returncode == code, err[-3000:]
+        assert took < 30, took
+        assert len(gcs_servers) == 1, "a second Ray instance was started"
+        # Nothing of the run survives: not its processes, not a process naming its temp root.
+        left = set(before) | seen
+        deadline = time.monotonic() + 10
+        while (alive(left) or processes_matching(str(tmp_root))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(left) == [] and processes_matching(str(tmp_root)) == []
+        leftovers = sorted(p.name for p in tmp_root.iterdir() if "ray" in p.name)
+        if verbose:
+            assert leftovers == temp_dirs  # kept, and said where
+            assert f"Ray's logs of this run are kept in {tmp_root / temp_dirs[0]}" in err
+            assert (tmp_path / "run" / "ray").resolve() == (tmp_root / temp_dirs[0]).resolve()
+        else:
+            assert leftovers == []
+            assert not os.path.lexists(tmp_path / "run" / "ray")
+        print(f"exit {proc.returncode} {took:.1f}s after the signal")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_processes(set(alive(seen)) | set(processes_matching(str(tmp_root))))
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def test_a_run_that_fails_under_v_keeps_rays_logs_and_says_where(tmp_path):
+    """An error after Ray started (here an environment whose constructor raises, from a
+    third-party plugin) fails the run; with ``-v`` Ray's temp folder stays for the post-mortem,
+    named in one line, and the Ray processes are gone all the same."""
+    site = tmp_path / "site"
+    (site / "nrl_broken_env-1.0.dist-info").mkdir(parents=True)
+    (site / "nrl_broken_env-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nrl-broken-env\nVersion: 1.0\n"
+    )
+    (site / "nrl_broken_env-1.0.dist-info" / "entry_points.txt").write_text(
+        "[nrl.plugins]\nbroken = nrl_broken_env\n"
+    )
+    (site / "nrl_broken_env.py").write_text(
+        textwrap.dedent("""
+        from nrl_core import hookimpl
+
+        class BrokenEnvironment:
+            def __init__(self, options=None, context=None):
+                raise RuntimeError("this environment never starts")
+
+        @hookimpl
+        def nrl_register_environments(register):
+            register("broken", "nrl_broken_env:BrokenEnvironment")
+        """)
+    )
+    tmp_root = Path(tempfile.mkdtemp(prefix="nrl-f-", dir="/tmp"))
+    env = {
+        **os.environ,
+        "NRL_ACTOR_ENV": "system",
+        "TMPDIR": str(tmp_root),
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-v", "env.name=broken",
+        f"logger.log_dir={tmp_path}", "logger.run_name=run", *TINY,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert "this environment never starts" in done.stderr
+        kept = [p for p in tmp_root.iterdir() if p.name.startswith("nrl-ray-")]
+        assert len(kept) == 1 and (kept[0] / "session_latest" / "logs").is_dir()
+        assert f"Ray's logs of this run are kept in {kept[0]}" in done.stderr.splitlines()
+        assert (tmp_path / "run" / "ray").resolve() == kept[0].resolve()
+        deadline = time.monotonic() + 10
+        while processes_matching(str(tmp_root)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_matching(str(tmp_root)) == []
+    finally:
+        stop_processes(processes_matching(str(tmp_root)))
+        shutil.rmtree(tmp_root, ignore_errors=True)
