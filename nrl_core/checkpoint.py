@@ -156,12 +156,7 @@ class CheckpointManager:
         """Checkpoints that were renamed into place (not yet verified), oldest first."""
         if not self.root.is_dir():
             return []
-        found = [
-            p
-            for p in self.root.iterdir()
-            if step_of(p) is not None
-            and ((p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file())
-        ]
+        found = [p for p in self.root.iterdir() if step_of(p) is not None and is_step_folder(p)]
         return sorted(found, key=lambda p: step_of(p) or 0)
 
     def latest(self) -> Path | None:
@@ -187,7 +182,7 @@ class CheckpointManager:
         if resume == "auto":
             return self.newest_good()
         path = Path(resume)
-        if not ((path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file()):
+        if not is_step_folder(path):
             raise ConfigError(
                 f"checkpointing.resume={resume}: not a complete nrl checkpoint (no {MANIFEST}); "
                 "use auto, never or a step_N folder"
@@ -233,9 +228,9 @@ def find_step_folder(path: str | Path) -> Path:
     import sys
 
     path = Path(path)
-    if path.name == POLICY_CHECKPOINT and _is_step(path.parent):
+    if path.name == POLICY_CHECKPOINT and is_step_folder(path.parent):
         path = path.parent
-    if _is_step(path):
+    if is_step_folder(path):
         problem = verify(path)
         if problem is not None:
             raise ConfigError(
@@ -255,7 +250,9 @@ def find_step_folder(path: str | Path) -> Path:
     )
 
 
-def _is_step(path: Path) -> bool:
+def is_step_folder(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint (renamed into place: it has its manifest, or the
+    trainer state of a checkpoint from before manifests)."""
     return (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file()
 
 

@@ -112,14 +112,12 @@ def checkpoint_step(config: EvalConfig) -> Path | None:
     """The ``step_N`` folder to load: ``eval.checkpoint``, or ``policy.model_name`` when that
     is an nrl checkpoint (a ``step_N`` folder or a checkpoint directory) rather than a
     Hugging Face model folder; ``None`` for a Hugging Face model."""
-    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager, find_step_folder
+    from nrl_core.checkpoint import CheckpointManager, find_step_folder, is_step_folder
 
     if config.eval.checkpoint:
         return find_step_folder(config.eval.checkpoint)
     path = Path(config.policy.model_name)
-    if path.is_dir() and (
-        (path / TRAINER_STATE).is_file() or CheckpointManager(path).latest() is not None
-    ):
+    if path.is_dir() and (is_step_folder(path) or CheckpointManager(path).latest() is not None):
         return find_step_folder(path)
     return None
 

@@ -185,13 +185,7 @@ class RunSession:
             + (f" (resuming from {self.resume_path})" if self.resume_path else "")
         )
 
-        cluster_spec = registry.get("cluster", config.cluster.backend, key="cluster.backend")
-        self.cluster = cluster_spec.load()(config.cluster.options_for(), self.context)
-        if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
-            self.cluster.keep_temp_on_failure = self.verbose
-        resources = self.cluster.start()
-        self._closers.append(self.cluster.shutdown)
-        self.cluster_resources = resources
+        resources = self._start_cluster()
 
         env = getattr(config, "env", None)
         env_cpus = ENV_CPUS_PER_WORKER * env.num_workers if env is not None else 0.0
@@ -204,6 +198,17 @@ class RunSession:
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
             self._restore()
+
+    def _start_cluster(self) -> Any:
+        """Start the configured cluster (stopped by :meth:`close`); returns its resources."""
+        config = self.config
+        spec = self.registry.get("cluster", config.cluster.backend, key="cluster.backend")
+        self.cluster = spec.load()(config.cluster.options_for(), self.context)
+        if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
+            self.cluster.keep_temp_on_failure = self.verbose
+        self.cluster_resources = self.cluster.start()
+        self._closers.append(self.cluster.shutdown)
+        return self.cluster_resources
 
     def _load_data(self) -> None:
         """The tokenizer, the chat codec and the train / validation samples.
@@ -376,14 +381,7 @@ class RunSession:
         """Start the cluster and the policy workers, nothing else (no run directory, data or
         environments): what ``nrl convert`` needs to load a checkpoint and export it.
         Stopped by :meth:`close`."""
-        cluster_spec = self.registry.get(
-            "cluster", self.config.cluster.backend, key="cluster.backend"
-        )
-        self.cluster = cluster_spec.load()(self.config.cluster.options_for(), self.context)
-        if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
-            self.cluster.keep_temp_on_failure = self.verbose
-        resources = self.cluster.start()
-        self._closers.append(self.cluster.shutdown)
+        resources = self._start_cluster()
         self.policy = self._start_policy(resources, 0.0)
         return self.policy
 
