@@ -146,6 +146,16 @@ class PolicyWorker(Protocol):
     # Optional: ``generate(prompts, params, stop_strings)`` as in :class:`GenerationWorker`,
     # for colocated generation on the policy's own weights (``generation.backend=torch``).
 
+    # Required for engines colocated on the policy's GPUs (vLLM, SGLang with colocated=true),
+    # which need the GPU memory the policy holds while they generate:
+    #
+    # ``offload(what: list[str]) -> None`` moves ``"optimizer"`` state and/or ``"weights"``
+    # (parameters, gradients, buffers) to CPU memory and empties the CUDA cache;
+    # ``onload() -> None`` brings back everything offloaded. No-ops on CPU. The core
+    # (:class:`nrl_core.generation.GenerationEngines`) calls ``offload(["optimizer"])`` before
+    # a refit, ``offload(["weights"])`` after it, and ``onload()`` before the policy's next
+    # logprob, training or checkpoint call.
+
 
 # ---------------------------------------------------------------------------------------------
 # Generation

@@ -3,7 +3,11 @@
 Installed with nrl-core, so a plugin author's tests get them without any conftest:
 
 - ``ray_cluster``: one local Ray head for the whole test session (starting Ray takes seconds,
-  and a process can hold only one), yielding ``(cluster, resources)``.
+  and a process can hold only one), yielding ``(cluster, resources)``. It has 2 logical CPUs
+  and :data:`FAKE_GPUS` logical GPUs with no hardware behind them: Ray schedules and narrows
+  ``CUDA_VISIBLE_DEVICES`` for actors that ask for GPUs exactly as on a GPU node, so placement
+  and device choice can be tested on CPU (``gpu_sim`` tests); torch in those actors still sees
+  no CUDA. Workers that ask for no GPU are unaffected.
 - ``tiny_model_path``: the locally built tiny model + tokenizer folder (no hub needed).
 - ``nrl_context``: a :class:`~nrl_core.interfaces.ComponentContext` around the default GRPO
   config (seed 0) for building components by hand.
@@ -27,14 +31,19 @@ import pytest
 pytest.register_assert_rewrite("nrl_core.testing.conformance")
 
 
+FAKE_GPUS = 4
+"""Logical GPUs of the test session's Ray head (see ``ray_cluster``)."""
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """A local Ray head with 2 logical CPUs, shared by every test of the session."""
+    """A local Ray head with 2 logical CPUs and :data:`FAKE_GPUS` logical GPUs, shared by every
+    test of the session."""
     from nrl_core.config.schema import ClusterConfig, RunConfig
     from nrl_core.distributed.cluster import LocalCluster
     from nrl_core.interfaces import ComponentContext
 
-    config = RunConfig(cluster=ClusterConfig(num_cpus=2))
+    config = RunConfig(cluster=ClusterConfig(num_cpus=2, gpus_per_node=FAKE_GPUS))
     cluster = LocalCluster(
         None,
         ComponentContext(config=config),
