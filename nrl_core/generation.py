@@ -7,7 +7,9 @@ group of engine actors, as :class:`nrl_core.policy.Policy` is for the policy ran
   :class:`nrl_core.weight_sync.WeightSender`, run by the policy ranks (``push_weights``), and
   returns the seconds it took; :attr:`last_refit` keeps the bytes and bucket count.
 * colocated engines are put to sleep before training (``sleep``) and wake on the next
-  ``generate``.
+  ``generate``; the policy hands its GPU memory over around them: optimizer state to CPU
+  before a refit, weights to CPU after it (the engine then allocates its KV cache), both back
+  before the policy's next call (:meth:`nrl_core.policy.Policy.offload` / ``onload``).
 
 Each engine is ONE Ray actor (rank 0 of its tensor-parallel group); the engine spawns its own
 tensor-parallel workers inside that actor's GPUs, so ``WorkerGroup`` ranks here are engines.
@@ -23,6 +25,19 @@ from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
 from nrl_core.weight_sync import NameMap, RefitStats, WeightSender
+
+COLOCATED_SHARE = 0.5
+"""The share of each GPU bundle that the policy and its colocated engines each ask for: the two
+requests fill the bundle together, so Ray schedules both and narrows both actors'
+``CUDA_VISIBLE_DEVICES`` to the same GPU. (A policy actor asking for the whole GPU would leave
+nothing for the engine, which would then wait for resources until the worker timeout.)"""
+
+
+def engines_colocated(generation: Any, *, on_gpu: bool) -> bool:
+    """Whether the separate engines of a ``generation`` config section share the policy's GPUs
+    (their ``colocated`` option, on a GPU cluster: on CPU there is nothing to share)."""
+    options = generation.options_for()
+    return bool(getattr(options, "colocated", False)) and on_gpu
 
 
 def resolve_transport(configured: str, *, colocated: bool, on_gpu: bool) -> str:
@@ -72,6 +87,7 @@ class GenerationEngines:
         self.last_refit: RefitStats | None = None
         self._nccl_ready = False
         self.tp_size = 1
+        self._policy: Any = None  # the policy last refitted from: it yields its GPU memory
 
     @property
     def num_engines(self) -> int:
@@ -84,6 +100,9 @@ class GenerationEngines:
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
         """Continue every prompt; engine ``i`` gets the ``i``-th contiguous shard."""
+        if self.colocated and self._policy is not None:
+            # The engines allocate their KV cache now: the policy's memory must be free.
+            self._policy.offload(["optimizer", "weights"])
         n = self.num_engines
         prompt_shards = split_even(list(prompts), n)
         stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
@@ -119,10 +138,18 @@ class GenerationEngines:
         """
         if self.transport == "nccl" and not self._nccl_ready:
             self._init_nccl(policy)
+        if self.colocated:
+            # The engines' weights come back next to the policy's: make room first.
+            self._policy = policy
+            if "weights" in policy.offloaded:  # e.g. after a validation: the push needs them
+                policy.onload()
+            policy.offload(["optimizer"])
         results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
         stats = next((r for r in results if r is not None), None)
         if stats is None:
             raise RuntimeError("no policy rank reported refit statistics")
+        if self.colocated:
+            policy.offload(["weights"])
         self.last_refit = stats
         return stats.seconds
 
@@ -159,7 +186,7 @@ def start_generation_engines(
     config: Any,
     *,
     context: Any = None,
-    policy_group: WorkerGroup | None,
+    shared_bundles: Any = None,
     on_gpu: bool,
     python: str | None = None,
     timeout_s: float = 600,
@@ -168,8 +195,12 @@ def start_generation_engines(
     ``num_engines``, ``tensor_parallel_size``, ``colocated``, ``refit_bucket_mb``, ``dtype``,
     ``refit_transport``).
 
-    Colocated engines take the policy's placement bundles with a fractional GPU, one engine per
-    bundle; that needs ``tensor_parallel_size == 1`` and ``num_engines`` ≤ the policy ranks.
+    Colocated engines (``shared_bundles``: the placement group the policy also uses, one
+    bundle of 1 GPU per policy rank) take :data:`COLOCATED_SHARE` of a bundle each, one engine
+    per bundle; that needs ``tensor_parallel_size == 1`` and ``num_engines`` ≤ the bundles.
+    Engines on their own GPUs get one bundle of ``tensor_parallel_size`` GPUs each: the engine
+    actor holds them all and starts its tensor-parallel workers itself, as processes on that
+    node (the plugin picks an executor that does so, e.g. vLLM's ``mp``).
     """
     from nrl_core.interfaces import ComponentContext
 
@@ -177,28 +208,29 @@ def start_generation_engines(
     options = generation.options_for()
     tp = options.tensor_parallel_size
     engines = options.num_engines
-    colocated = bool(options.colocated) and on_gpu
+    colocated = engines_colocated(generation, on_gpu=on_gpu)
     placement = None
-    gpus = tp if on_gpu else 0
+    gpus, cpus = (float(tp) if on_gpu else 0.0), 1.0
     if colocated:
         if tp != 1:
             raise ConfigError(
                 "colocated engines with tensor_parallel_size > 1 are not supported yet; set "
                 f"generation.{generation.backend}.tensor_parallel_size=1 or colocated=false"
             )
-        if policy_group is None or engines > policy_group.num_workers:
+        if shared_bundles is None or engines > shared_bundles.bundle_count:
             raise ConfigError(
-                f"colocated generation needs num_engines ({engines}) ≤ policy.num_workers"
+                f"colocated generation needs generation.{generation.backend}.num_engines "
+                f"({engines}) ≤ policy.num_workers (one engine per policy GPU)"
             )
-        placement = policy_group.placement_group
-        gpus = 0.5  # the other half of each policy bundle's GPU
+        placement = shared_bundles
+        gpus, cpus = COLOCATED_SHARE, COLOCATED_SHARE
     group = WorkerGroup.start(
         spec.target,
         engines,
         args=(options, context or ComponentContext(config=config, seed=config.seed)),
         name=f"generation-{generation.backend}",
         python=python,
-        num_cpus_per_worker=0.5 if colocated else 1,
+        num_cpus_per_worker=cpus,
         num_gpus_per_worker=gpus,
         placement_group=placement,
         timeout_s=timeout_s,

@@ -111,6 +111,8 @@ class Policy:
         self.train_micro_batch_size = train_micro_batch_size
         self.logprob_batch_size = logprob_batch_size
         self.micro_batch_token_budget = micro_batch_token_budget
+        self.offloaded: set[str] = set()
+        """What the ranks hold in CPU memory for colocated engines (see :meth:`offload`)."""
 
     @classmethod
     def from_config(cls, group: Any, policy: Any) -> Policy:
@@ -132,8 +134,24 @@ class Policy:
         padded, real = pad_to_multiple(batch, self.dp_size)
         return padded.shard(self.dp_size), real
 
+    def offload(self, what: Sequence[str]) -> None:
+        """Move ``what`` (``"optimizer"``, ``"weights"``) of every rank to CPU memory, for
+        engines colocated on the policy's GPUs; every call below that needs them on the GPU
+        brings them back first (:meth:`onload`)."""
+        todo = [w for w in what if w not in self.offloaded]
+        if todo:
+            self.group.run_all("offload", todo)
+            self.offloaded.update(todo)
+
+    def onload(self) -> None:
+        """Bring back what :meth:`offload` moved to CPU memory (nothing to do if nothing was)."""
+        if self.offloaded:
+            self.group.run_all("onload")
+            self.offloaded.clear()
+
     def get_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of ``batch`` (under the reference weights if asked)."""
+        self.onload()
         shards, real = self._shards(batch)
         chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
         width = batch["input_ids"].shape[1]
@@ -149,6 +167,7 @@ class Policy:
         (see :func:`nrl_core.training.reduce_metrics`), combined over the optimizer steps by
         :func:`nrl_core.training.combine_optimizer_steps`, plus ``grad_norm`` and ``lr``.
         """
+        self.onload()
         declared = declared_reductions(loss_fn)
         per_step = []
         for start in range(0, len(batch), self.train_global_batch_size):
@@ -189,6 +208,7 @@ class Policy:
 
     def set_reference(self, path: str) -> None:
         """Use the Hugging Face folder ``path`` as the frozen reference model."""
+        self.onload()
         self.group.run_all("set_reference", path)
 
     def generate(
@@ -198,6 +218,7 @@ class Policy:
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
         """Colocated generation on the policy ranks: each DP shard continues its prompts."""
+        self.onload()
         prompt_shards = split_even(list(prompts), self.dp_size)
         stop_shards = split_even(
             list(stop_strings) if stop_strings is not None else [None] * len(prompts), self.dp_size
@@ -210,12 +231,15 @@ class Policy:
         )
 
     def save_checkpoint(self, path: str) -> None:
+        self.onload()
         self.group.run_all("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> None:
+        self.onload()
         self.group.run_all("load_checkpoint", path)
 
     def export_hf(self, path: str) -> None:
+        self.onload()
         self.group.run_all("export_hf", path)
 
     def shutdown(self) -> None:

@@ -70,7 +70,22 @@ class LazyReference:
             self._model = self._build(self.path)
         return self._model
 
+    @property
+    def built(self) -> Any:
+        """The reference model if it has been built, else None (never builds it)."""
+        return self._model
+
     def set_path(self, path: str) -> None:
         """Use ``path`` from now on; the model is rebuilt on next use."""
         self.path = path
         self._model = None
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Any) -> None:
+    """Move every tensor of a ``torch.optim`` optimizer's state (Adam's moments, step counts
+    kept as tensors) to ``device``: what a policy worker's ``offload(["optimizer"])`` and
+    ``onload()`` do for engines colocated on its GPU."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

@@ -253,7 +253,7 @@ def check_component_requirements(config: Any, registry: Registry) -> None:
     extra of the component's distribution that installs each, and the setting that asks for it
     (``lora_rank=8``). Fail when the actor environment the component will run in cannot have
     them, saying how to get them there."""
-    from nrl_core.distributed.actor_env import LAYER_VAR, actor_env_setting
+    from nrl_core.distributed.actor_env import actor_env_setting
 
     for field in attrs.fields(type(config)):
         section = getattr(config, field.name)
@@ -278,23 +278,14 @@ def check_component_requirements(config: Any, registry: Registry) -> None:
                         f"{what}, which this interpreter (where the {spec.kind} runs: "
                         f"actor_env=system) lacks; install it here: pip install '{dist}[{extra}]'"
                     )
-            elif setting not in ("venv", "auto"):
-                if not _interpreter_has(setting, module):
-                    raise ConfigError(
-                        f"{what}, which the {spec.kind}'s actor_env={setting} cannot import; "
-                        f"install '{dist}[{extra}]' into that environment, or point "
-                        f"{field.name}.actor_env at one that has it"
-                    )
-            elif extra not in spec.extras and not (_truthy(os.environ.get(LAYER_VAR)) and here):
-                # The plugin's venv is built from the lockfile with the extras the component
-                # registered; an extra that only some settings need is never in it.
-                how = "this interpreter has it" if here else f"pip install '{dist}[{extra}]' here"
+            elif setting not in ("venv", "auto") and not _interpreter_has(setting, module):
                 raise ConfigError(
-                    f"{what}, but the {spec.kind} {name!r} runs in the {dist} actor venv, which "
-                    f"is built without its `{extra}` extra; set {field.name}.actor_env=system "
-                    f"({how}), or {field.name}.actor_env=/path/to/python of an environment "
-                    f"with '{dist}[{extra}]'"
+                    f"{what}, which the {spec.kind}'s actor_env={setting} cannot import; "
+                    f"install '{dist}[{extra}]' into that environment, or point "
+                    f"{field.name}.actor_env at one that has it"
                 )
+            # In the plugin's own venv (venv/auto) nothing to check: it is built with the
+            # extras the options require (actor_env.component_extras).
 
 
 def _interpreter_has(python: str, module: str) -> bool:

@@ -72,6 +72,24 @@ class TensorMeta:
     """Byte offset inside the flat buffer (a multiple of 16)."""
     nbytes: int
 
+    def to_wire(self) -> dict[str, Any]:
+        """This meta as plain data (see "Wire form" below); :meth:`from_wire` reverses it."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> TensorMeta:
+        """The meta that :meth:`to_wire` described (the shape may arrive as a list)."""
+        shape = tuple(int(d) for d in data["shape"])
+        return cls(
+            str(data["name"]), str(data["dtype"]), shape, int(data["offset"]), int(data["nbytes"])
+        )
+
 
 @attrs.frozen
 class BucketMeta:
@@ -89,6 +107,24 @@ class BucketMeta:
     def payload_bytes(self) -> int:
         """Bytes of tensor data, padding excluded (what "bytes moved" reports)."""
         return sum(t.nbytes for t in self.tensors)
+
+    def to_wire(self) -> dict[str, Any]:
+        """This layout as plain data (dicts, lists, str, int), for RPC layers that carry no
+        Python objects (see "Wire form" below); :meth:`from_wire` reverses it."""
+        return {"tensors": [t.to_wire() for t in self.tensors], "nbytes": self.nbytes}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> BucketMeta:
+        """The layout that :meth:`to_wire` described, whether its lists arrive as lists or
+        tuples; anything else is a :class:`WeightSyncError` naming what was received."""
+        try:
+            tensors = tuple(TensorMeta.from_wire(t) for t in data["tensors"])
+            return cls(tensors, int(data["nbytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightSyncError(
+                f"a refit message carries a malformed bucket meta ({type(exc).__name__}: "
+                f"{exc}; got {type(data).__name__}); send BucketMeta.to_wire()"
+            ) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -246,7 +282,8 @@ class BucketHandle(Protocol):
 @attrs.define
 class SharedMemoryHandle:
     """A bucket in a POSIX shared-memory segment (``/dev/shm``); sender and receiver must be on
-    the same node. The sender creates and unlinks the segment; the receiver maps it."""
+    the same node. The sender creates and unlinks the segment; the receiver maps it. Pickles
+    (and crosses plain-data RPC, :func:`handle_to_wire`) as its segment name only."""
 
     name: str
     _shm: Any = attrs.field(default=None, init=False, repr=False, eq=False)
@@ -300,8 +337,10 @@ class CudaIpcHandle:
     """CUDA IPC handles of a packed GPU buffer, keyed by the physical GPU's UUID, so that each
     engine rank opens the copy that already sits on its own GPU (colocated refit).
 
-    ``args`` are :func:`torch.multiprocessing.reductions.reduce_tensor`'s rebuild arguments.
-    GPU-only; has not run in this repository.
+    ``args`` are :func:`torch.multiprocessing.reductions.reduce_tensor`'s rebuild arguments
+    (Python types and a torch dtype among them: Ray pickles them as they are, plain-data RPC
+    layers such as vLLM's need :func:`handle_to_wire`). GPU-only; has not run in this
+    repository.
     """
 
     by_gpu: dict[str, tuple] = attrs.field(factory=dict)
@@ -351,19 +390,48 @@ _NCCL_GROUPS: dict[str, Any] = {}
 
 
 def init_nccl_group(
-    name: str, master_addr: str, master_port: int, rank: int, world_size: int, device: Any = None
+    name: str,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    device: Any = None,
+    *,
+    backend: str = "nccl",
+    timeout_s: float = 600.0,
 ) -> None:
-    """Join the NCCL group ``name`` used by :class:`NcclBroadcastHandle` (rank 0: the trainer).
+    """Join the refit group ``name`` used by :class:`NcclBroadcastHandle` (rank 0: the trainer).
 
     A stand-alone process group built from a ``TCPStore``: it does not touch the default group
     of the trainer (FSDP) or of the engine (its own tensor parallelism), so both sides can hold
-    it next to their own. Call on all members at once. GPU-only; has not run.
+    it next to their own. Call on all members at once; rank 0 hosts the store. ``backend`` is
+    ``"nccl"`` (GPU tensors) or ``"gloo"`` (CPU tensors, for tests); ``timeout_s`` bounds the
+    rendezvous and every collective. The NCCL path has not run in this repository.
+
+    Members may be SGLang engine ranks, which join through SGLang's own
+    ``init_custom_process_group`` (sglang/srt/utils/common.py:2859-2927, called by
+    ``init_weights_update_group``): that wraps the rendezvous store in ``PrefixStore(name)``
+    (common.py:2905), then torch's ``_new_process_group_helper`` wraps it in
+    ``PrefixStore(f"{name}/")`` and, for the backend of the first device the backend serves,
+    ``PrefixStore(f"{device}/")`` (torch/distributed/distributed_c10d.py:2734, 2764, 2921: ``cuda``
+    for nccl, ``cpu`` for gloo; torch 2.14.1 on both sides). The backend exchanges its unique id
+    through that innermost store, so this group must be built on the same three prefixes or the
+    ranks never meet. It is built directly instead of through ``_new_process_group_helper``:
+    that helper registers the group in torch's global state (names must be unique per process)
+    and would split it off the trainer's default NCCL group when that one is bound to a device,
+    which is not a group the engines are in.
     """
+    import atexit
     import socket
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
 
+    if backend not in ("nccl", "gloo"):
+        raise WeightSyncError(f"refit group backend {backend!r}; use nccl or gloo")
+    timeout = timedelta(seconds=timeout_s)
     listen_fd = None
     if rank == 0:
         # Listen on master_addr only (127.0.0.1 when every member runs on the driver's node):
@@ -372,19 +440,186 @@ def init_nccl_group(
         family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
         listen_fd = socket.create_server((master_addr, master_port), family=family).detach()
     store = dist.TCPStore(
-        master_addr, master_port, world_size, is_master=rank == 0, master_listen_fd=listen_fd
+        master_addr,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=listen_fd,
     )
-    if device is not None:
-        torch.cuda.set_device(device)
-    pg = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world_size)
+    device_type = next(iter(BackendConfig(Backend(backend)).get_device_backend_map()))
+    group_store = dist.PrefixStore(
+        f"{device_type}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+    )
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(group_store, rank, world_size, timeout)
+    else:
+        if device is not None:
+            torch.cuda.set_device(device)
+        # The options torch's own NCCL creator sets (distributed_c10d.py:682-713), no split.
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        options.group_name = name
+        pg = dist.ProcessGroupNCCL(group_store, rank, world_size, options)
+    atexit.unregister(_destroy_nccl_groups)  # registered once, however many groups
+    atexit.register(_destroy_nccl_groups)
     _NCCL_GROUPS[name] = pg
 
 
 def destroy_nccl_group(name: str) -> None:
-    """Forget the group ``name`` (its communicator is freed with the object)."""
+    """Shut the group ``name`` down and forget it."""
     pg = _NCCL_GROUPS.pop(name, None)
     if pg is not None and hasattr(pg, "shutdown"):
         pg.shutdown()
+
+
+def _destroy_nccl_groups() -> None:
+    """Shut every group down while the interpreter still runs: a backend left to the
+    interpreter's final teardown may destroy its threads unjoined, and the process then
+    aborts on exit ("terminate called without an active exception", seen with gloo in
+    tests/test_nccl_group.py)."""
+    for name in list(_NCCL_GROUPS):
+        destroy_nccl_group(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire form
+#
+# Ray pickles the refit messages (meta + handle) as they are, but an engine's own RPC layer may
+# carry plain data only. vLLM 0.32 msgpack-encodes ``collective_rpc`` arguments whenever its
+# engine core runs in another process (the default, VLLM_ENABLE_V1_MULTIPROCESSING=1):
+# vllm/v1/engine/core_client.py:1010-1014 and :1091-1098 encode them with the MsgpackEncoder of
+# vllm/v1/serial_utils.py:135-234, and the engine core decodes them untyped
+# (vllm/v1/engine/core.py:1843, :1912-1913). On that path an attrs instance arrives as a plain
+# dict (msgspec encodes attrs classes as maps), tuples arrive as lists, and a Python type or a
+# torch dtype cannot be encoded at all (serial_utils.py:220-225) unless pickle is switched on
+# (VLLM_ALLOW_INSECURE_SERIALIZATION, which nrl does not set). So such engines send the wire
+# form below: dicts of str, int, bool, bytes, None and lists, rebuilt on the receiving side.
+
+CUDA_IPC_ARGS: tuple[str, ...] = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+"""The parameters of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, in order: the
+arguments ``reduce_tensor`` returns for a CUDA tensor (the wire form names each one)."""
+
+_IPC_INTS = (
+    "tensor_offset",
+    "storage_device",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "ref_counter_offset",
+)
+_IPC_BYTES = ("storage_handle", "ref_counter_handle", "event_handle")
+_IPC_BOOLS = ("requires_grad", "event_sync_required")
+
+
+def _ipc_classes() -> dict[str, type]:
+    """The tensor and storage classes ``reduce_tensor`` may name, by wire name: the receiver
+    rebuilds a class only from this list, never from a name it was sent."""
+    import torch
+
+    return {
+        "Tensor": torch.Tensor,
+        "Parameter": torch.nn.Parameter,
+        "TypedStorage": torch.storage.TypedStorage,
+        "UntypedStorage": torch.UntypedStorage,
+    }
+
+
+def _ipc_plain(args: dict[str, Any]) -> dict[str, Any]:
+    """The primitive fields of one GPU's rebuild arguments, normalised (tuples or lists to
+    lists of int; bytes-like to bytes) in either direction."""
+    out = {
+        "tensor_size": [int(d) for d in args["tensor_size"]],
+        "tensor_stride": [int(d) for d in args["tensor_stride"]],
+    }
+    out.update({k: int(args[k]) for k in _IPC_INTS})
+    out.update({k: bool(args[k]) for k in _IPC_BOOLS})
+    out.update({k: None if args[k] is None else bytes(args[k]) for k in _IPC_BYTES})
+    return out
+
+
+def _ipc_args_to_wire(args: Sequence[Any]) -> dict[str, Any]:
+    if len(args) != len(CUDA_IPC_ARGS):
+        raise WeightSyncError(
+            f"CUDA IPC rebuild arguments have {len(args)} fields; torch's rebuild_cuda_tensor "
+            f"takes {len(CUDA_IPC_ARGS)} ({', '.join(CUDA_IPC_ARGS)})"
+        )
+    named = dict(zip(CUDA_IPC_ARGS, args, strict=True))
+    names = {cls: name for name, cls in _ipc_classes().items()}
+    wire = _ipc_plain(named)
+    for key in ("tensor_cls", "storage_cls"):
+        if named[key] not in names:
+            raise WeightSyncError(f"no wire form for a CUDA IPC {key} of {named[key]!r}")
+        wire[key] = names[named[key]]
+    wire["dtype"] = _dtype_name(named["dtype"])
+    return wire
+
+
+def _ipc_args_from_wire(wire: dict[str, Any]) -> tuple:
+    classes = _ipc_classes()
+    named = _ipc_plain(wire)
+    for key in ("tensor_cls", "storage_cls"):
+        if wire[key] not in classes:
+            raise WeightSyncError(f"unknown CUDA IPC {key} {wire[key]!r} in a refit message")
+        named[key] = classes[wire[key]]
+    named["dtype"] = _dtype(str(wire["dtype"]))
+    # Tuples, as reduce_tensor produced them (msgpack turned them into lists).
+    named["tensor_size"] = tuple(named["tensor_size"])
+    named["tensor_stride"] = tuple(named["tensor_stride"])
+    return tuple(named[k] for k in CUDA_IPC_ARGS)
+
+
+def handle_to_wire(handle: BucketHandle) -> dict[str, Any]:
+    """``handle`` as plain data (``{"transport": "shm" | "cuda_ipc" | "nccl", ...}``) for RPC
+    layers that carry no Python objects; :func:`handle_from_wire` rebuilds it. CUDA IPC keeps
+    every argument of torch's ``rebuild_cuda_tensor`` (:data:`CUDA_IPC_ARGS`), its classes and
+    dtype by name."""
+    if isinstance(handle, SharedMemoryHandle):
+        return {"transport": "shm", "name": handle.name}
+    if isinstance(handle, CudaIpcHandle):
+        by_gpu = {str(gpu): _ipc_args_to_wire(args) for gpu, args in handle.by_gpu.items()}
+        return {"transport": "cuda_ipc", "by_gpu": by_gpu}
+    if isinstance(handle, NcclBroadcastHandle):
+        return {"transport": "nccl", "group": handle.group}
+    raise WeightSyncError(f"no wire form for a bucket handle of type {type(handle).__name__}")
+
+
+def handle_from_wire(data: dict[str, Any]) -> BucketHandle:
+    """The handle that :func:`handle_to_wire` described (lists or tuples, bytes-like values
+    all accepted); anything else is a :class:`WeightSyncError` naming what was received."""
+    try:
+        transport = data["transport"]
+        if transport == "shm":
+            return SharedMemoryHandle(str(data["name"]))
+        if transport == "cuda_ipc":
+            by_gpu = {str(g): _ipc_args_from_wire(a) for g, a in data["by_gpu"].items()}
+            return CudaIpcHandle(by_gpu)
+        if transport == "nccl":
+            return NcclBroadcastHandle(str(data["group"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise WeightSyncError(
+            f"a refit message carries a malformed bucket handle ({type(exc).__name__}: "
+            f"{exc}; got {type(data).__name__}); send handle_to_wire(handle)"
+        ) from None
+    raise WeightSyncError(
+        f"unknown transport {transport!r} in a refit message; use one of {TRANSPORTS}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,6 +788,10 @@ class WeightSender:
         if flat.device.type != "cuda":
             raise WeightSyncError("the cuda_ipc transport needs the policy's weights on a GPU")
         gpu = str(torch.cuda.get_device_properties(flat.device).uuid)
+        # Rebuild arguments, not a pickled tensor: a receiver opens them where the bucket is
+        # loaded (vLLM: in its GPU worker), or passes them on unopened when another process of
+        # its own loads it (SGLang: nrl_sglang.worker._ipc_payloads), since a CUDA tensor it
+        # received could not be pickled on by it.
         _, args = reduce_tensor(flat)
         mine = {gpu: args}
         handles = gather_object(mine) if gather_object is not None else [mine]
@@ -568,21 +807,46 @@ class WeightSender:
         return meta.payload_bytes
 
     def _send_nccl(self, bucket: dict[str, torch.Tensor]) -> int:
-        flat, meta = pack_bucket(bucket)
         pg = _NCCL_GROUPS.get(self.nccl_group)
         if pg is None:
             raise WeightSyncError(
                 f"NCCL weight-sync group {self.nccl_group!r} is not initialised on the policy"
             )
+        # Per tensor, the packed copy would only be thrown away: the layout is enough.
+        flat, meta = (None, bucket_layout(bucket)) if self.nccl_per_tensor else pack_bucket(bucket)
         # Engines first post their receive (it blocks in the broadcast), then we send.
         refs = self._call_all("receive_bucket", meta, NcclBroadcastHandle(self.nccl_group))
-        if self.nccl_per_tensor:
+        if flat is None:
+            # In bucket order, as SGLang posts its receives (sglang/srt/model_executor/
+            # model_runner_components/weight_updater.py:280-298).
             for tensor in bucket.values():
                 pg.broadcast(tensor.contiguous(), 0).wait()
         else:
             pg.broadcast(flat, 0).wait()
         self._wait(refs)
         return meta.payload_bytes
+
+
+def push_from_rank(
+    sender: WeightSender, buckets: Iterable[dict[str, torch.Tensor]], *, rank: int
+) -> RefitStats | None:
+    """A policy rank's ``push_weights``: send ``buckets`` through ``sender`` from this rank.
+
+    A collective over the policy's default ``torch.distributed`` group (gathering sharded
+    tensors into buckets is one, and so is the exchange of every GPU's CUDA IPC handle): call
+    on all ranks. Rank 0 talks to the engines and returns the :class:`RefitStats`; the others
+    return None.
+    """
+    import torch.distributed as dist
+
+    def gather(obj: Any) -> list:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return sender.send(buckets, rank=rank, gather_object=gather)
 
 
 def total_bytes(metas: Sequence[BucketMeta]) -> int:

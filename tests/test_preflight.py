@@ -131,16 +131,18 @@ def test_an_unreachable_hub_is_said_fast(monkeypatch):
     assert "\n" not in str(error.value)
 
 
-def test_lora_needs_peft_where_the_policy_runs(registry, tmp_path, monkeypatch):
+def test_lora_puts_peft_into_the_policy_venv(registry, tmp_path, monkeypatch):
+    """The dtensor venv gets the `lora` extra when lora_rank > 0 (and only then); running the
+    policy in an interpreter that has peft works too."""
+    from nrl_core.distributed.actor_env import component_extras
+
     monkeypatch.delenv("NRL_ACTOR_ENV", raising=False)
     monkeypatch.delenv("NRL_ACTOR_VENV_LAYER", raising=False)
-    # The dtensor venv is built without the `lora` extra: the run would fail in the worker.
-    message = refused(
-        config_of("sft", ["policy.dtensor.lora_rank=8"], registry, tmp_path), registry
-    )
-    assert message.startswith("policy.dtensor.lora_rank=8 needs `peft`")
-    assert "`lora` extra" in message and "policy.actor_env=system" in message
-    assert "pip install peft" not in message
+    spec = registry.get("policy", "dtensor")
+    for lora_rank, extras in ((8, ("lora",)), (0, ())):
+        config = config_of("sft", [f"policy.dtensor.lora_rank={lora_rank}"], registry, tmp_path)
+        preflight(config, registry)
+        assert component_extras(spec, config.policy.options_for()) == extras
     # The driver's interpreter has peft (a dev dependency): running the policy there works,
     # and so does naming that interpreter (asked for real, in a subprocess).
     for actor_env in ("system", sys.executable):
@@ -177,10 +179,10 @@ def _host_with_needy_env(extras):
 @pytest.mark.parametrize(
     ("extras", "actor_env", "expected"),
     [
-        ((), None, "runs in the nrl-needy actor venv, which is built without its `fancy` extra"),
+        ((), None, None),  # its venv is built with the extra the options require
         ((), "system", "which this interpreter (where the environment runs: actor_env=system)"),
         ((), sys.executable, f"which the environment's actor_env={sys.executable} cannot import"),
-        (("fancy",), None, None),  # the venv gets the extra: nothing to say
+        (("fancy",), None, None),  # a registered extra: the same
     ],
 )
 def test_required_modules_of_any_component(extras, actor_env, expected, tmp_path, monkeypatch):

@@ -107,6 +107,104 @@ def test_shared_memory_handle_pickles_to_its_name_only():
         handle.open(bucket_layout({"x": torch.zeros(2)}))
 
 
+_PLAIN = (dict, list, str, int, bool, bytes, type(None))
+
+
+def _plain_types(value) -> set[type]:
+    """Every type inside ``value`` (dict keys and values, list items), recursively."""
+    found = {type(value)}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found |= _plain_types(k) | _plain_types(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            found |= _plain_types(v)
+    return found
+
+
+def _as_tuples(value):
+    """``value`` with every list turned into a tuple and bytes into bytearray: what a
+    transport that keeps tuples (pickle, an in-process call) or hands out buffers may deliver."""
+    if isinstance(value, dict):
+        return {k: _as_tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_as_tuples(v) for v in value)
+    return bytearray(value) if isinstance(value, bytes) else value
+
+
+def _fake_ipc_args(device: int) -> tuple:
+    """Rebuild arguments shaped like ``reduce_tensor``'s for a CUDA tensor (see
+    plugins/nrl-vllm/tests/test_refit_wire.py::cuda_ipc_args); values stand in for a GPU's."""
+    flat = torch.empty(64, dtype=torch.uint8)
+    storage = flat._typed_storage()
+    head = (torch.Tensor, flat.size(), flat.stride(), 0, type(storage), torch.uint8, device)
+    return (*head, b"\x01" * 64, 4096, 0, False, b"/torch_1_2_0", 3, b"\x02" * 64, True)
+
+
+@pytest.mark.gpu_sim
+def test_cuda_ipc_wire_form_names_every_argument_of_torch_rebuild_cuda_tensor():
+    """The wire form keeps exactly what torch's receiving side takes, in its order."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from nrl_core.weight_sync import CUDA_IPC_ARGS, CudaIpcHandle, handle_to_wire
+
+    assert tuple(inspect.signature(rebuild_cuda_tensor).parameters) == CUDA_IPC_ARGS
+    wire = handle_to_wire(CudaIpcHandle({"GPU-a": _fake_ipc_args(0)}))
+    assert set(wire["by_gpu"]["GPU-a"]) == set(CUDA_IPC_ARGS)
+
+
+def test_refit_messages_have_a_plain_data_wire_form(tiny_state):
+    """Meta and every handle become dicts of primitives only (no attrs objects, types or
+    dtypes) and come back equal, whether lists arrive as lists or tuples, bytes as bytes or
+    bytearray."""
+    from nrl_core.weight_sync import (
+        BucketMeta,
+        CudaIpcHandle,
+        NcclBroadcastHandle,
+        handle_from_wire,
+        handle_to_wire,
+    )
+
+    meta = bucket_layout(dict(list(tiny_state.items())[:4]))
+    handles = [
+        SharedMemoryHandle("nrl-abc"),
+        NcclBroadcastHandle("nrl-refit"),
+        CudaIpcHandle({"GPU-a": _fake_ipc_args(0), "GPU-b": _fake_ipc_args(1)}),
+    ]
+    wires = [meta.to_wire()] + [handle_to_wire(h) for h in handles]
+    for wire in wires:
+        assert _plain_types(wire) <= set(_PLAIN), wire
+    for arrived in (wires, _as_tuples(wires)):
+        assert BucketMeta.from_wire(arrived[0]) == meta
+        rebuilt = [handle_from_wire(w) for w in arrived[1:]]
+        assert [type(h) for h in rebuilt] == [type(h) for h in handles]
+        assert rebuilt[0] == handles[0] and rebuilt[1] == handles[1]
+        assert rebuilt[2].by_gpu == handles[2].by_gpu
+        assert all(type(a[7]) is bytes for a in rebuilt[2].by_gpu.values())
+
+
+def test_malformed_wire_messages_are_one_line_weight_sync_errors():
+    from nrl_core.weight_sync import BucketMeta, CudaIpcHandle, handle_from_wire, handle_to_wire
+
+    meta = bucket_layout({"w": torch.zeros(2)})
+    with pytest.raises(WeightSyncError, match=r"malformed bucket meta.*BucketMeta.to_wire"):
+        BucketMeta.from_wire({"tensors": [{"name": "w"}], "nbytes": 16})
+    with pytest.raises(WeightSyncError, match=r"malformed bucket meta.*got BucketMeta"):
+        BucketMeta.from_wire(meta)  # the object itself, not its wire form
+    with pytest.raises(WeightSyncError, match=r"malformed bucket handle.*got dict"):
+        handle_from_wire({"name": "nrl-abc"})  # an attrs handle after msgpack
+    with pytest.raises(WeightSyncError, match="unknown transport 'pigeon'"):
+        handle_from_wire({"transport": "pigeon"})
+    with pytest.raises(WeightSyncError, match=r"unknown CUDA IPC tensor_cls 'os\.system'"):
+        wire = handle_to_wire(CudaIpcHandle({"GPU-a": _fake_ipc_args(0)}))
+        wire["by_gpu"]["GPU-a"]["tensor_cls"] = "os.system"
+        handle_from_wire(wire)
+    with pytest.raises(WeightSyncError, match="no wire form for a bucket handle of type str"):
+        handle_to_wire("nrl-abc")
+
+
 def test_shm_transport_between_two_ray_actors(ray_cluster, tiny_model_path, tiny_state):
     """A sender actor pushes its (differently initialised) weights into a receiver actor
     through /dev/shm; afterwards both hold bit-identical weights."""

@@ -189,11 +189,17 @@ class RunSession:
 
         env = getattr(config, "env", None)
         env_cpus = ENV_CPUS_PER_WORKER * env.num_workers if env is not None else 0.0
-        self.policy = self._start_policy(resources, env_cpus)
+        shared = self._colocation_bundles(resources)
+        if shared is not None:
+            # Colocated engines first: they check at start-up that the GPU memory they were
+            # told to use is free, which it is only before the policy loads its weights. They
+            # release it (sleep) at the end of start-up, and the policy starts next.
+            self.generate, self.refit = self._generation_backend(shared)
+        self.policy = self._start_policy(resources, env_cpus, shared)
         if env is not None:
             self.env_pool = self._start_environments(env)
-        if hasattr(config, "generation"):
-            self.generate, self.refit = self._generation_backend()
+        if hasattr(config, "generation") and shared is None:
+            self.generate, self.refit = self._generation_backend(None)
         if hasattr(config, "loss"):
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
@@ -284,9 +290,41 @@ class RunSession:
                 file=sys.stderr,
             )
 
-    def _start_policy(self, resources: Any, reserved_cpus: float):
+    def _colocation_bundles(self, resources: Any) -> Any:
+        """The placement group shared by the policy and engines colocated on its GPUs (vLLM or
+        SGLang with ``colocated=true`` on a GPU cluster), or None when nothing is colocated.
+
+        One bundle of 1 GPU + 1 CPU per policy rank; each group takes
+        :data:`~nrl_core.generation.COLOCATED_SHARE` of every bundle, so Ray puts a policy rank
+        and its engine on the same GPU. Removed by :meth:`close` after both groups stopped.
+        """
+        from nrl_core.generation import engines_colocated
+
+        generation = getattr(self.config, "generation", None)
+        if generation is None or resources.total_gpus <= 0:
+            return None
+        spec = self.registry.get("generation", generation.backend, key="generation.backend")
+        if spec.metadata.get("colocated") or not engines_colocated(generation, on_gpu=True):
+            return None  # torch generation runs on the policy ranks; or engines on their own GPUs
+        from ray.util.placement_group import remove_placement_group
+
+        from nrl_core.distributed.worker_group import create_placement_group
+
+        bundles = create_placement_group(
+            self.config.policy.num_workers,
+            num_cpus_per_bundle=1,
+            num_gpus_per_bundle=1,
+            name="policy+generation",
+            timeout_s=self.config.cluster.worker_timeout_s,
+        )
+        # Appended before either group starts, so it runs after both stopped (newest first).
+        self._closers.append(lambda: remove_placement_group(bundles))
+        return bundles
+
+    def _start_policy(self, resources: Any, reserved_cpus: float, shared: Any = None):
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.generation import COLOCATED_SHARE
         from nrl_core.policy import Policy, policy_layout
 
         policy = self.config.policy
@@ -298,6 +336,9 @@ class RunSession:
             if on_gpu
             else max(0.1, min(1.0, (resources.total_cpus - reserved_cpus) / policy.num_workers))
         )
+        gpus = 1.0 if on_gpu else 0.0
+        if shared is not None:  # half of each shared bundle; the engines take the other half
+            cpus, gpus = cpus * COLOCATED_SHARE, gpus * COLOCATED_SHARE
         group = WorkerGroup.start(
             spec.target,
             policy.num_workers,
@@ -306,7 +347,8 @@ class RunSession:
             name="policy",
             python=actor_python(spec, self.config, policy),
             num_cpus_per_worker=cpus,
-            num_gpus_per_worker=1 if on_gpu else 0,
+            num_gpus_per_worker=gpus,
+            placement_group=shared,
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(group.shutdown)
@@ -332,7 +374,9 @@ class RunSession:
         # actors' start: a hung environment fails the run within that, naming the key.
         return EnvironmentPool({"default": group}, step_timeout_s=env.step_timeout_s)
 
-    def _generation_backend(self):
+    def _generation_backend(self, shared: Any):
+        """``(generate, refit)`` of the configured generation; ``shared``: the placement group
+        of engines colocated with the policy (see :meth:`_colocation_bundles`)."""
         generation = self.config.generation
         spec = self.registry.get("generation", generation.backend, key="generation.backend")
         if spec.metadata.get("colocated"):
@@ -346,13 +390,14 @@ class RunSession:
             spec,
             self.config,
             context=self.context_for(spec),
-            policy_group=self.policy.group,
+            shared_bundles=shared,
             on_gpu=self.cluster_resources.total_gpus > 0,
             python=actor_python(spec, self.config, generation),
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(engines.shutdown)
         self.generation_engines = engines
+        # The policy may not exist yet (colocated engines start first): look it up per call.
         return engines.generate, lambda: engines.refit(self.policy)
 
     def _build_loss(self):

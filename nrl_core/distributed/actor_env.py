@@ -537,6 +537,19 @@ def actor_env_setting(
     return "venv"
 
 
+def component_extras(spec: Any, options: Any = None) -> tuple[str, ...]:
+    """The extras of ``spec``'s distribution that its actor venv is built with: the registered
+    ones, plus the extras its ``options`` name in their optional ``required_modules()``
+    (``{module: (extra, setting)}``): an extra that only some settings need and that cannot go
+    into every venv, e.g. the megatron policy's ``te`` with ``transformer_engine=true`` or the
+    dtensor policy's ``lora`` with ``lora_rank`` > 0."""
+    extras = set(spec.extras)
+    required = getattr(options, "required_modules", None)
+    if callable(required):
+        extras.update(extra for extra, _setting in required().values())
+    return tuple(sorted(extras))
+
+
 def actor_python(
     spec: Any, config: Any = None, section: Any = None, *, venv_root: str | Path | None = None
 ) -> str:
@@ -562,7 +575,8 @@ def actor_python(
                 "python, or leave it unset for the plugin's venv"
             )
         return str(path)
-    request = request_for(spec.distribution, spec.extras, spec.plugin)
+    options = section.options_for() if hasattr(section, "options_for") else None
+    request = request_for(spec.distribution, component_extras(spec, options), spec.plugin)
     root = (
         Path(venv_root)
         if venv_root

@@ -223,6 +223,17 @@ def _loopback_env() -> dict[str, str]:
     return env
 
 
+def venv_environment(python: str) -> dict[str, str]:
+    """``VIRTUAL_ENV`` and ``PATH`` for actors running ``python``, when it is a virtualenv's:
+    as if the venv were activated. Ray only swaps the interpreter; tools that look for the venv
+    or its executables (JIT kernel builds call ``ninja`` from PATH, uv reads VIRTUAL_ENV)
+    would otherwise find the driver's. ``${PATH}`` is expanded by Ray on the worker's node."""
+    root = Path(python).parent.parent
+    if not (root / "pyvenv.cfg").is_file():
+        return {}
+    return {"VIRTUAL_ENV": str(root), "PATH": f"{root / 'bin'}:${{PATH}}"}
+
+
 def _with_rank(value: Any, rank: int, world_size: int) -> Any:
     if isinstance(value, ComponentContext):
         return attrs.evolve(value, rank=rank, world_size=world_size)
@@ -351,8 +362,9 @@ class WorkerGroup:
                 "need one bundle per worker"
             )
         runtime_env: dict[str, Any] = {}
-        if env_vars:
-            runtime_env["env_vars"] = dict(env_vars)
+        env = {**venv_environment(python), **(env_vars or {})} if python else dict(env_vars or {})
+        if env:
+            runtime_env["env_vars"] = env
         if python:
             runtime_env["py_executable"] = python
         tag = uuid.uuid4().hex[:6]

@@ -147,7 +147,6 @@ def evaluate(*overrides):
 VLLM = "generation.backend=vllm"
 SGLANG = "generation.backend=sglang"
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
-VENV = {"NRL_ACTOR_ENV": None, "NRL_ACTOR_VENV_LAYER": None}
 
 CASES = [
     # Numeric fields below their minimum (and above their maximum where there is one).
@@ -260,7 +259,6 @@ CASES = [
     ("model_hub_offline", run("grpo", "policy.model_name=nrl-tests/no-such-model-h2"), "policy.model_name=nrl-tests/no-such-model-h2 is not a local folder and not in the Hugging Face cache", OFFLINE),
     ("tokenizer_missing_files", run("grpo", "policy.model_name={d}/no_tokenizer"), "policy.model_name={d}/no_tokenizer has no tokenizer files", {}),
     ("tokenizer_folder_empty", run("sft", "policy.tokenizer_name={d}/empty_model"), "policy.tokenizer_name={d}/empty_model has no tokenizer files", {}),
-    ("lora_without_peft_extra", run("sft", "policy.dtensor.lora_rank=8"), "policy.dtensor.lora_rank=8 needs `peft`", VENV),
     ("actor_env_not_python", run("grpo", "policy.actor_env={d}/no-python"), "policy.actor_env={d}/no-python is not an executable Python interpreter", {}),
     ("cluster_actor_env_file", run("grpo", "cluster.actor_env={d}/afile"), "cluster.actor_env={d}/afile is not an executable Python interpreter", {}),
     # Data files: checked line by line when loaded, before Ray or any worker.
@@ -306,7 +304,7 @@ SUBPROCESS_CASES = [
     "config_binary",
     "policy_backend",
     "model_missing",
-    "lora_without_peft_extra",
+    "actor_env_not_python",
     "plot_garbage_line",
 ]
 

@@ -33,3 +33,15 @@ class ProbeWorker:
 
     def python(self) -> str:
         return sys.executable
+
+    def environ(self, names: list[str]) -> dict[str, str | None]:
+        """The values of environment variables ``names`` in this actor."""
+        import os
+
+        return {name: os.environ.get(name) for name in names}
+
+    def which(self, program: str) -> str | None:
+        """Where ``program`` is found on this actor's PATH."""
+        import shutil
+
+        return shutil.which(program)

@@ -152,8 +152,11 @@ def test_impossible_request_fails_before_any_actor(ray_cluster):
     from nrl_core.distributed.worker_group import WorkerGroup
 
     before = len(ray.util.state.list_actors()) if hasattr(ray.util, "state") else None
+    from nrl_core.testing.pytest_plugin import FAKE_GPUS
+
     with pytest.raises(
-        InsufficientResourcesError, match="policy needs 8 GPUs; the cluster has 0 GPUs and 2 CPUs"
+        InsufficientResourcesError,
+        match=f"policy needs 8 GPUs; the cluster has {FAKE_GPUS} GPUs and 2 CPUs",
     ):
         WorkerGroup.start(
             "nrl_test_workers:EchoWorker", 8, name="policy", num_gpus_per_worker=1, timeout_s=10
@@ -192,3 +195,45 @@ def test_check_resources_messages():
         check_resources(
             [ResourceNeed("policy", 6, 1, 1), ResourceNeed("generation", 4, 1, 1)], nodes
         )
+
+
+@pytest.mark.gpu_sim
+def test_actors_of_a_venv_run_as_if_it_were_activated(ray_cluster, worker_env, tmp_path):
+    """An actor venv's executables come first on PATH (GPU kernels' JIT builds run `ninja`
+    from PATH) and VIRTUAL_ENV names it; the rest of PATH is kept."""
+    import os
+    import site
+    import subprocess
+    import sys
+
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    venv = tmp_path / "actor-venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # The actor imports ray, torch and nrl from the dev environment, as a plugin venv would
+    # have its own copies of them.
+    (next(venv.glob("lib/python*/site-packages")) / "dev.pth").write_text(
+        "\n".join(site.getsitepackages()) + "\n"
+    )
+    tool = venv / "bin" / "ninja"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+
+    group = WorkerGroup.start(
+        "nrl_probe_workers:ProbeWorker",
+        1,
+        name="venv-env",
+        python=str(venv / "bin" / "python"),
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        timeout_s=60,
+    )
+    try:
+        env = group.run_one(0, "environ", ["VIRTUAL_ENV", "PATH"])
+        assert env["VIRTUAL_ENV"] == str(venv)
+        path = env["PATH"].split(os.pathsep)
+        assert path[0] == str(venv / "bin")
+        assert "${PATH}" not in env["PATH"] and len(path) > 1  # Ray expanded the old PATH
+        assert group.run_one(0, "which", "ninja") == str(tool)
+    finally:
+        group.shutdown()

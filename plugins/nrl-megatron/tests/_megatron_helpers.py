@@ -135,3 +135,100 @@ def sequences_batch(prompts: list[list[int]], generated: list[list[int]]) -> Bat
             "lengths": torch.tensor([len(r) for r in rows]),
         }
     )
+
+
+class ParallelStateProbe:
+    """Runs in a spawned rank: sets up ``torch.distributed`` (gloo) and a one-rank Megatron
+    ``parallel_state``, which building any Megatron module needs; test functions then run on
+    it through ``SpawnGroup.run_all(fn, ...)``."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1)
+
+
+def build_with_gpu_config(_probe, path: str) -> dict:
+    """In a spawned rank with ``parallel_state`` up: the GPU path's ``TransformerConfig``
+    (bfloat16, ``on_gpu=True``), the local-spec ``GPTModel`` built from it on the host, and a
+    forward of it next to Hugging Face's float32 logits."""
+    import dataclasses
+
+    from nrl_megatron.convert import ModelShape, hf_to_megatron
+    from nrl_megatron.model import build_gpt_model, transformer_config
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = transformer_config(hf.config, dtype=torch.bfloat16, on_gpu=True)
+    fused = (
+        "persist_layer_norm",
+        "masked_softmax_fusion",
+        "bias_dropout_fusion",
+        "bias_activation_fusion",
+        "gradient_accumulation_fusion",
+    )
+    flags = {name: getattr(config, name) for name in fused}
+    # The one GPU-only step: allocating the weights on torch.cuda.current_device(). Everything
+    # else (every module's constructor and its asserts, the bf16 forward) is the GPU config's.
+    host = dataclasses.replace(config, use_cpu_initialization=True)
+    model = build_gpt_model(hf.config, host).eval()
+    state = hf_to_megatron(hf.state_dict(), ModelShape.from_hf_config(hf.config))
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
+    ids = torch.randint(7, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12)[None, :].expand(2, -1)
+    with torch.no_grad():
+        got = model(ids, positions, None).float()
+        want = hf(input_ids=ids).logits
+    return {
+        "use_cpu_initialization": config.use_cpu_initialization,
+        "bf16": config.bf16,
+        "flags": flags,
+        "param_dtypes": {p.dtype for p in model.parameters()},
+        "got": got,
+        "want": want,
+    }
+
+
+class ParameterStateOptimizer:
+    """The checkpoint contract of Megatron-Core 0.16.1's ``DistributedOptimizer`` around the
+    CPU worker's torch optimizer (the real one needs CUDA): ``state_dict()`` holds the
+    parameter groups but no per-parameter state (Adam's moments, main weights;
+    ``optimizer/distrib_optimizer.py:628-634``), ``load_state_dict`` leaves fresh state behind
+    (``:690``), and only ``save_parameter_state`` / ``load_parameter_state`` carry that state."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+    @property
+    def param_groups(self) -> list:
+        return self.inner.param_groups
+
+    def state_dict(self) -> dict:
+        return {"param_groups": self.inner.state_dict()["param_groups"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
+
+    def save_parameter_state(self, filename: str) -> None:
+        torch.save(self.inner.state_dict()["state"], filename)
+
+    def load_parameter_state(self, filename: str) -> None:
+        state = self.inner.state_dict()
+        state["state"] = torch.load(filename, weights_only=True)
+        self.inner.load_state_dict(state)
+
+
+def checkpoint_through_parameter_state(worker, action: str, path: str) -> None:
+    """``worker.save_checkpoint(path)`` or ``load_checkpoint(path)`` with its optimizer seen as
+    the GPU path sees Megatron's distributed optimizer (:class:`ParameterStateOptimizer`)."""
+    inner = worker.optimizer
+    worker.optimizer = worker.megatron_optimizer = ParameterStateOptimizer(inner)
+    try:
+        getattr(worker, action)(path)
+    finally:
+        worker.optimizer, worker.megatron_optimizer = inner, None

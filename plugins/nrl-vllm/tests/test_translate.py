@@ -117,6 +117,21 @@ def test_engine_kwargs_from_config():
         VllmConfig(sleep_level=3)
 
 
+@pytest.mark.gpu_sim
+def test_tensor_parallel_engines_start_their_workers_as_processes():
+    """An engine actor holds one ``{GPU: tp}`` bundle. Unset, vLLM 0.32 would pick its Ray
+    executor there (vllm/config/parallel.py:1035-1077: inside a placement group) and that
+    refuses bundles of more than one GPU (vllm/v1/executor/ray_utils.py:584-596); ``mp``
+    starts the TP workers on the actor's own GPUs. One GPU: ``uni``, no worker processes."""
+    tp2 = engine_kwargs(VllmConfig(tensor_parallel_size=2, colocated=False), "m", seed=0)
+    assert tp2["distributed_executor_backend"] == "mp"
+    tp4 = engine_kwargs(VllmConfig(tensor_parallel_size=4, colocated=False), "m", seed=0)
+    assert tp4["distributed_executor_backend"] == "mp"
+    for colocated in (True, False):
+        tp1 = engine_kwargs(VllmConfig(colocated=colocated), "m", seed=0)
+        assert tp1["distributed_executor_backend"] == "uni"
+
+
 def _request(rid, ids, lps, reason):
     positions = [{t: Logprob(lp, rank=1)} for t, lp in zip(ids, lps, strict=True)]
     return RequestOutput(rid, [CompletionOutput(0, "", ids, sum(lps), positions, reason)])

@@ -34,6 +34,7 @@ from nrl_core.policy_setup import (
     LazyReference,
     logprob_temperature,
     model_and_tokenizer,
+    move_optimizer_state,
     policy_dtype,
 )
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
@@ -89,8 +90,10 @@ class DTensorPolicyWorker:
             dist.is_available() and dist.is_initialized()
         )
         if self.device_type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(self.device)
+            from nrl_core.distributed.devices import select_cuda_device
+
+            # Ray shows each rank only its own GPU(s): its local rank is no device index.
+            self.device = select_cuda_device()
         else:
             self.device = torch.device("cpu")
         if self.distributed and not dist.is_initialized():
@@ -395,6 +398,38 @@ class DTensorPolicyWorker:
         self._set_rng_state(extra["rng"])
         self._barrier()
 
+    # -- colocated engines: hand the GPU memory over -------------------------------------------
+
+    def offload(self, what: list[str]) -> None:
+        """Move ``"optimizer"`` state and/or ``"weights"`` (the policy and, if built, the
+        reference model) to CPU memory and empty the CUDA cache, for generation engines
+        colocated on this GPU; :meth:`onload` brings them back. No-op on CPU, and for the
+        weights when ``cpu_offload`` already keeps them in host memory."""
+        if self.device_type != "cuda":
+            return
+        if "optimizer" in what:
+            move_optimizer_state(self.optimizer, "cpu")
+        if "weights" in what and not self.options.cpu_offload:
+            for model in self._models():
+                model.to("cpu")
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back to the GPU what :meth:`offload` moved (moving what is already there is a
+        no-op)."""
+        if self.device_type != "cuda":
+            return
+        if not self.options.cpu_offload:
+            for model in self._models():
+                model.to(self.device)
+        move_optimizer_state(self.optimizer, self.device)
+        torch.cuda.synchronize(self.device)
+
+    def _models(self) -> list:
+        built = self.reference.built  # never built here: offloading must not load a model
+        return [self.model] if built is None else [self.model, built]
+
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier()
@@ -447,16 +482,9 @@ class DTensorPolicyWorker:
         actor method cannot return :meth:`state_dict_buckets`' generator, so it is consumed
         here). Rank 0 returns the :class:`~nrl_core.weight_sync.RefitStats`, others None."""
 
-        def gather(obj):
-            if not self.distributed:
-                return [obj]
-            out = [None] * self.world_size
-            dist.all_gather_object(out, obj)
-            return out
+        from nrl_core.weight_sync import push_from_rank
 
-        return sender.send(
-            self.state_dict_buckets(bucket_bytes), rank=self.rank, gather_object=gather
-        )
+        return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
 
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int

@@ -16,3 +16,14 @@ class MegatronConfig:
     transformer_engine: bool = option(
         False, "Use the Transformer Engine layer spec (GPU, extra `te`)."
     )
+
+    def required_modules(self) -> dict[str, tuple[str, str]]:
+        """Modules the policy's actors must import for these options: ``{module: (extra of
+        nrl-megatron that installs it, the setting that needs it)}``, checked by the driver
+        before anything starts (:func:`nrl_core.preflight.check_component_requirements`); the
+        actor venv is built with those extras
+        (:func:`nrl_core.distributed.actor_env.component_extras`). Transformer Engine is not a
+        registered extra: it builds only against CUDA, so it cannot go into every venv."""
+        if self.transformer_engine:
+            return {"transformer_engine": ("te", "transformer_engine=true")}
+        return {}

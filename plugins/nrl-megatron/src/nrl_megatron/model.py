@@ -156,6 +156,36 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     )
 
 
+UNFUSED: dict[str, bool] = {
+    "persist_layer_norm": False,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "bias_activation_fusion": False,
+    "gradient_accumulation_fusion": False,
+}
+"""Megatron-Core's fusion switches, all off on CPU *and* GPU (they are also 0.16.1's defaults,
+``transformer/transformer_config.py:354-371``, ``model_parallel_config.py:168``). Checked
+against what the layer specs this module builds do with each:
+
+- ``persist_layer_norm``: the local spec's RMSNorm is ``WrappedTorchNorm``
+  (``models/backends.py:104-111``), which asserts it is off (``transformer/torch_norm.py:30``,
+  with ``layernorm_zero_centered_gamma``, ``sequence_parallel`` and
+  ``memory_efficient_layer_norm``, all off here). Turning it on for GPU stopped the GPU path at
+  the first layer.
+- ``masked_softmax_fusion``: read only by Megatron's own ``DotProductAttention``
+  (``transformer/dot_product_attention.py:104``), which the local spec here replaces with
+  :class:`SDPAttention`; the Transformer Engine spec does not read it.
+- ``bias_dropout_fusion``: selects ``torch.compile``-d bias-dropout-add functions
+  (``fusions/fused_bias_dropout.py:67-90``, ``jit.py:21``). These layers have no linear bias and
+  ``hidden_dropout=0``, so there is nothing to fuse, and each new sequence length would
+  recompile.
+- ``bias_activation_fusion``: fuses fc1's bias into the activation (``transformer/mlp.py:171``,
+  jit-compiled kernels); these layers have no linear bias.
+- ``gradient_accumulation_fusion``: needs APEX's ``fused_weight_gradient_mlp_cuda``
+  (``tensor_parallel/layers.py:924``), which is no dependency of this plugin.
+"""
+
+
 def transformer_config(
     hf_config: Any,
     *,
@@ -195,12 +225,7 @@ def transformer_config(
         # Weights come from the HF checkpoint: skip Megatron's random init, build on the host.
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,
-        # Fused kernels are CUDA-only; off on CPU, Megatron-Core's defaults on GPU.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
+        **UNFUSED,
     )
 
 
@@ -252,6 +277,13 @@ def build_gpt_model(
             rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
             use_cpu_initialization=True,
         )
+    if config.params_dtype != torch.float32:
+        # The local spec's RMSNorm (torch.nn.RMSNorm through WrappedTorchNorm) ignores
+        # params_dtype and is built in float32. Megatron's trainer casts the whole model for
+        # bf16 (Float16Module: ``module.bfloat16()``, megatron-core 0.16.1
+        # ``transformer/module.py:440``); cast it the same way, keeping the GPTModel itself
+        # (its state-dict names are what the converter and checkpoints use).
+        model = model.to(config.params_dtype)
     mark_tensor_parallel_params(model)
     return model
 

@@ -118,6 +118,7 @@ class MegatronPolicyWorker:
         )
         self._build_optimizer()
         self.step = 0
+        self._offloaded: set[str] = set()  # "optimizer"/"weights" in CPU memory (offload)
 
         self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None  # built on the first colocated generate call
@@ -126,8 +127,11 @@ class MegatronPolicyWorker:
 
     def _init_distributed(self) -> None:
         if self.on_gpu:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(self.device)
+            from nrl_core.distributed.devices import select_cuda_device
+
+            # Under Ray each rank sees only its own GPU (CUDA_VISIBLE_DEVICES narrowed), so
+            # the local rank is no device index here; the core makes the choice for all plugins.
+            self.device = select_cuda_device()
         else:
             self.device = torch.device("cpu")
         backend = "nccl" if self.on_gpu else "gloo"
@@ -432,11 +436,24 @@ class MegatronPolicyWorker:
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
+    def _parameter_state_file(self, path: str) -> str:
+        # One file per model-parallel rank: every tensor-parallel rank is data-parallel rank 0
+        # of its own group and writes its own shard's state (pipeline parallelism is refused).
+        return str(Path(path) / f"distopt_tp{self.tp_rank}.pt")
+
     def save_checkpoint(self, path: str) -> None:
         """Save this rank's model shard, optimizer, step and RNG states under ``path``.
 
         One file per rank (``rank{N}.pt``): restoring needs the same parallel layout. (Megatron's
         ``dist_checkpointing`` would allow resharding; not wired yet, see docs/megatron.md.)
+
+        GPU (Megatron's distributed optimizer): its ``state_dict()`` holds only the parameter
+        groups and the grad scaler; Adam's ``exp_avg``/``exp_avg_sq`` and the float32 main
+        weights are its *parameter state* (megatron-core 0.16.1
+        ``optimizer/distrib_optimizer.py:628-634``), which ``save_parameter_state`` gathers over
+        the data-parallel group and writes on its rank 0 (``distrib_optimizer.py:1126``,
+        through ``ChainedOptimizer.save_parameter_state``, ``optimizer/optimizer.py:1340``) into
+        ``distopt_tp{T}.pt``. Without it a resume would silently restart Adam from zero.
         """
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save(
@@ -449,6 +466,9 @@ class MegatronPolicyWorker:
             },
             Path(path) / f"rank{self.rank}.pt",
         )
+        if self.megatron_optimizer is not None:
+            # A collective over the data-parallel group (gloo gather); all ranks call it.
+            self.megatron_optimizer.save_parameter_state(self._parameter_state_file(path))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -465,12 +485,89 @@ class MegatronPolicyWorker:
             )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.megatron_optimizer is not None:
+            # load_state_dict() above allocated placeholder moments (distrib_optimizer.py:690);
+            # the parameter state file fills them and the main weights, scattered from
+            # data-parallel rank 0 (distrib_optimizer.py:2253, 1965).
+            state_file = self._parameter_state_file(path)
+            if not Path(state_file).is_file():
+                raise MegatronSetupError(
+                    f"checkpoint {path} has no {Path(state_file).name} (the distributed "
+                    "optimizer's moments and main weights); resume from a checkpoint written "
+                    "by a GPU run of the megatron policy"
+                )
+            self.megatron_optimizer.load_parameter_state(state_file)
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if "cuda" in state["rng"] and self.on_gpu:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         dist.barrier()
+
+    # -- colocated engines: hand the GPU memory over -------------------------------------------
+
+    def offload(self, what: list[str]) -> None:
+        """Move ``"optimizer"`` and/or ``"weights"`` to CPU memory and empty the CUDA cache, for
+        generation engines colocated on this GPU; :meth:`onload` brings them back. No-op on
+        CPU (nothing to hand over), and for what is already offloaded.
+
+        - ``"optimizer"``: the distributed optimizer's Adam moments and float32 main weights,
+          with Megatron-Core's own RL hook ``offload_to_cpu`` (0.16.1
+          ``optimizer/optimizer.py:344``, chained at ``:1414``).
+        - ``"weights"``: the parameters and gradients, which Megatron's DDP keeps in flat
+          buffers: their storage goes to pinned CPU memory and is freed on the GPU
+          (``distributed/param_and_grad_buffer.py:964``; the parameter views stay valid
+          objects), plus the frozen reference model if it was built.
+        """
+        unknown = sorted(set(what) - {"optimizer", "weights"})
+        if unknown:
+            raise MegatronSetupError(
+                f"offload got {unknown}; the megatron policy offloads 'optimizer' and 'weights'"
+            )
+        if not self.on_gpu:
+            return
+        todo = [part for part in ("optimizer", "weights") if part in what]
+        todo = [part for part in todo if part not in self._offloaded]
+        if "optimizer" in todo and "weights" in self._offloaded:
+            # With float32 weights the optimizer's shards are views of the parameter buffer,
+            # which offloaded weights have emptied: bring it back to copy them out first.
+            self._reload_weights()
+            todo.append("weights")
+        if "optimizer" in todo:
+            self.megatron_optimizer.offload_to_cpu()
+        if "weights" in todo:
+            torch.cuda.synchronize(self.device)  # no kernel may still read the buffers
+            for buffer in self._ddp_buffers():
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+            if self.reference.built is not None:  # never build it just to offload it
+                self.reference.built.to("cpu")
+        self._offloaded.update(todo)
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back to the GPU what :meth:`offload` moved (nothing if nothing was).
+        Gradients come back zeroed, as they are between optimizer steps."""
+        if not self.on_gpu or not self._offloaded:
+            return
+        if "weights" in self._offloaded:
+            self._reload_weights()
+        if "optimizer" in self._offloaded:
+            # For float32 weights the optimizer's shards were views of the parameter buffer;
+            # after the round trip they are copies, which Megatron copies back into the buffer
+            # after every step (distrib_optimizer.py:2429), so training stays exact.
+            self.megatron_optimizer.restore_from_cpu()  # optimizer.py:364
+        self._offloaded.clear()
+        torch.cuda.synchronize(self.device)
+
+    def _reload_weights(self) -> None:
+        for buffer in self._ddp_buffers():
+            buffer.reload_from_cpu(move_params=True, move_grads=True)  # param_and_grad_buffer:979
+        if self.reference.built is not None:
+            self.reference.built.to(self.device)
+
+    def _ddp_buffers(self) -> list:
+        """Megatron DDP's parameter-and-gradient buffers (distributed_data_parallel.py:591)."""
+        return [*self.model.buffers, *self.model.expert_parallel_buffers]
 
     # -- export and refit ------------------------------------------------------------------------
 
@@ -499,6 +596,31 @@ class MegatronPolicyWorker:
         te = self.options.transformer_engine
         named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
         yield from iter_buckets(named, bucket_bytes)
+
+    def push_weights(self, sender, bucket_bytes: int):
+        """Send the full, tensor-parallel-gathered weights, in Hugging Face names (what vLLM and
+        SGLang load), to generation engines through ``sender`` (a
+        :class:`nrl_core.weight_sync.WeightSender`) in buckets of at most ``bucket_bytes``.
+
+        A collective: call on all ranks (the gathers run on every rank; rank 0 talks to the
+        engines). A Ray actor method cannot return :meth:`state_dict_buckets`' generator, so it
+        is consumed here. Rank 0 returns the :class:`~nrl_core.weight_sync.RefitStats`, others
+        None.
+        """
+
+        from nrl_core.weight_sync import push_from_rank
+
+        return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
+
+    def init_weight_sync_group(
+        self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """Join the NCCL refit group with the engines (the ``nccl`` transport). Only rank 0
+        sends, so only rank 0 joins; the other ranks return at once."""
+        from nrl_core.weight_sync import init_nccl_group
+
+        if self.rank == 0:
+            init_nccl_group(name, master_addr, master_port, rank_offset, world_size, self.device)
 
     def export_hf(self, path: str) -> None:
         """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0

@@ -101,6 +101,27 @@ def per_request_kwargs(
     return out
 
 
+def executor_backend(tensor_parallel_size: int) -> str:
+    """vLLM's ``distributed_executor_backend`` for an engine actor of ``tensor_parallel_size``
+    GPUs.
+
+    nrl starts each engine as ONE Ray actor holding ONE placement-group bundle of
+    ``{GPU: tp}`` (:func:`nrl_core.generation.start_generation_engines`); Ray narrows the
+    actor's ``CUDA_VISIBLE_DEVICES`` to those GPUs. Left to choose, vLLM 0.32 takes its Ray
+    executor whenever it runs inside a Ray placement group and tp > 1
+    (``vllm/config/parallel.py:1035-1077``: ``get_current_placement_group()`` -> ``"ray"``),
+    and that executor refuses any bundle of more than one GPU
+    (``vllm/v1/executor/ray_utils.py:584-596``). ``"mp"`` instead starts the tensor-parallel
+    workers as child processes on the actor's GPUs: they inherit ``CUDA_VISIBLE_DEVICES``
+    and use local ranks 0..tp-1 as device indices (``vllm/v1/worker/gpu_worker.py:492-501``);
+    inside a Ray actor vLLM already switches to the ``spawn`` start method itself
+    (``vllm/utils/system_utils.py:122-161``), so nothing else needs setting. One GPU needs no
+    worker processes: ``"uni"``, which is also vLLM's own choice for a world size of 1
+    (``vllm/config/parallel.py:1079-1080``), spelled out rather than left to that default.
+    """
+    return "mp" if tensor_parallel_size > 1 else "uni"
+
+
 def engine_kwargs(
     options: Any, model: str, *, seed: int, generation: Any | None = None
 ) -> dict[str, Any]:
@@ -125,6 +146,7 @@ def engine_kwargs(
         # Prompts come as token ids; prefix caching would serve stale KV after a refit unless
         # reset, which finish_weight_update does.
         "enable_prefix_caching": True,
+        "distributed_executor_backend": executor_backend(options.tensor_parallel_size),
     }
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len

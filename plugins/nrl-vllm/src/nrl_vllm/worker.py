@@ -19,7 +19,7 @@ from typing import Any
 
 from nrl_core.errors import NotImplementedYet, NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
-from nrl_core.weight_sync import BucketHandle, BucketMeta, pack_bucket
+from nrl_core.weight_sync import BucketHandle, BucketMeta, handle_to_wire, pack_bucket
 from nrl_vllm.config import VllmConfig
 from nrl_vllm.translate import engine_kwargs, per_request_kwargs, to_generation_output
 
@@ -140,8 +140,13 @@ class VllmGenerationWorker:
             self.wake_up(tags=["weights"])
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
-        """Load one bucket on every tensor-parallel worker of this engine."""
-        received = self._rpc("nrl_receive_bucket", meta, handle)
+        """Load one bucket on every tensor-parallel worker of this engine.
+
+        ``meta`` and ``handle`` go to the workers in their wire form (plain dicts):
+        ``collective_rpc`` msgpack-encodes its arguments for the engine-core process
+        (vllm/v1/engine/core_client.py:1091-1098, vllm/v1/serial_utils.py:135-234), which
+        would turn the attrs objects into dicts and refuse CUDA IPC's Python types."""
+        received = self._rpc("nrl_receive_bucket", meta.to_wire(), handle_to_wire(handle))
         return int(received[0]) if received else 0
 
     def finish_weight_update(self) -> None:
@@ -189,9 +194,13 @@ class VllmGenerationWorker:
         return self._rpc("nrl_weights_checksum")[0]
 
     def shutdown(self) -> None:
-        """Stop the engine's processes."""
+        """Stop the engine's processes (engine core and tensor-parallel workers)."""
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "shutdown"):
-            engine.shutdown()
+            engine.shutdown()  # AsyncLLM (vllm/v1/engine/async_llm.py:296)
+        elif engine is not None:
+            # vllm.LLM 0.32 has no shutdown(); its engine-core client does
+            # (vllm/v1/engine/core_client.py:401 in process, :766 for the engine-core process).
+            engine.llm_engine.engine_core.shutdown()
         if self._loop is not None:
             self._loop.close()

@@ -1,0 +1,256 @@
+"""The megatron policy's GPU path, pinned on CPU (``gpu_sim``): the GPU ``TransformerConfig``
+builds a real model, the ``te`` extra reaches the actor venv, refit into a generation endpoint
+through the core's ``WeightSender``, offload/onload, and the device choice.
+
+The refit and offload tests run the policy as real Ray actors of the core's ``WorkerGroup`` on
+the session's Ray head (``ray_cluster``), as a run does: ``WeightSender`` reaches the engines
+through Ray actor handles.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _megatron_helpers import TokenMeanNLL, build_with_gpu_config, make_batch, requires_megatron
+
+from nrl_core.policy import Policy
+
+TESTS = Path(__file__).resolve().parent
+WORKER = "nrl_megatron.worker:MegatronPolicyWorker"
+
+
+def _config(path):
+    from test_megatron import make_config
+
+    return make_config(path)
+
+
+def _context(config):
+    from nrl_core.interfaces import ComponentContext
+
+    return ComponentContext(config=config, seed=config.seed)
+
+
+# -- (10) the GPU TransformerConfig -------------------------------------------------------------
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_gpu_transformer_config_builds_the_local_spec_model(tiny_path, pool1, start_group):
+    """``persist_layer_norm=True`` (the GPU config before) made ``WrappedTorchNorm`` assert at
+    the first layer; the GPU config now builds and runs the whole local-spec model."""
+    probe = start_group(pool1, "_megatron_helpers:ParallelStateProbe", (), name="gpu-config")
+    out = probe.run_all(build_with_gpu_config, str(tiny_path))[0]
+    assert out["use_cpu_initialization"] is False  # the GPU path allocates on the GPU
+    assert out["bf16"] is True
+    assert out["flags"] == dict.fromkeys(out["flags"], False)
+    assert out["param_dtypes"] == {torch.bfloat16}
+    assert out["want"].abs().max() > 0.05
+    # bfloat16 weights and activations against float32: close, not equal.
+    assert (out["got"] - out["want"]).abs().max() < 0.1
+
+
+# -- (11) the te extra in the actor venv --------------------------------------------------------
+
+
+def _structured(registry, megatron: dict, **policy):
+    """A GRPO config with the megatron policy, structured by the core's config converter (the
+    ``policy.megatron`` section becomes the plugin's ``MegatronConfig``)."""
+    from nrl_core.config.loader import ConfigConverter
+    from nrl_core.config.schema import GRPOConfig
+
+    data = {"policy": {"backend": "megatron", "megatron": megatron, **policy}}
+    return ConfigConverter(registry).structure(data, GRPOConfig)
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize(("te", "extras"), [(True, ("engine", "te")), (False, ("engine",))])
+def test_te_extra_reaches_the_actor_venv(te, extras, nrl_registry, monkeypatch):
+    """The venv request the core builds the policy's actors from (structured config -> options
+    -> extras -> ``request_for``) has ``te`` exactly when ``transformer_engine=true``."""
+    from nrl_core.distributed.actor_env import component_extras, request_for
+    from nrl_core.preflight import check_component_requirements
+
+    monkeypatch.delenv("NRL_ACTOR_ENV", raising=False)
+    monkeypatch.delenv("NRL_ACTOR_VENV_LAYER", raising=False)
+    config = _structured(nrl_registry, {"transformer_engine": te})
+    spec = nrl_registry.get("policy", "megatron")
+    got = component_extras(spec, config.policy.options_for())
+    assert got == extras
+    assert request_for(spec.distribution, got, spec.plugin).extras == extras
+    # The driver's check agrees: the venv will have transformer_engine, nothing to refuse.
+    check_component_requirements(config, nrl_registry)
+
+
+@pytest.mark.gpu_sim
+def test_transformer_engine_missing_from_a_system_env_is_one_line(nrl_registry, monkeypatch):
+    import importlib.util
+
+    from nrl_core.errors import ConfigError
+    from nrl_core.preflight import check_component_requirements
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.fail("this test needs an environment without transformer_engine (CPU CI)")
+    monkeypatch.delenv("NRL_ACTOR_ENV", raising=False)
+    config = _structured(nrl_registry, {"transformer_engine": True}, actor_env="system")
+    with pytest.raises(ConfigError) as error:
+        check_component_requirements(config, nrl_registry)
+    message = str(error.value)
+    assert message.startswith("policy.megatron.transformer_engine=true needs `transformer_engine`")
+    assert "nrl-megatron[te]" in message and "\n" not in message
+
+
+# -- (12) and (4): refit and offload on real Ray actors -----------------------------------------
+
+
+def _start(target: str, num_workers: int, args: tuple, name: str, layout=None):
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    return WorkerGroup.start(
+        target,
+        num_workers,
+        args=args,
+        name=name,
+        layout=layout,
+        num_cpus_per_worker=0.25,
+        timeout_s=300,
+        # The loss (TokenMeanNLL) is imported by name in the actors.
+        env_vars={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_policy(ray_cluster, tiny_path):
+    """One megatron policy rank as a Ray actor, trained one step (its weights differ from the
+    checkpoint); returns ``(group, policy facade)``."""
+    from nrl_megatron.config import MegatronConfig
+
+    from nrl_core.policy import policy_layout
+
+    config = _config(tiny_path)
+    options = MegatronConfig()
+    group = _start(WORKER, 1, (options, _context(config)), "policy", policy_layout(options))
+    policy = Policy.from_config(group, config.policy)
+    policy.train(make_batch(8, seed=11), TokenMeanNLL())
+    yield group, policy
+    group.shutdown()
+
+
+def _sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_refit_into_an_engine_endpoint_is_bit_exact(ray_policy, tiny_path, tmp_path):
+    """``push_weights`` through the core's ``WeightSender`` (shm transport) into a
+    ``StateDictEndpoint`` actor (the reference engine): the endpoint then holds exactly the
+    policy's exported Hugging Face weights. Before, the worker had no ``push_weights``."""
+    from safetensors.torch import load_file
+
+    from nrl_core.weight_sync import RefitStats, WeightSender
+
+    group, _ = ray_policy
+    engine = _start("nrl_core.weight_sync:StateDictEndpoint", 1, (str(tiny_path), 7), "engine")
+    try:
+        before = engine.run_one(0, "digest")
+        results = group.run_all(
+            "push_weights", WeightSender(receivers=list(engine.actors)), 64 << 10
+        )
+        stats = [r for r in results if r is not None]
+        assert len(stats) == 1 and isinstance(stats[0], RefitStats)
+        assert stats[0].buckets > 1  # several buckets: the bucketing is exercised
+        group.run_all("export_hf", str(tmp_path / "hf"))
+        exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+        after = engine.run_one(0, "digest")
+        assert after == {name: _sha(t) for name, t in exported.items()}
+        assert stats[0].tensors == len(exported)
+        assert stats[0].bytes == sum(t.numel() * t.element_size() for t in exported.values())
+        checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
+        # The trained weights arrived, not the checkpoint's, and not the endpoint's own.
+        assert after != {name: _sha(t) for name, t in checkpoint.items()}
+        assert after != before
+    finally:
+        engine.shutdown()
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_offload_and_onload_are_cpu_no_ops(ray_policy):
+    """The colocated-engine hooks exist and change nothing on CPU: logprobs and the next
+    training step are those of a policy that was never offloaded. Unknown parts are refused."""
+    from nrl_core.distributed.errors import WorkerError
+
+    group, policy = ray_policy
+    batch = make_batch(4, seed=12)
+    before = policy.get_logprobs(batch)
+    group.run_all("offload", ["optimizer"])
+    group.run_all("offload", ["optimizer", "weights"])  # twice: already offloaded is fine
+    group.run_all("onload")
+    group.run_all("onload")
+    torch.testing.assert_close(policy.get_logprobs(batch), before, rtol=0, atol=0)
+    with pytest.raises(WorkerError, match="offloads 'optimizer' and 'weights'"):
+        group.run_all("offload", ["kv_cache"])
+
+
+# -- (2) the device choice ----------------------------------------------------------------------
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_the_worker_takes_its_gpu_from_the_core_not_local_rank():
+    """Static, because the choice runs only with CUDA (``torch.cuda.set_device``): under Ray
+    each rank sees only its own GPU, so ``cuda:LOCAL_RANK`` does not exist on rank 1 of a
+    node. The worker must call the core's ``select_cuda_device`` (tested with fake Ray GPUs in
+    the core) and never read ``LOCAL_RANK``."""
+    from nrl_megatron import worker
+
+    assert "LOCAL_RANK" not in inspect.getsource(worker)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(worker.MegatronPolicyWorker)))
+    init = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name == "_init_distributed"
+    )
+    called = {
+        n.func.id
+        for n in ast.walk(init)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
+    assert "select_cuda_device" in called
+
+
+# -- (13) checkpoints keep the distributed optimizer's parameter state ----------------------------
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_resume_keeps_the_optimizer_state_the_distributed_optimizer_keeps_apart(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """A checkpoint of an optimizer whose ``state_dict()`` omits Adam's moments (as Megatron's
+    distributed optimizer's does) still resumes the same update: the moments travel through
+    its parameter-state file. Without it, a resume restarts Adam from zero."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    batch = make_batch(8, seed=5)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    megatron.train(batch, TokenMeanNLL())  # Adam now has moments
+    ckpt = str(tmp_path / "ckpt")
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", ckpt)
+    assert (tmp_path / "ckpt" / "distopt_tp0.pt").is_file()
+    uninterrupted = megatron.train(batch, TokenMeanNLL())
+
+    group.run_all(checkpoint_through_parameter_state, "load_checkpoint", ckpt)
+    resumed = megatron.train(batch, TokenMeanNLL())
+    assert resumed == uninterrupted

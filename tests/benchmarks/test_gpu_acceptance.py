@@ -1,0 +1,121 @@
+"""benchmarks/gpu_acceptance.py in its CPU mode, so that the GPU acceptance script cannot rot.
+
+The CPU mode runs the same stage functions as the GPU mode (tiny model, gloo, float32, the shm
+transport instead of CUDA IPC); only the device differs. Megatron-Core is not in the dev venv,
+so its stage must SKIP here, with its reason, and PASS where it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_acceptance.py"
+STAGES = ["model", "dtensor", "generation", "cuda_ipc_refit", "megatron", "grpo_step"]
+
+
+def have_megatron() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_cpu_mode_passes_every_stage_and_reports_its_figures(tmp_path):
+    out = tmp_path / "report.json"
+    result = run_script(
+        "--device",
+        "cpu",
+        "--jobs",
+        "3",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["profile"]["name"] == "tiny"
+    assert report["versions"]["torch"] and report["versions"]["ray"]
+    stages = {s["name"]: s for s in report["stages"]}
+    assert list(stages) == STAGES  # the report keeps stage order, whatever finished first
+    for stage in stages.values():
+        assert stage["status"] in ("PASS", "SKIP"), stage
+        if stage["status"] == "SKIP":
+            assert stage["reason"], stage
+        assert Path(stage["log"]).is_file()
+    # One summary line per stage on stdout.
+    lines = [line for line in result.stdout.splitlines() if line.split(" ")[0] in ("PASS", "SKIP")]
+    assert sorted(line.split(" ")[1] for line in lines) == sorted(STAGES)
+
+    assert stages["model"]["figures"]["params_m"] > 0
+    dtensor = stages["dtensor"]["figures"]
+    assert dtensor["backend"] == "gloo" and dtensor["fsdp"] is True
+    assert dtensor["train_tokens_per_s"] > 0 and dtensor["logprob_tokens_per_s"] > 0
+    assert dtensor["loss_last"] < dtensor["loss_first"]
+    assert dtensor["peak_mem_gb"] > 0
+    # The colocated hand-over (offload/onload) is a no-op on CPU; the step after still trains.
+    assert dtensor["offload_freed_gb"] == 0
+    assert dtensor["loss_after_onload"] < dtensor["loss_last"]
+    assert stages["generation"]["figures"]["tokens_per_s"] > 0
+    refit = stages["cuda_ipc_refit"]["figures"]
+    assert refit["transport"] == "shm" and refit["bit_exact"] is True
+    assert refit["gb_per_s"] > 0 and refit["buckets"] > 1
+    assert refit["wire_form_gb_per_s"] > 0  # the msgpack wire-form pass was bit-exact too
+    assert len(set(refit["processes"])) == 2  # two processes, as on the GPU
+    if have_megatron():
+        assert stages["megatron"]["status"] == "PASS"
+        assert stages["megatron"]["figures"]["optimizer"] == "torch"
+    else:
+        assert stages["megatron"]["status"] == "SKIP"
+        assert "megatron-core not installed" in stages["megatron"]["reason"]
+    grpo = stages["grpo_step"]["figures"]
+    assert grpo["steps"] == 2 and grpo["tokens_per_s"] > 0 and grpo["step_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--only", "dtensor,nope"], "--only: unknown stage 'nope'"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--budget-s", "0"], "--budget-s must be above 0"),
+    ],
+)
+def test_bad_arguments_get_one_error_line_and_exit_2(args, message):
+    result = run_script("--device", "cpu", *args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert message in result.stderr
+
+
+def test_a_stage_without_time_left_fails_the_run_and_is_reported(tmp_path):
+    """A stage that cannot run (no budget left) is a FAIL in the summary, in the report, and in
+    the exit status; the stages after it are not skipped silently either."""
+    out = tmp_path / "report.json"
+    result = run_script(
+        "--device", "cpu", "--only", "dtensor", "--budget-s", "1", "--out", str(out),
+        "--workdir", str(tmp_path / "work"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    report = json.loads(out.read_text())
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [
+        ("model", "FAIL"),
+        ("dtensor", "FAIL"),
+    ]
+    assert "no time left in --budget-s 1" in report["stages"][0]["reason"]
+    assert "FAIL model" in result.stdout and "0 PASS, 0 SKIP, 2 FAIL" in result.stdout
