@@ -20,6 +20,7 @@ PLUGINS = {
     "vllm": ("nrl-vllm", []),
     "sglang": ("nrl-sglang", []),
     "math": ("nrl-math-env", ["verify"]),
+    "gym": ("nrl-gym", []),
 }
 TEST_TOOLS = ("pytest>=8.3", "pytest-timeout>=2.3")
 

@@ -32,6 +32,7 @@ SECTION_OF_KIND = {
     "policy": "policy",
     "generation": "generation",
     "environment": "env",
+    "agent": "agent",
     "loss": "loss",
     "cluster": "cluster",
     "dataset": "data",

@@ -33,6 +33,16 @@ def nrl_register_environments(register):
 
 
 @hookimpl
+def nrl_register_agents(register):
+    register(
+        "env",
+        "nrl_core.algorithms.rollout:rollout",
+        description="the core's generate / env.step loop on token ids (no HTTP; the default)",
+        in_driver=True,
+    )
+
+
+@hookimpl
 def nrl_register_datasets(register):
     register(
         "chat",

@@ -137,6 +137,7 @@ def load_splits(
     context: ComponentContext,
     *,
     prompt_filter: PromptFilter | None = None,
+    key_prefix: str = "data.",
 ) -> tuple[list[Sample], list[Sample]]:
     """The train and validation samples of ``data``.
 
@@ -145,15 +146,16 @@ def load_splits(
     ``prompt_filter`` runs on each split after the hold-out (so which samples are held out
     does not depend on it) and before validation is cut to ``data.max_val_samples`` (so the
     validation set stays full when some prompts are dropped). The training split may come
-    back empty then; the caller says why.
+    back empty then; the caller says why. ``key_prefix``: where ``dataset`` and
+    ``val_dataset`` are in the config (for error messages; ``data.tasks[i].`` for a task).
     """
-    loader = _loader(data.dataset, data, registry, context, "data.dataset")
+    loader = _loader(data.dataset, data, registry, context, f"{key_prefix}dataset")
     train = list(loader.load("train"))
     if not train:
-        raise ConfigError(f"data.dataset={data.dataset} has no training samples")
+        raise ConfigError(f"{key_prefix}dataset={data.dataset} has no training samples")
     if data.val_dataset:
         val = list(
-            _loader(data.val_dataset, data, registry, context, "data.val_dataset").load(
+            _loader(data.val_dataset, data, registry, context, f"{key_prefix}val_dataset").load(
                 "validation"
             )
         )
@@ -171,6 +173,37 @@ def load_splits(
         train = prompt_filter(train, "train")
         val = prompt_filter(val, "validation")
     return train, val[: data.max_val_samples]
+
+
+def load_task_splits(
+    data: DataConfig,
+    registry: Registry,
+    context: ComponentContext,
+    *,
+    prompt_filter: PromptFilter | None = None,
+) -> dict[str, tuple[list[Sample], list[Sample]]]:
+    """``data.tasks``: each task's ``(train, validation)`` samples, loaded as
+    :func:`load_splits` loads one dataset, every sample's ``task`` set to the task's name (which
+    routes it to the task's environment or agent and names its metrics)."""
+    import attrs
+
+    names = [task.name for task in data.tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(
+                f"data.tasks has two tasks named {name!r}; give each task its own name"
+            )
+    out = {}
+    for index, task in enumerate(data.tasks):
+        view = attrs.evolve(data, dataset=task.dataset, val_dataset=task.val_dataset, tasks=[])
+        train, val = load_splits(
+            view, registry, context, prompt_filter=prompt_filter, key_prefix=f"data.tasks[{index}]."
+        )
+        out[task.name] = (
+            [attrs.evolve(s, task=task.name) for s in train],
+            [attrs.evolve(s, task=task.name) for s in val],
+        )
+    return out
 
 
 def drop_overlong_prompts(
@@ -257,3 +290,46 @@ class DataStream:
     def load_state(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._order_of(self.epoch)
+
+    def rewind(self) -> None:
+        """Back to the first sample of the first epoch."""
+        self.load_state({"epoch": 0, "position": 0})
+
+
+class MixedStream:
+    """Draws from several tasks' streams in proportion to their weights (``data.tasks``).
+
+    Each draw picks a task with probabilities proportional to the weights, from a random
+    stream seeded by the run seed and the draw's index, so the sequence of draws depends only
+    on the seed and is exactly resumable (the state is the number of draws and each task's
+    stream position).
+    """
+
+    def __init__(self, streams: dict[str, DataStream], weights: dict[str, float], *, seed: int):
+        self.streams = streams
+        self.names = list(streams)
+        self.weights = [float(weights[name]) for name in self.names]
+        self.seed = seed
+        self.draws = 0
+
+    def take(self, count: int) -> list[Sample]:
+        out = []
+        for _ in range(count):
+            rng = random.Random(f"{self.seed}-mix-{self.draws}")
+            name = rng.choices(self.names, self.weights)[0]
+            out.extend(self.streams[name].take(1))
+            self.draws += 1
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"draws": self.draws, "streams": {n: s.state() for n, s in self.streams.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+        for name, stream_state in state["streams"].items():
+            self.streams[name].load_state(stream_state)
+
+    def rewind(self) -> None:
+        self.draws = 0
+        for stream in self.streams.values():
+            stream.rewind()

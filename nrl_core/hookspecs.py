@@ -62,6 +62,22 @@ def nrl_register_environments(register: Register) -> None:
 
 
 @hookspec
+def nrl_register_agents(register: Register) -> None:
+    """Register agents, which drive rollouts themselves, selected by ``agent.name`` or a task's
+    ``agent`` (``data.tasks``).
+
+    The target is a class honouring :class:`nrl_core.interfaces.Agent`: given a batch of dataset
+    rows and the URL of the run's OpenAI-compatible policy endpoint (:mod:`nrl_core.serving`),
+    it calls the policy as if it were an OpenAI model, runs its tools, scores the finished
+    conversations and returns one :class:`nrl_core.agents.Trajectory` per row (the exact
+    prompt ids, generated ids and logprobs of every model call, the reward, a failure reason).
+    It runs as a Ray actor in the plugin's environment; the core assembles training sequences
+    from the trajectories. The core registers ``env``: its own generate / ``env.step`` loop.
+    Options come from ``agent.<name>``.
+    """
+
+
+@hookspec
 def nrl_register_losses(register: Register) -> None:
     """Register loss functions, selected by ``loss.name``.
 

@@ -19,6 +19,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+    from nrl_core.agents import Endpoint, Trajectory
     from nrl_core.data import Batch, Message, Sample
     from nrl_core.weight_sync import BucketHandle, BucketMeta
 
@@ -261,6 +262,32 @@ class Environment(Protocol):
 
     # Optional: ``def metrics(self, batch: dict[str, Any]) -> dict[str, float]`` — environment
     # level metrics from the rewards, conversations and metadata of a finished batch.
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent
+
+
+class Agent(Protocol):
+    """Drives rollouts itself, calling the policy over HTTP like an OpenAI model.
+
+    Built as ``Cls(options, context)`` in a Ray actor in its plugin's environment. The agent
+    may call the endpoint's ``/v1/chat/completions`` (every assistant message it gets back
+    carries ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs``; sent
+    back in the history, they make the next prompt token-exact), ``/tokenize`` or
+    ``/inference/v1/generate`` (:mod:`nrl_core.serving`), as many times per row as it likes,
+    concurrently across rows. A row that fails is returned with ``failure_reason`` set (the core
+    masks it out of the loss and counts it), never raised; raising fails the whole batch.
+    """
+
+    def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
+        """One :class:`~nrl_core.agents.Trajectory` per row, in the order of ``rows``.
+
+        A row is the sample's ``metadata`` (for a JSONL dataset: the row's own fields) plus
+        ``messages`` (the prompt), ``answer`` and ``task``."""
+        ...
+
+    # Optional: ``close() -> None``, called once when the run ends (stop servers it started).
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ HOOK_KINDS: dict[str, ComponentKind] = {
     "nrl_register_policies": "policy",
     "nrl_register_generations": "generation",
     "nrl_register_environments": "environment",
+    "nrl_register_agents": "agent",
     "nrl_register_losses": "loss",
     "nrl_register_clusters": "cluster",
     "nrl_register_datasets": "dataset",

@@ -17,7 +17,9 @@ import attrs
 
 from nrl_core.errors import ComponentLoadError, UnknownComponentError
 
-ComponentKind = Literal["policy", "generation", "environment", "loss", "cluster", "dataset"]
+ComponentKind = Literal[
+    "policy", "generation", "environment", "agent", "loss", "cluster", "dataset"
+]
 KINDS: tuple[ComponentKind, ...] = get_args(ComponentKind)
 
 # Component names appear in config keys (``policy.backend=dtensor``, ``generation.vllm.*``).

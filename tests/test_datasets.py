@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,76 @@ def test_preference_rows_are_checked(tmp_path):
     dataset = PreferenceDataset(PreferenceDataConfig(path=str(path)), None)
     with pytest.raises(ChatDataError, match=r"p\.jsonl:2: expected a string or a list of messages"):
         dataset.load("train")
+
+
+# -- several tasks (data.tasks) ------------------------------------------------------------------
+
+
+def _stream(name: str, size: int):
+    from nrl_core.data import Sample
+    from nrl_core.datasets import DataStream
+
+    samples = [Sample([{"role": "user", "content": f"{name}{i}"}], task=name) for i in range(size)]
+    return DataStream(samples, seed=3)
+
+
+def test_tasks_are_drawn_in_proportion_to_their_weights():
+    from nrl_core.datasets import MixedStream
+
+    mixed = MixedStream(
+        {"a": _stream("a", 50), "b": _stream("b", 50)}, {"a": 1.0, "b": 3.0}, seed=1
+    )
+    drawn = [s.task for s in mixed.take(4000)]
+    assert abs(drawn.count("b") / len(drawn) - 0.75) < 0.03
+
+
+def test_a_mixed_stream_resumes_exactly():
+    from nrl_core.datasets import MixedStream
+
+    def fresh():
+        return MixedStream({"a": _stream("a", 7), "b": _stream("b", 5)}, {"a": 1, "b": 1}, seed=9)
+
+    whole = fresh()
+    expected = [s.messages[0]["content"] for s in whole.take(40)]
+    first = fresh()
+    head = [s.messages[0]["content"] for s in first.take(13)]
+    resumed = fresh()
+    resumed.load_state(json.loads(json.dumps(first.state())))  # through a checkpoint file
+    tail = [s.messages[0]["content"] for s in resumed.take(27)]
+    assert head + tail == expected
+    resumed.rewind()
+    assert [s.messages[0]["content"] for s in resumed.take(5)] == expected[:5]
+
+
+def test_two_tasks_with_one_name_are_refused(nrl_registry):
+    from nrl_core.config.loader import resolve_config
+    from nrl_core.datasets import load_task_splits
+    from nrl_core.interfaces import ComponentContext
+
+    config = resolve_config(
+        "grpo",
+        overrides=["data.tasks=[{name: a, dataset: arithmetic}, {name: a, dataset: arithmetic}]"],
+        registry=nrl_registry,
+    )
+    with pytest.raises(ConfigError, match="two tasks named 'a'"):
+        load_task_splits(config.data, nrl_registry, ComponentContext(config=config))
+
+
+def test_each_task_loads_its_own_samples_under_its_name(nrl_registry):
+    from nrl_core.config.loader import resolve_config
+    from nrl_core.datasets import load_task_splits
+    from nrl_core.interfaces import ComponentContext
+
+    config = resolve_config(
+        "grpo",
+        overrides=[
+            "data.tasks=[{name: add, dataset: arithmetic}, {name: bad, dataset: missing.jsonl}]"
+        ],
+        registry=nrl_registry,
+    )
+    with pytest.raises(ConfigError, match="missing.jsonl does not exist"):
+        load_task_splits(config.data, nrl_registry, ComponentContext(config=config))
+    config.data.tasks.pop()
+    splits = load_task_splits(config.data, nrl_registry, ComponentContext(config=config))
+    train, val = splits["add"]
+    assert train and val and {s.task for s in train + val} == {"add"}

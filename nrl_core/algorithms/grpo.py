@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import torch
 
+from nrl_core.agents import BUILTIN_AGENT
 from nrl_core.algorithms.advantages import (
     group_relative_advantages,
     has_reward_variance,
@@ -23,6 +24,7 @@ from nrl_core.algorithms.advantages import (
 )
 from nrl_core.algorithms.rollout import (
     Episode,
+    apply_trajectory,
     episodes_to_batch,
     rollout,
     start_episodes,
@@ -74,6 +76,36 @@ class GRPOTrainer:
 
     # -- one step ---------------------------------------------------------------------------
 
+    def roll_out(self, episodes: list[Episode], params: SamplingParams) -> list[Episode]:
+        """Roll ``episodes`` out in place, each task by its agent: the core's own generate /
+        ``env.step`` loop (:data:`~nrl_core.agents.BUILTIN_AGENT`) on token ids, or a
+        registered agent calling the run's policy endpoint, whose trajectories become the
+        episodes' sequences (:func:`~nrl_core.algorithms.rollout.apply_trajectory`)."""
+        s = self.session
+        max_total_length = self.config.policy.max_total_sequence_length
+        by_agent: dict[str, list[Episode]] = {}
+        for episode in episodes:
+            by_agent.setdefault(s.agent_for(episode.task), []).append(episode)
+        for agent, chosen in by_agent.items():
+            if agent == BUILTIN_AGENT:
+                rollout(
+                    chosen,
+                    s.generate,
+                    s.env_pool,
+                    s.codec,
+                    params,
+                    max_turns=self.grpo.max_rollout_turns,
+                    max_total_length=max_total_length,
+                )
+                continue
+            # Agents sample through the endpoint: it holds them to this call's settings.
+            s.server.enforce(params)
+            rows = [{**e.metadata, "messages": [dict(m) for m in e.messages]} for e in chosen]
+            trajectories = s.agent_pool.run(agent, rows, s.endpoint)
+            for episode, trajectory in zip(chosen, trajectories, strict=True):
+                apply_trajectory(episode, trajectory, s.codec, max_total_length=max_total_length)
+        return episodes
+
     def collect(self, step: int) -> StepData:
         """Roll out enough groups for one step (DAPO dynamic sampling draws more if asked)."""
         s, grpo = self.session, self.grpo
@@ -88,15 +120,7 @@ class GRPOTrainer:
             for e in fresh:
                 e.group += offset
             start = time.perf_counter()
-            rollout(
-                fresh,
-                s.generate,
-                s.env_pool,
-                s.codec,
-                attrs.evolve(params, seed=params.seed + 7919 * round_index),
-                max_turns=grpo.max_rollout_turns,
-                max_total_length=self.config.policy.max_total_sequence_length,
-            )
+            self.roll_out(fresh, attrs.evolve(params, seed=params.seed + 7919 * round_index))
             generation_s += time.perf_counter() - start
             if grpo.dynamic_sampling:
                 rewards = torch.tensor([e.reward for e in fresh])
@@ -117,9 +141,12 @@ class GRPOTrainer:
             use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
             normalize_rewards=grpo.normalize_rewards,
         )
-        sample_mask = torch.ones(len(episodes))
+        # An agent's failed or non-contiguous episode is not a sequence that was sampled.
+        sample_mask = torch.tensor(
+            [0.0 if e.failure is not None or e.noncontiguous else 1.0 for e in episodes]
+        )
         if grpo.overlong_filtering:
-            sample_mask = overlong_sample_mask([e.finish_reason for e in episodes]).float()
+            sample_mask *= overlong_sample_mask([e.finish_reason for e in episodes]).float()
         return StepData(episodes, rewards, advantages, sample_mask, generation_s)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -171,15 +198,7 @@ class GRPOTrainer:
         if not s.val_samples:
             return {}
         episodes = start_episodes(s.val_samples, s.codec, 1)
-        rollout(
-            episodes,
-            s.generate,
-            s.env_pool,
-            s.codec,
-            sampling_params(self.config, s.tokenizer, step=step, greedy=True),
-            max_turns=self.grpo.max_rollout_turns,
-            max_total_length=self.config.policy.max_total_sequence_length,
-        )
+        self.roll_out(episodes, sampling_params(self.config, s.tokenizer, step=step, greedy=True))
         metrics = episode_metrics("val", episodes, s)
         metrics["val/accuracy"] = metrics["val/reward_mean"]
         for task in {e.task for e in episodes}:
@@ -214,7 +233,7 @@ class GRPOTrainer:
             batch = supervised_batch(rows, s.tokenizer.pad_token_id)
             losses.append(s.policy.train(batch, nll)["loss"])
         # The warm-up drew from the training stream; GRPO starts from its beginning.
-        s.train_stream.load_state({"epoch": 0, "position": 0})
+        s.train_stream.rewind()
         if s.loss_fn.needs_reference:
             # The KL penalty keeps GRPO near the model it starts from: the warmed-up one.
             s.policy.snapshot_reference(str(self.warmup_reference_path))
@@ -307,6 +326,10 @@ def episode_metrics(
             metrics[f"{key}truncated_fraction"] = sum(e.truncated for e in chosen) / len(chosen)
             metrics[f"{key}env_errors"] = float(sum(e.env_errors for e in chosen))
             metrics[f"{key}turns_mean"] = sum(e.turns for e in chosen) / len(chosen)
+            if getattr(session, "agent_pool", None) is not None:
+                # Agent-driven episodes the loss skips (see apply_trajectory).
+                metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
+                metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
         else:
             env = session.env_pool.metrics(
                 task,

@@ -9,13 +9,16 @@ never a re-tokenisation of decoded text — and its loss mask covers only the ge
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from nrl_core.data import Batch, Message, Sample, pad_sequences
 from nrl_core.interfaces import GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from nrl_core.agents import Trajectory
 
 GenerateFn = Callable[
     [Sequence[Sequence[int]], SamplingParams, Sequence[Sequence[str] | None] | None],
@@ -160,6 +163,11 @@ class Episode:
     truncated: bool = False
     done: bool = False
     stop_strings: tuple[str, ...] | None = None
+    noncontiguous: bool = False
+    """An agent's model call whose prompt did not start with everything before it: the
+    sequence is not what was sampled, so the episode is masked out of the loss."""
+    failure: str | None = None
+    """Why an agent-driven episode failed (masked out of the loss), or None."""
 
     def __attrs_post_init__(self) -> None:
         if not self.loss_mask:
@@ -272,6 +280,54 @@ def rollout(
     return episodes
 
 
+def apply_trajectory(
+    episode: Episode, trajectory: Trajectory, codec: ChatCodec, *, max_total_length: int
+) -> Episode:
+    """Fill ``episode`` (started by :func:`start_episodes`) from an agent's ``trajectory``.
+
+    The training sequence is the first call's prompt, then, for every call, the ids of its
+    prompt that are new (tool results, the next user turn: no loss) and its generated ids (with
+    loss and their sampling logprobs). A call whose prompt does not start with the ids so far
+    marks the episode ``noncontiguous``: the ids the model saw are not one sequence, so no
+    training sequence is the one that was sampled; it keeps the calls before it and is masked
+    out of the loss. A failed row (``failure_reason``) keeps the sample's prompt and nothing
+    else, with reward 0. A sequence longer than ``max_total_length`` is cut there (truncated).
+    """
+    episode.reward = float(trajectory.reward)
+    episode.finish_reason = trajectory.finish_reason
+    episode.done = True
+    episode.turns = len(trajectory.calls)
+    if trajectory.failure_reason is not None or not trajectory.calls:
+        episode.failure = trajectory.failure_reason or "the agent made no model call"
+        episode.reward = 0.0
+        return episode
+    first = trajectory.calls[0].prompt_token_ids
+    episode.token_ids, episode.prompt_length = list(first), len(first)
+    episode.loss_mask, episode.gen_logprobs = [0.0] * len(first), [0.0] * len(first)
+    for call in trajectory.calls:
+        prompt = call.prompt_token_ids
+        seen = len(episode.token_ids)
+        if prompt[:seen] != episode.token_ids:
+            episode.noncontiguous = True
+            break
+        if len(prompt) > seen:
+            new = prompt[seen:]
+            episode.append(new, generated=False)
+            episode.messages.append({"role": "context", "content": codec.decode(new)})
+        episode.append(
+            call.generation_token_ids, generated=True, logprobs=call.generation_log_probs
+        )
+        episode.messages.append(
+            {"role": "assistant", "content": codec.decode(call.generation_token_ids)}
+        )
+    if len(episode.token_ids) > max_total_length:
+        del episode.token_ids[max_total_length:]
+        del episode.loss_mask[max_total_length:]
+        del episode.gen_logprobs[max_total_length:]
+        episode.truncated, episode.finish_reason = True, "length"
+    return episode
+
+
 def _end_over_budget(episode: Episode, max_total_length: int) -> None:
     """End an episode that has no token of budget left, as truncated by the length limit."""
     if len(episode.token_ids) > max_total_length:
@@ -299,7 +355,10 @@ def episodes_to_batch(
             "loss_mask": loss_mask,
             "gen_logprobs": gen_logprobs,
             "advantages": advantages.float()[:, None] * loss_mask,
-            "sample_mask": torch.ones(len(episodes), dtype=torch.float32),
+            # An agent's failed or non-contiguous episode is not a sequence that was sampled.
+            "sample_mask": torch.tensor(
+                [0.0 if e.failure is not None or e.noncontiguous else 1.0 for e in episodes]
+            ),
         },
         [{"group": e.group, "task": e.task} for e in episodes],
     )

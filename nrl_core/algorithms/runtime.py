@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from nrl_core import atomic
+from nrl_core.agents import BUILTIN_AGENT
 from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.checkpoint import (
     CHECKPOINT_CONFIG,
@@ -32,7 +33,13 @@ from nrl_core.checkpoint import (
 )
 from nrl_core.config.loader import dump_config
 from nrl_core.config.schema import RunConfig, portable_config
-from nrl_core.datasets import DataStream, PromptLengthFilter, load_splits
+from nrl_core.datasets import (
+    DataStream,
+    MixedStream,
+    PromptLengthFilter,
+    load_splits,
+    load_task_splits,
+)
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
@@ -89,6 +96,9 @@ class RunSession:
         self.codec: ChatCodec | None = None
         self.val_samples: list = []
         self.train_stream: DataStream | None = None
+        self.agent_pool = self.server = self.endpoint = None
+        self.task_agents: dict[str, str] = {}
+        """Task name -> the agent that drives its rollouts (tasks not listed: ``agent.name``)."""
         self.data_metrics: dict[str, float] = {}
         """Counts from loading the data (prompts dropped as too long), logged at step 0."""
 
@@ -188,7 +198,7 @@ class RunSession:
         resources = self._start_cluster()
 
         env = getattr(config, "env", None)
-        env_cpus = ENV_CPUS_PER_WORKER * env.num_workers if env is not None else 0.0
+        env_cpus = ENV_CPUS_PER_WORKER * self._helper_actor_count()
         shared = self._colocation_bundles(resources)
         if shared is not None:
             # Colocated engines first: they check at start-up that the GPU memory they were
@@ -200,6 +210,8 @@ class RunSession:
             self.env_pool = self._start_environments(env)
         if hasattr(config, "generation") and shared is None:
             self.generate, self.refit = self._generation_backend(None)
+        if hasattr(config, "agent"):
+            self._start_agents()
         if hasattr(config, "loss"):
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
@@ -233,6 +245,9 @@ class RunSession:
                 lambda samples: self._chat_codec().prompt_lengths(samples),
                 config.policy.max_total_sequence_length - config.generation.max_new_tokens,
             )
+        if config.data.tasks:
+            self._load_tasks(prompt_filter)
+            return
         # The rows first: a bad data file is reported before transformers is even imported.
         train, self.val_samples = load_splits(
             config.data, self.registry, self.context, prompt_filter=prompt_filter
@@ -241,6 +256,42 @@ class RunSession:
         if prompt_filter is not None:
             self._report_dropped_prompts(prompt_filter, train)
         self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
+
+    def _load_tasks(self, prompt_filter: PromptLengthFilter | None) -> None:
+        """``data.tasks``: every task's samples, one stream per task drawn by weight
+        (:class:`~nrl_core.datasets.MixedStream`), validation = every task's validation
+        samples; the environment and agent each task names are checked here, before Ray."""
+        config = self.config
+        for index, task in enumerate(config.data.tasks):
+            agent = task.agent or getattr(getattr(config, "agent", None), "name", BUILTIN_AGENT)
+            self.registry.get("agent", agent, key=f"data.tasks[{index}].agent")
+            if agent == BUILTIN_AGENT and hasattr(config, "env"):
+                env = task.env or config.env.name
+                self.registry.get("environment", env, key=f"data.tasks[{index}].env")
+            self.task_agents[task.name] = agent
+        splits = load_task_splits(
+            config.data, self.registry, self.context, prompt_filter=prompt_filter
+        )
+        self._chat_codec()
+        train = [s for task_train, _ in splits.values() for s in task_train]
+        if prompt_filter is not None:
+            self._report_dropped_prompts(prompt_filter, train)
+        for name, (task_train, _) in splits.items():
+            if not task_train:
+                raise ConfigError(
+                    f"task {name!r} of data.tasks has no training prompt that fits "
+                    "policy.max_total_sequence_length; raise it or lower "
+                    "generation.max_new_tokens"
+                )
+        self.val_samples = [s for _, val in splits.values() for s in val]
+        self.train_stream = MixedStream(
+            {
+                name: DataStream(task_train, seed=config.seed, shuffle=config.data.shuffle)
+                for name, (task_train, _) in splits.items()
+            },
+            {task.name: task.weight for task in config.data.tasks},
+            seed=config.seed,
+        )
 
     def _chat_codec(self) -> ChatCodec:
         """The driver's tokenizer and chat codec, loaded on first use."""
@@ -354,25 +405,70 @@ class RunSession:
         self._closers.append(group.shutdown)
         return Policy.from_config(group, policy)
 
+    def _helper_actor_count(self) -> int:
+        """How many environment and agent actors the run will start (each takes
+        :data:`ENV_CPUS_PER_WORKER`; on a CPU-only cluster the policy leaves them room)."""
+        config = self.config
+        env = getattr(config, "env", None)
+        if env is None:
+            return 0
+        tasks = config.data.tasks
+        agents = {self.agent_for(t.name) for t in tasks} if tasks else {self.agent_for("")}
+        envs = {t.env or env.name for t in tasks if self.agent_for(t.name) == BUILTIN_AGENT}
+        env_groups = len(envs) if tasks else 1
+        agent_groups = len(agents - {BUILTIN_AGENT}) if hasattr(config, "agent") else 0
+        agent_workers = config.agent.num_workers if agent_groups else 0
+        return env.num_workers * env_groups + agent_workers * agent_groups
+
     def _start_environments(self, env: Any):
+        """One worker group per environment: ``env.name`` for every task, or, with
+        ``data.tasks``, each environment the tasks driven by the core's loop name, routed by
+        task name (tasks driven by another agent get none)."""
+        from nrl_core.environments import EnvironmentPool
+
+        tasks = self.config.data.tasks
+        if not tasks:
+            group = self._start_environment(env, env.name, "env.name")
+            # Each step gets env.step_timeout_s, much less than the worker timeout that bounds
+            # the actors' start: a hung environment fails the run within that, naming the key.
+            return EnvironmentPool({"default": group}, step_timeout_s=env.step_timeout_s)
+        groups: dict[str, Any] = {}
+        routes: dict[str, Any] = {}
+        for index, task in enumerate(tasks):
+            if self.agent_for(task.name) != BUILTIN_AGENT:
+                continue
+            name = task.env or env.name
+            if name not in groups:
+                groups[name] = self._start_environment(env, name, f"data.tasks[{index}].env")
+            routes[task.name] = groups[name]
+        return EnvironmentPool(routes, step_timeout_s=env.step_timeout_s)
+
+    @staticmethod
+    def _options_of(section: Any, name: str, spec: Any) -> Any:
+        """Component ``name``'s options from ``section`` (its defaults when the config names
+        it only elsewhere, e.g. in ``data.tasks``)."""
+        options = section.options_for(name)
+        if options is None and spec.config is not None:
+            options = spec.load_config_class()()
+        return options
+
+    def _start_environment(self, env: Any, name: str, key: str):
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.distributed.worker_group import WorkerGroup
-        from nrl_core.environments import ENV_ACTOR_TARGET, EnvironmentPool
+        from nrl_core.environments import ENV_ACTOR_TARGET
 
-        spec = self.registry.get("environment", env.name, key="env.name")
+        spec = self.registry.get("environment", name, key=key)
         group = WorkerGroup.start(
             ENV_ACTOR_TARGET,
             env.num_workers,
-            args=(spec.target, env.options_for(), self.context_for(spec)),
-            name=f"env-{env.name}",
+            args=(spec.target, self._options_of(env, name, spec), self.context_for(spec)),
+            name=f"env-{name}",
             python=actor_python(spec, self.config, env),
             num_cpus_per_worker=ENV_CPUS_PER_WORKER,
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(group.shutdown)
-        # Each step gets env.step_timeout_s, much less than the worker timeout that bounds the
-        # actors' start: a hung environment fails the run within that, naming the key.
-        return EnvironmentPool({"default": group}, step_timeout_s=env.step_timeout_s)
+        return group
 
     def _generation_backend(self, shared: Any):
         """``(generate, refit)`` of the configured generation; ``shared``: the placement group
@@ -399,6 +495,64 @@ class RunSession:
         self.generation_engines = engines
         # The policy may not exist yet (colocated engines start first): look it up per call.
         return engines.generate, lambda: engines.refit(self.policy)
+
+    def agent_for(self, task: str) -> str:
+        """The agent that drives ``task``'s rollouts (``data.tasks[i].agent``, else
+        ``agent.name``; ``env`` is the core's own loop)."""
+        return self.task_agents.get(task) or getattr(
+            getattr(self.config, "agent", None), "name", BUILTIN_AGENT
+        )
+
+    def _start_agents(self) -> None:
+        """When some task is driven by a registered agent (not the core's loop): the policy
+        endpoint, serving the generation backend's current weights on loopback, and one
+        worker group of agent actors per such agent."""
+        from nrl_core.agents import AGENT_ACTOR_TARGET, AgentPool, Endpoint
+
+        agent_config = self.config.agent
+        names = {self.agent_for(t) for t in self.task_agents} | {agent_config.name}
+        if not self.task_agents:  # one dataset: its samples' tasks all go to agent.name
+            names = {agent_config.name}
+        names.discard(BUILTIN_AGENT)
+        if not names:
+            return
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.serving.server import PolicyServer
+
+        policy = self.config.policy
+        server_config = self.config.server
+        model_id = server_config.model_id or policy.model_name
+        self.server = PolicyServer(
+            self.generate,
+            self.tokenizer,
+            model_id=model_id,
+            max_model_len=policy.max_total_sequence_length,
+            config=server_config,
+        )
+        base_url = self.server.start(server_config.host, server_config.port)
+        self._closers.append(self.server.stop)
+        self.endpoint = Endpoint(base_url=base_url, model=model_id, api_key=server_config.api_key)
+        groups = {}
+        for name in sorted(names):
+            spec = self.registry.get("agent", name, key="agent.name")
+            group = WorkerGroup.start(
+                AGENT_ACTOR_TARGET,
+                agent_config.num_workers,
+                args=(
+                    spec.target,
+                    self._options_of(agent_config, name, spec),
+                    self.context_for(spec),
+                ),
+                name=f"agent-{name}",
+                python=actor_python(spec, self.config, agent_config),
+                num_cpus_per_worker=ENV_CPUS_PER_WORKER,
+                timeout_s=self.config.cluster.worker_timeout_s,
+            )
+            group.set_call_timeout("run", agent_config.run_timeout_s, "agent.run_timeout_s")
+            groups[name] = group
+        self.agent_pool = AgentPool(groups)
+        self._closers.append(self.agent_pool.shutdown)
 
     def _build_loss(self):
         spec = self.registry.get("loss", self.config.loss.name, key="loss.name")
@@ -429,6 +583,33 @@ class RunSession:
         resources = self._start_cluster()
         self.policy = self._start_policy(resources, 0.0)
         return self.policy
+
+    def start_server_only(self):
+        """What ``nrl serve`` needs: the cluster, the generation backend (the policy ranks for
+        ``torch`` generation; else the engines, loaded with the policy's weights) and the
+        endpoint in front of it, started and returned. Stopped by :meth:`close`."""
+        from nrl_core.serving.server import PolicyServer
+
+        self._chat_codec()  # the tokenizer, before anything heavy starts
+        resources = self._start_cluster()
+        shared = self._colocation_bundles(resources)
+        if shared is not None:
+            self.generate, self.refit = self._generation_backend(shared)
+        self.policy = self._start_policy(resources, 0.0, shared)
+        if shared is None:
+            self.generate, self.refit = self._generation_backend(None)
+        self.refit()
+        server_config = self.config.server
+        self.server = PolicyServer(
+            self.generate,
+            self.tokenizer,
+            model_id=server_config.model_id or self.config.policy.model_name,
+            max_model_len=self.config.policy.max_total_sequence_length,
+            config=server_config,
+        )
+        self.server.start(server_config.host, server_config.port)
+        self._closers.append(self.server.stop)
+        return self.server
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -108,6 +108,7 @@ _EXTRA_COMMAND_MODULES = (
     "nrl_core.cli.new_plugin",
     "nrl_core.cli.convert",
     "nrl_core.cli.eval",
+    "nrl_core.cli.serve",
 )
 
 

@@ -353,6 +353,97 @@ class EnvConfig(ComponentSection):
 
 
 @attrs.define
+class AgentConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "agent"
+    selector: ClassVar[str] = "name"
+
+    name: str = option(
+        "env",
+        (
+            "Registered agent that drives the rollouts of tasks that name none; `env` is the "
+            "core's own generate / env.step loop (no HTTP)."
+        ),
+        validator=NON_EMPTY,
+    )
+    num_workers: int = option(
+        1, "Agent actors (each gets a share of every batch).", validator=ge(1)
+    )
+    run_timeout_s: float = option(
+        900.0,
+        (
+            "Longest one agent actor may take over its share of a batch, in seconds (> 0); a "
+            "slower batch is an error naming this key."
+        ),
+        validator=gt(0),
+    )
+
+
+@attrs.define
+class ServerConfig:
+    """The OpenAI-compatible policy endpoint (`nrl serve`, and agent-driven runs)."""
+
+    host: str = option(
+        "127.0.0.1",
+        "Address to bind; loopback by default (use 0.0.0.0 to expose it, with api_key).",
+        validator=NON_EMPTY,
+    )
+    port: int = option(
+        0, "Port to bind (0: a free port, printed at start).", validator=between(0, 65535)
+    )
+    api_key: str | None = option(
+        None, "Bearer token every request must carry (Authorization: Bearer ...); null: none."
+    )
+    batch_window_ms: float = option(
+        20.0,
+        (
+            "How long the server collects concurrent requests before one backend call serves "
+            "them all, in milliseconds (>= 0)."
+        ),
+        validator=ge(0),
+    )
+    max_batch_size: int = option(256, "Most requests served by one backend call.", validator=ge(1))
+    model_id: str | None = option(
+        None, "The model id that /v1/models lists (default: policy.model_name)."
+    )
+    tool_parser: str = option(
+        "auto",
+        (
+            "How tool calls are parsed out of generated text: `auto` (by model family), "
+            "`hermes` (<tool_call>JSON</tool_call>), or `none`."
+        ),
+        validator=one_of("auto", "hermes", "none"),
+    )
+
+
+@attrs.define
+class TaskConfig:
+    """One task of a multi-task run (an entry of ``data.tasks``)."""
+
+    name: str = option(
+        "task",
+        "Task name: routes the task's samples and names its metrics (`train/<name>/...`).",
+        validator=NON_EMPTY,
+    )
+    dataset: str = option(
+        "arithmetic", "Registered dataset name, or a path to a JSONL file.", validator=NON_EMPTY
+    )
+    weight: float = option(
+        1.0,
+        "Share of every step's prompts, relative to the other tasks' weights (> 0).",
+        validator=gt(0),
+    )
+    env: str | None = option(None, "Registered environment scoring this task (default: env.name).")
+    agent: str | None = option(
+        None,
+        "Registered agent driving this task's rollouts (default: agent.name; `env` is the "
+        "core's own loop, scored by `env`).",
+    )
+    val_dataset: str | None = option(
+        None, "Validation JSONL file of this task (default: the dataset's own or a held-out share)."
+    )
+
+
+@attrs.define
 class DataConfig(ComponentSection):
     component_kind: ClassVar[ComponentKind] = "dataset"
     selector: ClassVar[str] = "dataset"
@@ -372,6 +463,15 @@ class DataConfig(ComponentSection):
     system_prompt: str | None = option(None, "System prompt prepended to every conversation.")
     apply_chat_template: bool = option(True, "Format prompts with the tokenizer's chat template.")
     shuffle: bool = option(True, "Shuffle the training data each epoch (seeded).")
+    tasks: list[TaskConfig] = option(
+        [],
+        (
+            "Several datasets trained together, each with its environment or agent and a "
+            "sampling weight; when given, it replaces `dataset` and `val_dataset` (options of "
+            "each dataset, environment and agent still come from `data.<dataset>`, "
+            "`env.<env>`, `agent.<agent>`)."
+        ),
+    )
 
 
 @attrs.define
@@ -553,6 +653,18 @@ class GRPOConfig(RunConfig):
     generation: GenerationConfig = option(GenerationConfig(), "Rollout generation.")
     loss: LossConfig = option(LossConfig(), "The policy loss.")
     env: EnvConfig = option(EnvConfig(), "The environment that scores rollouts.")
+    agent: AgentConfig = option(AgentConfig(), "The agent that drives rollouts (default: env).")
+    server: ServerConfig = option(
+        ServerConfig(), "The policy endpoint that agents call (started only when one does)."
+    )
+
+
+@attrs.define
+class ServeConfig(RunConfig):
+    """`nrl serve`: a model behind the OpenAI-compatible endpoint."""
+
+    generation: GenerationConfig = option(GenerationConfig(), "The generation backend served.")
+    server: ServerConfig = option(ServerConfig(), "Where and how the endpoint listens.")
 
 
 @attrs.define

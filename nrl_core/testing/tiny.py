@@ -18,7 +18,7 @@ import os
 import string
 from pathlib import Path
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 """Bump when the builder's output changes, so cached copies are rebuilt."""
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
@@ -26,10 +26,33 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
 
 # Each turn is "<|role|>content<|eos|>"; the assistant's own <|eos|> is what generation stops on.
+# Tools render the Hermes way without new tokens: a system turn listing them (merged with the
+# conversation's own system prompt), assistant calls as <tool_call>JSON</tool_call> after the
+# content, and tool results as a user turn wrapped in <tool_response>. A conversation without
+# tools renders exactly as it did before tools were supported.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% set first = 0 %}"
+    "{% if tools %}"
+    "{{ '<|system|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}"
+    "{% set first = 1 %}{% endif %}"
+    "{{ 'You may call tools. Available tools:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}"
+    '{{ \'</tools>\nTo call one, answer <tool_call>{"name": ..., "arguments": {...}}\''
+    " + '</tool_call>' + eos_token }}"
+    "{% endif %}"
+    "{% for message in messages[first:] %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>\n' + message['content'] + '\n</tool_response>' + eos_token }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>\n' + {'name': call['function']['name'],"
+    " 'arguments': call['function']['arguments']} | tojson + '\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
@@ -149,3 +172,57 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None, **kwargs) -> Pat
 def resolve_model_name(name: str) -> str:
     """Map ``"tiny"`` to the cached tiny model folder; pass every other name through."""
     return str(tiny_model_path()) if name == "tiny" else name
+
+
+def memorize(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    examples: list[tuple[list[int], list[int]]],
+    *,
+    max_steps: int = 600,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> Path:
+    """Fine-tune the model in ``source`` until greedy decoding continues every example's
+    prompt ids with exactly its completion ids, and save it (with the tokenizer) to ``target``.
+
+    For tests that need a model to say something precise (a tool call, a given answer)
+    through the real generation path. Plain full-batch Adam on the completion tokens; raises
+    ``RuntimeError`` when ``max_steps`` are not enough.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    width = max(len(p) + len(c) for p, c in examples)
+    ids = torch.full((len(examples), width), tokenizer.pad_token_id)
+    labels = torch.full((len(examples), width), -100)
+    for row, (prompt, completion) in enumerate(examples):
+        sequence = [*prompt, *completion]
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(prompt) : len(sequence)] = torch.tensor(completion)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def reproduces() -> bool:
+        with torch.no_grad():
+            logits = model(ids).logits.argmax(-1)  # teacher-forced greedy = greedy decoding
+        predicted = logits[:, :-1][labels[:, 1:] != -100]
+        return bool((predicted == labels[:, 1:][labels[:, 1:] != -100]).all())
+
+    for step in range(max_steps):
+        model.train()
+        loss = model(ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 20 == 19 and reproduces():
+            break
+    else:
+        raise RuntimeError(f"the tiny model did not memorize {len(examples)} examples")
+    model.eval()
+    target = Path(target)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

@@ -331,3 +331,84 @@ def test_observation_ids_after_a_history_rewriting_template(template):
         [0.0] * len(prompt_ids) + [1.0] * len(first) + [0.0] * len(obs_ids) + [1.0] * len(second)
     )
     assert codec.encode_observation(episode.messages[:2], observation) == obs_ids
+
+
+# -- agent trajectories (apply_trajectory) -----------------------------------------------------
+
+
+def _agent_episode(codec):
+    sample = Sample(messages=[{"role": "user", "content": "1+1="}], answer="2", task="calc")
+    return start_episodes([sample], codec, 1)[0]
+
+
+def test_a_trajectory_becomes_one_sequence_with_loss_on_generated_ids_only(model_and_tokenizer):
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    calls = [
+        ModelCall([1, 2, 3], [4, 5], [-0.1, -0.2]),
+        # The second prompt holds everything before it, then a tool result (6, 7).
+        ModelCall([1, 2, 3, 4, 5, 6, 7], [8], [-0.3]),
+    ]
+    episode = apply_trajectory(
+        _agent_episode(codec), Trajectory(calls, reward=1.0), codec, max_total_length=64
+    )
+    assert episode.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert episode.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert episode.gen_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2, 0, 0, -0.3])
+    assert (episode.prompt_length, episode.turns, episode.reward) == (3, 2, 1.0)
+    assert not episode.noncontiguous and episode.failure is None
+    batch = episodes_to_batch([episode], torch.ones(1), tokenizer.pad_token_id)
+    assert batch["sample_mask"].tolist() == [1.0]
+
+
+def test_a_call_that_does_not_continue_the_sequence_masks_the_episode(model_and_tokenizer):
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    # The agent re-tokenised its history: the second prompt has 9 where 4 was sampled.
+    calls = [ModelCall([1, 2, 3], [4, 5], [-0.1, -0.2]), ModelCall([1, 2, 3, 9, 5, 6], [8], [-1])]
+    episode = apply_trajectory(
+        _agent_episode(codec), Trajectory(calls, reward=1.0), codec, max_total_length=64
+    )
+    assert episode.noncontiguous
+    assert episode.token_ids == [1, 2, 3, 4, 5]  # the calls before the break only
+    batch = episodes_to_batch([episode], torch.ones(1), tokenizer.pad_token_id)
+    assert batch["sample_mask"].tolist() == [0.0]
+
+
+def test_a_failed_row_keeps_its_prompt_gets_reward_zero_and_no_loss(model_and_tokenizer):
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    episode = _agent_episode(codec)
+    prompt = list(episode.token_ids)
+    failed = Trajectory([ModelCall([1], [2], [-1.0])], reward=1.0, failure_reason="tool crashed")
+    apply_trajectory(episode, failed, codec, max_total_length=64)
+    assert (episode.failure, episode.reward, episode.token_ids) == ("tool crashed", 0.0, prompt)
+    assert sum(episode.loss_mask) == 0
+
+
+def test_a_trajectory_longer_than_the_budget_is_cut_and_marked_truncated(model_and_tokenizer):
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    calls = [ModelCall([1, 2, 3], [4, 5, 6, 7], [-0.5] * 4)]
+    episode = apply_trajectory(_agent_episode(codec), Trajectory(calls), codec, max_total_length=5)
+    assert episode.token_ids == [1, 2, 3, 4, 5] and len(episode.loss_mask) == 5
+    assert episode.truncated and episode.finish_reason == "length"
+
+
+def test_model_calls_refuse_unpaired_logprobs():
+    from nrl_core.agents import ModelCall
+
+    with pytest.raises(ValueError, match="2 generated ids but 1 logprobs"):
+        ModelCall([1], [2, 3], [-0.1])

@@ -21,7 +21,6 @@ class VllmConfig:
     )
     enforce_eager: bool = option(False, "Disable CUDA graphs.")
     async_engine: bool = option(False, "Use vLLM's async engine.")
-    expose_http_server: bool = option(False, "Serve an OpenAI-compatible endpoint for agents.")
     refit_bucket_mb: int = option(
         512, "Size bound of each weight bucket during refit.", validator=ge(1)
     )

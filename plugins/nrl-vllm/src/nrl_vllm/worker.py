@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from nrl_core.errors import NotImplementedYet, NrlError
+from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
 from nrl_core.weight_sync import BucketHandle, BucketMeta, handle_to_wire, pack_bucket
 from nrl_vllm.config import VllmConfig
@@ -34,11 +34,6 @@ class VllmGenerationWorker:
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
         self.context = context
-        if self.options.expose_http_server:
-            raise NotImplementedYet(
-                "generation.vllm.expose_http_server is not implemented yet; agents must go "
-                "through the environment interface for now"
-            )
         for var in _DIST_VARS:
             os.environ.pop(var, None)
         try:

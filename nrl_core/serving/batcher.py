@@ -1,0 +1,135 @@
+"""Concurrent requests served by one backend call.
+
+A hundred agents each waiting for their own ``generate`` call would be served one at a time.
+Instead, requests arriving within a short window (``server.batch_window_ms``) are grouped by
+their sampling settings and each group goes to the backend as ONE batched call, in a worker
+thread (the backends' ``generate`` is a blocking Ray call), one call at a time. Requests that
+differ only in ``max_tokens`` share a call: it generates up to the largest and each answer is
+cut to its own limit, which is the sample it would have been (sampling is left to right).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from nrl_core.interfaces import GenerationOutput, SamplingParams
+
+Generate = Callable[
+    [Sequence[Sequence[int]], SamplingParams, Sequence[Sequence[str] | None] | None],
+    GenerationOutput,
+]
+
+
+@attrs.frozen
+class Completion:
+    """One request's answer."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """``"stop"`` or ``"length"``."""
+
+
+@attrs.define
+class BatcherStats:
+    """What the batcher has served (read by tests and logs)."""
+
+    requests: int = 0
+    backend_calls: int = 0
+    largest_batch: int = 0
+
+
+@attrs.define
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    stop_strings: list[str] | None
+    future: asyncio.Future
+
+
+class RequestBatcher:
+    """Collects requests for ``window_s`` seconds (at most ``max_batch`` per call) and serves
+    them through ``generate``.
+
+    Args:
+        generate: the backend (:class:`nrl_core.interfaces.GenerationWorker` signature).
+        window_s: how long to wait for more requests once one arrived.
+        max_batch: most requests in one backend call.
+    """
+
+    def __init__(self, generate: Generate, *, window_s: float, max_batch: int) -> None:
+        self.generate = generate
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self.stats = BatcherStats()
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._worker: asyncio.Task | None = None
+        self._calls = 0
+
+    async def submit(
+        self, prompt: Sequence[int], params: SamplingParams, stop_strings: Sequence[str] | None
+    ) -> Completion:
+        """Queue one prompt; returns its completion once its batch is generated."""
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.get_running_loop().create_task(self._serve())
+        future = asyncio.get_running_loop().create_future()
+        stops = list(stop_strings) if stop_strings else None
+        await self._queue.put(_Pending(list(prompt), params, stops, future))
+        return await future
+
+    async def _serve(self) -> None:
+        assert self._queue is not None
+        while True:
+            batch = [await self._queue.get()]
+            deadline = asyncio.get_running_loop().time() + self.window_s
+            while len(batch) < self.max_batch:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), left))
+                except TimeoutError:
+                    break
+            groups: dict[Any, list[_Pending]] = {}
+            for item in batch:
+                key = attrs.evolve(item.params, max_new_tokens=0)
+                groups.setdefault(key, []).append(item)
+            for group in groups.values():
+                await self._run(group)
+
+    async def _run(self, group: list[_Pending]) -> None:
+        longest = max(p.params.max_new_tokens for p in group)
+        params = attrs.evolve(group[0].params, max_new_tokens=longest)
+        if params.seed is not None:
+            # Two calls with one seed would draw the same random numbers for their rows.
+            params = attrs.evolve(params, seed=params.seed + 7919 * self._calls)
+        self._calls += 1
+        try:
+            output = await asyncio.to_thread(
+                self.generate, [p.prompt for p in group], params, [p.stop_strings for p in group]
+            )
+        except Exception as exc:  # every waiting request gets the backend's error
+            for pending in group:
+                if not pending.future.done():
+                    pending.future.set_exception(exc)
+            return
+        self.stats.requests += len(group)
+        self.stats.backend_calls += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(group))
+        for pending, ids, logprobs, reason in zip(
+            group, output.token_ids, output.logprobs, output.finish_reasons, strict=True
+        ):
+            limit = pending.params.max_new_tokens
+            if len(ids) > limit:
+                ids, logprobs, reason = ids[:limit], logprobs[:limit], "length"
+            if not pending.future.done():
+                pending.future.set_result(Completion(list(ids), list(logprobs), reason))
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()

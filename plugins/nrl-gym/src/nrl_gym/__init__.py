@@ -1,0 +1,1 @@
+"""nrl plugin: NeMo Gym environments driven by their own agents against nrl's policy endpoint."""

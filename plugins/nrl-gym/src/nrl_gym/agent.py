@@ -1,0 +1,114 @@
+"""The ``nemo_gym`` agent: rows go to NeMo Gym's agents, whose model calls come to nrl's endpoint.
+
+Per row: ``POST <agent>/run`` with the row as it is in the Gym JSONL file; the agent calls the
+model server (Gym's ``vllm_model``, pointed at nrl's endpoint, which returns the token ids of
+every call), the tools of the resources server, and its ``/verify`` for the reward. In the
+result's ``response.output``, the last item of each model call carries
+``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs``: one
+:class:`~nrl_core.agents.ModelCall` each. A row whose run fails (HTTP error, a result flagged
+``mask_sample``, or one with a ``failure_reason``) comes back with ``failure_reason`` set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from nrl_core.agents import Endpoint, ModelCall, Trajectory
+from nrl_gym.config import NemoGymAgentConfig
+
+ROW_KEY = "nemo_gym_row"
+"""Where the ``nemo_gym_jsonl`` dataset keeps a row's own fields in the sample's metadata."""
+
+
+class NemoGymAgent:
+    """Sends rows to NeMo Gym's agents (servers started on first use, stopped by close)."""
+
+    def __init__(self, options: NemoGymAgentConfig | None = None, context: Any = None) -> None:
+        self.options = options or NemoGymAgentConfig()
+        self.servers: Any = None
+        self._endpoint: Endpoint | None = None
+
+    def _ensure_servers(self, endpoint: Endpoint) -> None:
+        if self.servers is not None and self._endpoint == endpoint:
+            return
+        from nrl_gym.install import gym_venv
+        from nrl_gym.servers import GymServers
+
+        self.close()
+        servers = GymServers()
+        if self.options.head_server_url:
+            servers.join(self.options.head_server_url, timeout_s=self.options.startup_timeout_s)
+        else:
+            venv = gym_venv(self.options.nemo_gym_version, self.options.gym_python)
+            servers.start(
+                venv,
+                list(self.options.config_paths),
+                endpoint,
+                timeout_s=self.options.startup_timeout_s,
+            )
+        self.servers, self._endpoint = servers, endpoint
+
+    def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
+        self._ensure_servers(endpoint)
+        return asyncio.run(self._run_all(rows))
+
+    async def _run_all(self, rows: Sequence[dict[str, Any]]) -> list[Trajectory]:
+        limit = asyncio.Semaphore(self.options.max_concurrency)
+        timeout = httpx.Timeout(self.options.request_timeout_s, connect=30)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+
+            async def one(row: dict[str, Any]) -> Trajectory:
+                async with limit:
+                    return await self._run_one(client, row.get(ROW_KEY, row))
+
+            return list(await asyncio.gather(*(one(row) for row in rows)))
+
+    async def _run_one(self, client: httpx.AsyncClient, row: dict[str, Any]) -> Trajectory:
+        name = (row.get("agent_ref") or {}).get("name")
+        try:
+            url = self.servers.url_of(name)
+            response = await client.post(f"{url}/run", json=row)
+        except (KeyError, httpx.HTTPError) as exc:
+            return Trajectory(calls=[], failure_reason=f"{type(exc).__name__}: {exc}")
+        if response.status_code != 200:
+            return Trajectory(
+                calls=[],
+                failure_reason=f"/run answered {response.status_code}: {response.text:.300}",
+            )
+        return trajectory_of(response.json())
+
+    def close(self) -> None:
+        if self.servers is not None:
+            self.servers.stop()
+            self.servers = None
+
+
+def trajectory_of(result: Any) -> Trajectory:
+    """A Gym ``/run`` result (the row plus ``response``, ``reward``, ``mask_sample``,
+    ``failure_kind``, ``failure_reason``) as a :class:`Trajectory`."""
+    if not isinstance(result, dict) or not isinstance(result.get("response"), dict):
+        return Trajectory(calls=[], failure_reason=f"not a NeMo Gym result: {result!s:.300}")
+    calls = []
+    for item in result["response"].get("output") or []:
+        if isinstance(item, dict) and item.get("generation_token_ids") is not None:
+            calls.append(
+                ModelCall(
+                    list(item.get("prompt_token_ids") or []),
+                    list(item["generation_token_ids"]),
+                    [float(x) for x in item.get("generation_log_probs") or []],
+                )
+            )
+    failure = result.get("failure_reason")
+    if failure is None and result.get("mask_sample"):
+        failure = f"masked by NeMo Gym ({result.get('failure_kind') or 'no reason given'})"
+    incomplete = result["response"].get("incomplete_details") or {}
+    return Trajectory(
+        calls=calls,
+        reward=float(result.get("reward") or 0.0),
+        failure_reason=failure,
+        finish_reason="length" if incomplete.get("reason") == "max_output_tokens" else "stop",
+    )

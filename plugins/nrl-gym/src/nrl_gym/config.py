@@ -1,0 +1,61 @@
+"""Options of the NeMo Gym agent (``agent.nemo_gym``) and dataset (``data.nemo_gym_jsonl``)."""
+
+from __future__ import annotations
+
+import attrs
+
+from nrl_core.config.schema import NON_EMPTY, ge, gt, option
+
+EXAMPLE_CONFIG = "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml"
+TRAINING_MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
+
+
+@attrs.define
+class NemoGymAgentConfig:
+    """How NeMo Gym's servers are found or started, and how rows are sent to them."""
+
+    config_paths: list[str] = option(
+        [EXAMPLE_CONFIG],
+        (
+            "NeMo Gym config files of the environments (resources server + agent), absolute or "
+            "relative to the installed Gym package; the training model server "
+            f"(`{TRAINING_MODEL_CONFIG}`) pointed at nrl's endpoint is added."
+        ),
+    )
+    head_server_url: str | None = option(
+        None,
+        (
+            "Join a running NeMo Gym head server (e.g. http://127.0.0.1:11000) instead of "
+            "starting one; its model server must already point at this run's endpoint."
+        ),
+    )
+    nemo_gym_version: str = option(
+        "0.7.0", "The nemo-gym release installed in the Gym virtualenv.", validator=NON_EMPTY
+    )
+    gym_python: str | None = option(
+        None,
+        (
+            "A Python >= 3.13 to build the Gym virtualenv with (NeMo Gym needs it; default: "
+            "found on PATH and in ~/.pyenv)."
+        ),
+    )
+    max_concurrency: int = option(
+        32, "Rows in flight at once, over all of an actor's share of a batch.", validator=ge(1)
+    )
+    startup_timeout_s: float = option(
+        600.0, "Longest wait for Gym's servers to be ready, in seconds (> 0).", validator=gt(0)
+    )
+    request_timeout_s: float = option(
+        900.0,
+        "Longest one row's /run may take, in seconds (> 0); then the row fails.",
+        validator=gt(0),
+    )
+
+
+@attrs.define
+class NemoGymDataConfig:
+    """A NeMo Gym JSONL file: one row per line, ``{"responses_create_params": {"input": [...],
+    "tools": [...], ...}, "agent_ref": {"name": ...}, ...}``."""
+
+    path: str = option("", "The training rows (a .jsonl file).", validator=NON_EMPTY)
+    val_path: str | None = option(None, "Validation rows (default: a held-out share of path).")

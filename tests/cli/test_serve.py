@@ -1,0 +1,74 @@
+"""`nrl serve` as users run it: a subprocess serving the tiny model, talked to by the real
+`openai` client, stopped by SIGTERM with nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+
+def test_nrl_serve_answers_the_openai_client_and_stops_cleanly():
+    # Ray's socket paths must stay short: a folder of our own directly under /tmp.
+    tmp_path = Path(tempfile.mkdtemp(prefix="nrl-t-", dir="/tmp"))
+    env = {**os.environ, "NRL_ACTOR_ENV": "system", "TMPDIR": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nrl_core.cli", "serve", "--port", "0", "cluster.num_cpus=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        url, seen = None, []
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            found = re.match(r"serving tiny at (http://127\.0\.0\.1:\d+/v1)", line)
+            url = found.group(1) if found else None
+        assert url, "".join(seen)[-3000:]
+        client = openai.OpenAI(base_url=url, api_key="unused")
+        assert client.models.list().data[0].id == "tiny"
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "1+1="}], max_tokens=4
+        )
+        generated = reply.choices[0].message.model_extra["generation_token_ids"]
+        assert 1 <= len(generated) <= 4
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    assert code in (0, 128 + signal.SIGTERM)
+    # The run's Ray temp folder (under TMPDIR) was removed at exit.
+    assert not list(tmp_path.glob("nrl-ray-*"))
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "70000"], "server.port"),
+        (["server.tool_parser=xml"], "server.tool_parser"),
+    ],
+)
+def test_bad_serve_settings_are_one_line_and_exit_2(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NRL_ACTOR_ENV": "system"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
