@@ -1,4 +1,4 @@
-"""What plugins register: named components of six kinds, each with a lazily imported target.
+"""What plugins register: named components of seven kinds, each with a lazily imported target.
 
 A component is registered with a ``"module:attr"`` string (or the object itself). The string is
 imported only when the component is used, and usually only inside the Ray actor that runs it,

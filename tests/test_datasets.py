@@ -245,7 +245,7 @@ def test_each_task_loads_its_own_samples_under_its_name(nrl_registry):
         ],
         registry=nrl_registry,
     )
-    with pytest.raises(ConfigError, match="missing.jsonl does not exist"):
+    with pytest.raises(ConfigError, match=r"missing\.jsonl does not exist"):
         load_task_splits(config.data, nrl_registry, ComponentContext(config=config))
     config.data.tasks.pop()
     splits = load_task_splits(config.data, nrl_registry, ComponentContext(config=config))

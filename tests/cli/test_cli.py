@@ -14,7 +14,7 @@ from nrl_core.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
-WORKSPACE_PLUGINS = ["core", "dtensor", "math", "megatron", "sglang", "vllm"]
+WORKSPACE_PLUGINS = ["core", "dtensor", "gym", "math", "megatron", "sglang", "vllm"]
 
 
 def nrl(*args: str, env: dict[str, str] | None = None, python: str = sys.executable):
@@ -39,6 +39,7 @@ def test_plugins_json_lists_every_workspace_plugin(capsys):
                 "policy",
                 "generation",
                 "environment",
+                "agent",
                 "loss",
                 "cluster",
                 "dataset",
@@ -143,7 +144,14 @@ def test_installed_distributions_are_discovered_in_a_fresh_venv(tmp_path):
         str(REPO),
         *[
             f"-e{REPO / 'plugins' / p}"
-            for p in ("nrl-dtensor", "nrl-megatron", "nrl-vllm", "nrl-sglang", "nrl-math-env")
+            for p in (
+                "nrl-dtensor",
+                "nrl-megatron",
+                "nrl-vllm",
+                "nrl-sglang",
+                "nrl-math-env",
+                "nrl-gym",
+            )
         ],
     )
     install("--no-deps", str(FIXTURES / "nrl-fixture-plugin"), str(FIXTURES / "nrl-broken-plugin"))

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import re
+import shutil
 import signal
 import subprocess
 import sys
