@@ -265,6 +265,11 @@ class RunSession:
         for index, task in enumerate(config.data.tasks):
             agent = task.agent or getattr(getattr(config, "agent", None), "name", BUILTIN_AGENT)
             self.registry.get("agent", agent, key=f"data.tasks[{index}].agent")
+            if agent != BUILTIN_AGENT and not hasattr(config, "agent"):
+                raise ConfigError(
+                    f"data.tasks[{index}].agent={agent}: agents drive rollouts in `nrl run grpo` "
+                    f"only; `nrl {self.algorithm}` rolls out with the core's loop (agent: env)"
+                )
             if agent == BUILTIN_AGENT and hasattr(config, "env"):
                 env = task.env or config.env.name
                 self.registry.get("environment", env, key=f"data.tasks[{index}].env")
@@ -510,9 +515,8 @@ class RunSession:
         from nrl_core.agents import AGENT_ACTOR_TARGET, AgentPool, Endpoint
 
         agent_config = self.config.agent
-        names = {self.agent_for(t) for t in self.task_agents} | {agent_config.name}
-        if not self.task_agents:  # one dataset: its samples' tasks all go to agent.name
-            names = {agent_config.name}
+        # With data.tasks, the agents the tasks name; with one dataset, agent.name.
+        names = set(self.task_agents.values()) or {agent_config.name}
         names.discard(BUILTIN_AGENT)
         if not names:
             return

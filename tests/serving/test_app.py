@@ -241,3 +241,108 @@ def test_an_api_key_is_required_when_set(tool_model):
         assert openai.OpenAI(base_url=url, api_key="sesame").models.list().data[0].id == "m"
     finally:
         server.stop()
+
+
+# -- token-exact turns over HTTP, with tokenizers where re-rendering the text goes wrong ----------
+
+
+def _served_bpe_model(tmp_path, template: str, completion_text: str):
+    """A tiny Llama over the BPE vocabulary of test_prompts (merge a + b -> "ab"), taught to
+    answer "go" with ``completion_text`` ("|" separates pieces encoded on their own)."""
+    import torch
+    from nrl_dtensor.generation import TorchGenerator
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nrl_core.serving.prompts import PromptBuilder
+    from nrl_core.serving.server import PolicyServer
+    from nrl_core.testing.tiny import memorize
+    from nrl_core.testing.tokenizers import bpe_tokenizer, ids_of
+
+    tokenizer = bpe_tokenizer(template)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    prompt = PromptBuilder(tokenizer).build([{"role": "user", "content": "go"}])
+    completion = []
+    for piece in completion_text.split("|"):
+        completion += ids_of(tokenizer, piece)
+    completion.append(tokenizer.eos_token_id)
+    folder = memorize(tmp_path / "base", tmp_path / "taught", [(prompt, completion)])
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    generator = TorchGenerator(model=model, tokenizer=tokenizer)
+    server = PolicyServer(
+        generator.generate, tokenizer, model_id="bpe", max_model_len=256, config=ServerConfig()
+    )
+    server.start()
+    return server, completion
+
+
+def test_sampled_ids_that_retokenise_differently_are_kept_across_turns(tmp_path):
+    # The model says "ab" as two tokens, "a" then "b"; the text "ab" encodes to one.
+    server, sampled = _served_bpe_model(tmp_path, _plain_template(), "a|b")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        first = client.chat.completions.create(
+            model="bpe", messages=[{"role": "user", "content": "go"}], temperature=0
+        )
+        message = first.choices[0].message
+        assert message.content == "ab" and message.model_extra["generation_token_ids"] == sampled
+        exact = message.model_extra["prompt_token_ids"] + sampled
+        follow_up = {"role": "user", "content": "again"}
+        with_ids = [{"role": "user", "content": "go"}, message.model_dump(exclude_none=True)]
+        as_text = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ab"}]
+
+        second = client.chat.completions.create(
+            model="bpe", messages=[*with_ids, follow_up], temperature=0, max_tokens=2
+        )
+        assert second.choices[0].message.model_extra["prompt_token_ids"][: len(exact)] == exact
+        # Without the token fields the history is re-rendered, and the ids differ.
+        plain = client.chat.completions.create(
+            model="bpe", messages=[*as_text, follow_up], temperature=0, max_tokens=2
+        )
+        assert plain.choices[0].message.model_extra["prompt_token_ids"][: len(exact)] != exact
+    finally:
+        server.stop()
+
+
+def test_a_think_stripping_template_keeps_the_sampled_reasoning_in_the_next_prompt(tmp_path):
+    from nrl_core.testing.tokenizers import THINK_STRIPPING_TEMPLATE
+
+    server, sampled = _served_bpe_model(tmp_path, THINK_STRIPPING_TEMPLATE, "<think>hm</think>ab")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        first = client.chat.completions.create(
+            model="bpe", messages=[{"role": "user", "content": "go"}], temperature=0
+        )
+        message = first.choices[0].message
+        assert message.model_extra["generation_token_ids"] == sampled
+        exact = message.model_extra["prompt_token_ids"] + sampled
+        history = [
+            {"role": "user", "content": "go"},
+            message.model_dump(exclude_none=True),
+            {"role": "user", "content": "ok"},
+        ]
+        tokenized = httpx.post(
+            server.base_url.removesuffix("/v1") + "/tokenize", json={"messages": history}
+        ).json()["tokens"]
+        # The reasoning the model sampled stays; the template would have dropped it.
+        assert tokenized[: len(exact)] == exact
+        assert len(tokenized) > len(exact)  # and the new user turn follows it
+    finally:
+        server.stop()
+
+
+def _plain_template() -> str:
+    from nrl_core.testing.tokenizers import PLAIN_TEMPLATE
+
+    return PLAIN_TEMPLATE

@@ -53,6 +53,8 @@ def test_two_grpo_steps_on_a_gym_task_and_arithmetic(tmp_path):
         assert record["train/agent_failures"] == 0
         assert record["train/noncontiguous"] == 0
     assert "val/weather/accuracy" in records[-1]
+    # Validation went through Gym too, greedy (the endpoint enforced temperature 0).
+    assert records[-1]["val/agent_failures"] == 0
     # Gym's servers (and its own Ray) were stopped with the run.
     left = subprocess.run(["pgrep", "-f", "ng_run"], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
