@@ -80,8 +80,6 @@ class Trajectory:
     out of the loss and counted in ``train/agent_failures``."""
     finish_reason: str = "stop"
     """How the LAST call ended: ``"stop"`` or ``"length"`` (for overlong filtering)."""
-    metrics: dict[str, float] = attrs.field(factory=dict)
-    """Per-row numbers the agent wants averaged into ``train/<task>/<name>``."""
 
 
 class AgentActor:

@@ -120,9 +120,7 @@ def _loader(
         options = attrs.evolve(options, path=name)
     else:
         spec = registry.get("dataset", name, key=key)
-        options = data.options_for(name)
-        if options is None and spec.config is not None:
-            options = spec.load_config_class()()
+        options = data.options_or_defaults(name, spec)
     return spec.load()(options, context)
 
 

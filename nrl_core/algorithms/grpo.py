@@ -141,10 +141,7 @@ class GRPOTrainer:
             use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
             normalize_rewards=grpo.normalize_rewards,
         )
-        # An agent's failed or non-contiguous episode is not a sequence that was sampled.
-        sample_mask = torch.tensor(
-            [0.0 if e.failure is not None or e.noncontiguous else 1.0 for e in episodes]
-        )
+        sample_mask = torch.tensor([float(e.trainable) for e in episodes])
         if grpo.overlong_filtering:
             sample_mask *= overlong_sample_mask([e.finish_reason for e in episodes]).float()
         return StepData(episodes, rewards, advantages, sample_mask, generation_s)

@@ -175,6 +175,12 @@ class Episode:
             self.gen_logprobs = [0.0] * len(self.token_ids)
 
     @property
+    def trainable(self) -> bool:
+        """False for an agent's failed or non-contiguous episode: its ids are not a sequence
+        that was sampled, so it stays out of the loss (``sample_mask`` 0)."""
+        return self.failure is None and not self.noncontiguous
+
+    @property
     def response_length(self) -> int:
         return int(sum(self.loss_mask))
 
@@ -355,10 +361,7 @@ def episodes_to_batch(
             "loss_mask": loss_mask,
             "gen_logprobs": gen_logprobs,
             "advantages": advantages.float()[:, None] * loss_mask,
-            # An agent's failed or non-contiguous episode is not a sequence that was sampled.
-            "sample_mask": torch.tensor(
-                [0.0 if e.failure is not None or e.noncontiguous else 1.0 for e in episodes]
-            ),
+            "sample_mask": torch.tensor([float(e.trainable) for e in episodes]),
         },
         [{"group": e.group, "task": e.task} for e in episodes],
     )

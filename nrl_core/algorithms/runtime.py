@@ -198,24 +198,30 @@ class RunSession:
         resources = self._start_cluster()
 
         env = getattr(config, "env", None)
-        env_cpus = ENV_CPUS_PER_WORKER * self._helper_actor_count()
-        shared = self._colocation_bundles(resources)
-        if shared is not None:
-            # Colocated engines first: they check at start-up that the GPU memory they were
-            # told to use is free, which it is only before the policy loads its weights. They
-            # release it (sleep) at the end of start-up, and the policy starts next.
-            self.generate, self.refit = self._generation_backend(shared)
-        self.policy = self._start_policy(resources, env_cpus, shared)
+        self._start_policy_and_generation(
+            resources, ENV_CPUS_PER_WORKER * self._helper_actor_count()
+        )
         if env is not None:
             self.env_pool = self._start_environments(env)
-        if hasattr(config, "generation") and shared is None:
-            self.generate, self.refit = self._generation_backend(None)
         if hasattr(config, "agent"):
             self._start_agents()
         if hasattr(config, "loss"):
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
             self._restore()
+
+    def _start_policy_and_generation(self, resources: Any, reserved_cpus: float) -> None:
+        """The policy ranks and the generation backend (:attr:`generate`, :attr:`refit`;
+        none for algorithms without generation), in the order their GPUs need."""
+        shared = self._colocation_bundles(resources)
+        if shared is not None:
+            # Colocated engines first: they check at start-up that the GPU memory they were
+            # told to use is free, which it is only before the policy loads its weights. They
+            # release it (sleep) at the end of start-up, and the policy starts next.
+            self.generate, self.refit = self._generation_backend(shared)
+        self.policy = self._start_policy(resources, reserved_cpus, shared)
+        if hasattr(self.config, "generation") and shared is None:
+            self.generate, self.refit = self._generation_backend(None)
 
     def _start_cluster(self) -> Any:
         """Start the configured cluster (stopped by :meth:`close`); returns its resources."""
@@ -410,52 +416,52 @@ class RunSession:
         self._closers.append(group.shutdown)
         return Policy.from_config(group, policy)
 
+    def _driving_agents(self) -> set[str]:
+        """The registered agents (not the core's loop) that drive some task: those the tasks
+        of ``data.tasks`` name, or ``agent.name`` for one dataset."""
+        if not hasattr(self.config, "agent"):
+            return set()
+        return (set(self.task_agents.values()) or {self.config.agent.name}) - {BUILTIN_AGENT}
+
+    def _environment_routes(self) -> dict[str, tuple[str, str]]:
+        """Task name -> (environment, the config key naming it) for the tasks the core's loop
+        drives; one dataset routes every task (``"default"``) to ``env.name``."""
+        env = self.config.env
+        if not self.config.data.tasks:
+            return {"default": (env.name, "env.name")}
+        return {
+            task.name: (task.env or env.name, f"data.tasks[{index}].env")
+            for index, task in enumerate(self.config.data.tasks)
+            if self.agent_for(task.name) == BUILTIN_AGENT
+        }
+
     def _helper_actor_count(self) -> int:
         """How many environment and agent actors the run will start (each takes
         :data:`ENV_CPUS_PER_WORKER`; on a CPU-only cluster the policy leaves them room)."""
-        config = self.config
-        env = getattr(config, "env", None)
-        if env is None:
+        if getattr(self.config, "env", None) is None:
             return 0
-        tasks = config.data.tasks
-        agents = {self.agent_for(t.name) for t in tasks} if tasks else {self.agent_for("")}
-        envs = {t.env or env.name for t in tasks if self.agent_for(t.name) == BUILTIN_AGENT}
-        env_groups = len(envs) if tasks else 1
-        agent_groups = len(agents - {BUILTIN_AGENT}) if hasattr(config, "agent") else 0
-        agent_workers = config.agent.num_workers if agent_groups else 0
-        return env.num_workers * env_groups + agent_workers * agent_groups
+        environments = {name for name, _ in self._environment_routes().values()}
+        agents = self._driving_agents()
+        return self.config.env.num_workers * len(environments) + (
+            self.config.agent.num_workers * len(agents) if agents else 0
+        )
 
     def _start_environments(self, env: Any):
-        """One worker group per environment: ``env.name`` for every task, or, with
-        ``data.tasks``, each environment the tasks driven by the core's loop name, routed by
-        task name (tasks driven by another agent get none)."""
+        """One worker group per environment the tasks driven by the core's loop name
+        (:meth:`_environment_routes`), each task routed to its environment's group."""
         from nrl_core.environments import EnvironmentPool
 
-        tasks = self.config.data.tasks
-        if not tasks:
-            group = self._start_environment(env, env.name, "env.name")
-            # Each step gets env.step_timeout_s, much less than the worker timeout that bounds
-            # the actors' start: a hung environment fails the run within that, naming the key.
-            return EnvironmentPool({"default": group}, step_timeout_s=env.step_timeout_s)
+        routes = self._environment_routes()
         groups: dict[str, Any] = {}
-        routes: dict[str, Any] = {}
-        for index, task in enumerate(tasks):
-            if self.agent_for(task.name) != BUILTIN_AGENT:
-                continue
-            name = task.env or env.name
+        for name, key in routes.values():
             if name not in groups:
-                groups[name] = self._start_environment(env, name, f"data.tasks[{index}].env")
-            routes[task.name] = groups[name]
-        return EnvironmentPool(routes, step_timeout_s=env.step_timeout_s)
-
-    @staticmethod
-    def _options_of(section: Any, name: str, spec: Any) -> Any:
-        """Component ``name``'s options from ``section`` (its defaults when the config names
-        it only elsewhere, e.g. in ``data.tasks``)."""
-        options = section.options_for(name)
-        if options is None and spec.config is not None:
-            options = spec.load_config_class()()
-        return options
+                groups[name] = self._start_environment(env, name, key)
+        # Each step gets env.step_timeout_s, much less than the worker timeout that bounds the
+        # actors' start: a hung environment fails the run within that, naming the key.
+        return EnvironmentPool(
+            {task: groups[name] for task, (name, _) in routes.items()},
+            step_timeout_s=env.step_timeout_s,
+        )
 
     def _start_environment(self, env: Any, name: str, key: str):
         from nrl_core.distributed.actor_env import actor_python
@@ -466,7 +472,7 @@ class RunSession:
         group = WorkerGroup.start(
             ENV_ACTOR_TARGET,
             env.num_workers,
-            args=(spec.target, self._options_of(env, name, spec), self.context_for(spec)),
+            args=(spec.target, env.options_or_defaults(name, spec), self.context_for(spec)),
             name=f"env-{name}",
             python=actor_python(spec, self.config, env),
             num_cpus_per_worker=ENV_CPUS_PER_WORKER,
@@ -515,28 +521,16 @@ class RunSession:
         from nrl_core.agents import AGENT_ACTOR_TARGET, AgentPool, Endpoint
 
         agent_config = self.config.agent
-        # With data.tasks, the agents the tasks name; with one dataset, agent.name.
-        names = set(self.task_agents.values()) or {agent_config.name}
-        names.discard(BUILTIN_AGENT)
+        names = self._driving_agents()
         if not names:
             return
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.distributed.worker_group import WorkerGroup
-        from nrl_core.serving.server import PolicyServer
 
-        policy = self.config.policy
-        server_config = self.config.server
-        model_id = server_config.model_id or policy.model_name
-        self.server = PolicyServer(
-            self.generate,
-            self.tokenizer,
-            model_id=model_id,
-            max_model_len=policy.max_total_sequence_length,
-            config=server_config,
+        server = self._start_server()
+        self.endpoint = Endpoint(
+            base_url=server.base_url, model=server.model_id, api_key=server.api_key
         )
-        base_url = self.server.start(server_config.host, server_config.port)
-        self._closers.append(self.server.stop)
-        self.endpoint = Endpoint(base_url=base_url, model=model_id, api_key=server_config.api_key)
         groups = {}
         for name in sorted(names):
             spec = self.registry.get("agent", name, key="agent.name")
@@ -545,7 +539,7 @@ class RunSession:
                 agent_config.num_workers,
                 args=(
                     spec.target,
-                    self._options_of(agent_config, name, spec),
+                    agent_config.options_or_defaults(name, spec),
                     self.context_for(spec),
                 ),
                 name=f"agent-{name}",
@@ -592,17 +586,16 @@ class RunSession:
         """What ``nrl serve`` needs: the cluster, the generation backend (the policy ranks for
         ``torch`` generation; else the engines, loaded with the policy's weights) and the
         endpoint in front of it, started and returned. Stopped by :meth:`close`."""
+        self._chat_codec()  # the tokenizer, before anything heavy starts
+        self._start_policy_and_generation(self._start_cluster(), 0.0)
+        self.refit()
+        return self._start_server()
+
+    def _start_server(self):
+        """The policy endpoint (``server.*``) in front of :attr:`generate`, serving; stopped
+        by :meth:`close`."""
         from nrl_core.serving.server import PolicyServer
 
-        self._chat_codec()  # the tokenizer, before anything heavy starts
-        resources = self._start_cluster()
-        shared = self._colocation_bundles(resources)
-        if shared is not None:
-            self.generate, self.refit = self._generation_backend(shared)
-        self.policy = self._start_policy(resources, 0.0, shared)
-        if shared is None:
-            self.generate, self.refit = self._generation_backend(None)
-        self.refit()
         server_config = self.config.server
         self.server = PolicyServer(
             self.generate,

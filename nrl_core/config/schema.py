@@ -228,6 +228,15 @@ class ComponentSection:
         """The options object of component ``name`` (default: the selected one), or ``None``."""
         return self.options.get(name or self.selected)
 
+    def options_or_defaults(self, name: str, spec: Any) -> Any:
+        """Component ``name``'s options, or its config class's defaults when this section has
+        none for it (a component named elsewhere, e.g. by ``data.tasks``); ``spec`` is its
+        :class:`~nrl_core.registry.ComponentSpec`. ``None`` when it registers no config."""
+        options = self.options_for(name)
+        if options is None and spec.config is not None:
+            options = spec.load_config_class()()
+        return options
+
 
 @attrs.define
 class OptimizerConfig:

@@ -89,7 +89,9 @@ def create_app(server: PolicyServer) -> FastAPI:
         if not isinstance(kwargs, dict):
             raise RequestError("`chat_template_kwargs` must be an object")
         return server.prompts.build(
-            body.get("messages"), [_tool_for_template(t) for t in tools or []], **_kw(kwargs)
+            body.get("messages"),
+            [_tool_for_template(t) for t in tools or []],
+            chat_template_kwargs=kwargs or None,
         )
 
     @app.post("/v1/chat/completions")
@@ -205,10 +207,6 @@ def create_app(server: PolicyServer) -> FastAPI:
         }
 
     return app
-
-
-def _kw(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {"chat_template_kwargs": kwargs} if kwargs else {}
 
 
 def _tool_for_template(tool: Any) -> dict[str, Any]:

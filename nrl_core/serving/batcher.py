@@ -67,7 +67,7 @@ class RequestBatcher:
         self.max_batch = max_batch
         self.stats = BatcherStats()
         self._queue: asyncio.Queue[_Pending] | None = None
-        self._worker: asyncio.Task | None = None
+        self._worker: asyncio.Task | None = None  # held: an unreferenced task may be collected
         self._calls = 0
 
     async def submit(
@@ -129,7 +129,3 @@ class RequestBatcher:
                 ids, logprobs, reason = ids[:limit], logprobs[:limit], "length"
             if not pending.future.done():
                 pending.future.set_result(Completion(list(ids), list(logprobs), reason))
-
-    async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
