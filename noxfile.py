@@ -6,6 +6,8 @@
 - `plugin-<name>`: core + that one plugin (and the extras it tests with), installed from the
   lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
   and works alone.
+- `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
+  the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
 
 import nox
@@ -23,6 +25,7 @@ PLUGINS = {
     "gym": ("nrl-gym", []),
 }
 TEST_TOOLS = ("pytest>=8.3", "pytest-timeout>=2.3")
+TRL = "trl==1.16.0"
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -55,6 +58,34 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(name="bench-trl")
+def bench_trl(session: nox.Session) -> None:
+    """nrl vs TRL's GRPOTrainer, seconds per step (`-- --steps 20 KEY=VALUE ...`)."""
+    _sync(session)
+    # trl on top of the locked environment, keeping its torch and transformers.
+    versions = session.run(
+        "python",
+        "-c",
+        "from importlib.metadata import version\n"
+        "for name in ('torch', 'transformers'): print(f'{name}=={version(name)}')",
+        silent=True,
+    )
+    pins = [
+        line for line in versions.splitlines() if line.startswith(("torch==", "transformers=="))
+    ]
+    tmpdir = session.env.get("TMPDIR")
+    constraints = f"{session.create_tmp()}/constraints.txt"
+    # create_tmp also points TMPDIR into the venv, where Ray refuses to put its temp_dir.
+    if tmpdir is None:
+        session.env.pop("TMPDIR")
+    else:
+        session.env["TMPDIR"] = tmpdir
+    with open(constraints, "w") as f:
+        f.write("\n".join(pins) + "\n")
+    session.install(TRL, "--constraint", constraints)
+    session.run("python", "benchmarks/vs_trl.py", *session.posargs)
 
 
 def _plugin_session(distribution: str, extras: list[str]):

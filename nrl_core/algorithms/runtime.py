@@ -33,6 +33,7 @@ from nrl_core.checkpoint import (
 )
 from nrl_core.config.loader import dump_config
 from nrl_core.config.schema import RunConfig, portable_config
+from nrl_core.config.validation import optimizer_steps_per_rollout
 from nrl_core.datasets import (
     DataStream,
     MixedStream,
@@ -42,6 +43,7 @@ from nrl_core.datasets import (
 )
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
+from nrl_core.losses.config import ClippedPGConfig, resolved_clipped_pg_config
 from nrl_core.metrics import MetricsLogger
 from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
@@ -63,6 +65,19 @@ def resolve_model_name(name: str) -> str:
 
 def max_steps_of(config: Any, algorithm: str) -> int:
     return getattr(config, algorithm).max_num_steps
+
+
+def loss_options(config: RunConfig, registry: Registry) -> Any:
+    """The options of the run's loss, with the ``auto`` choices of the clipped PG loss resolved
+    for this run (they depend on the generation backend and the batch sizes, which the loss
+    cannot see): see :func:`~nrl_core.losses.config.resolved_clipped_pg_config`."""
+    options = config.loss.options_for()
+    if not isinstance(options, ClippedPGConfig):
+        return options
+    generation = registry.get("generation", config.generation.backend)
+    colocated = bool(generation.metadata.get("colocated"))
+    steps = optimizer_steps_per_rollout(config) if hasattr(config, "grpo") else None
+    return resolved_clipped_pg_config(options, colocated, steps)
 
 
 class RunSession:
@@ -554,16 +569,7 @@ class RunSession:
 
     def _build_loss(self):
         spec = self.registry.get("loss", self.config.loss.name, key="loss.name")
-        options = self.config.loss.options_for()
-        if options is not None and getattr(options, "is_correction", None) == "auto":
-            from nrl_core.losses.config import resolved_clipped_pg_config
-
-            colocated = bool(
-                self.registry.get("generation", self.config.generation.backend).metadata.get(
-                    "colocated"
-                )
-            )
-            options = resolved_clipped_pg_config(options, colocated)
+        options = loss_options(self.config, self.registry)
         # The loss object travels to the policy workers: give it what their venv can unpickle.
         policy_spec = self.registry.get("policy", self.config.policy.backend)
         return spec.load()(options, self.context_for(policy_spec))

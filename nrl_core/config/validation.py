@@ -55,7 +55,7 @@ def _check_on_policy_shortcut(config: Any) -> None:
         return
     loss = config.loss
     options = loss.options_for()
-    if not getattr(options, "on_policy_shortcut", False):
+    if getattr(options, "on_policy_shortcut", False) is not True:  # `auto` resolves safely
         return
     steps = optimizer_steps_per_rollout(config)
     if steps <= 1:

@@ -111,8 +111,9 @@ class ClippedPGLoss:
         self.context = context
         self.needs_reference: bool = self.options.kl_coef > 0
         # The shortcut is only valid when nothing has changed the weights since the rollout;
-        # the config states that promise, the loss cannot check it.
-        self.needs_prev_logprobs: bool = not self.options.on_policy_shortcut
+        # the config states that promise, the loss cannot check it. An unresolved `auto`
+        # recomputes: the core resolves it (resolve_on_policy_shortcut) when it knows.
+        self.needs_prev_logprobs: bool = self.options.on_policy_shortcut is not True
 
     def __call__(
         self, logprobs: torch.Tensor, batch: Batch, stats: GlobalBatchStats

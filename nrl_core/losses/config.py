@@ -41,6 +41,9 @@ IS_CORRECTIONS: tuple[str, ...] = (
     "sequence_mask",
 )
 
+OnPolicyShortcut = Literal["auto", True, False]
+ON_POLICY_SHORTCUTS: tuple[str | bool, ...] = ("auto", True, False)
+
 SequenceISWeight = Literal["geometric_mean", "product"]
 SEQUENCE_IS_WEIGHTS: tuple[str, ...] = ("geometric_mean", "product")
 
@@ -135,12 +138,17 @@ class ClippedPGConfig:
         "= exp(mean_t(old - gen)) (length independent) or `product` = exp(sum_t(old - gen)).",
         validator=one_of(*SEQUENCE_IS_WEIGHTS),
     )
-    on_policy_shortcut: bool = option(
-        False,
-        "Declare every training step fully on-policy (one optimizer step per batch): the "
-        "trainer then skips recomputing `prev_logprobs` and the loss uses "
-        "rho = exp(logp - sg(logp)) (value 1, exact gradient). Whatever this says, a batch that "
-        "carries `prev_logprobs` uses them.",
+    on_policy_shortcut: OnPolicyShortcut = option(
+        "auto",
+        "Skip recomputing `prev_logprobs` (the trainer's logprobs under the rollout's weights) "
+        "and use rho = exp(logp - sg(logp)) (value 1, the exact policy gradient). Exact only "
+        "while nothing has moved the weights since the rollout, i.e. with one optimizer step "
+        "per rollout. `auto` (resolved by the core): `true` when "
+        "`policy.train_global_batch_size` >= `grpo.num_prompts_per_step` x "
+        "`grpo.num_generations_per_prompt` (one optimizer step per rollout), else `false`. "
+        "`true` with several optimizer steps per rollout is refused. Whatever this says, a batch "
+        "that carries `prev_logprobs` uses them.",
+        validator=one_of(*ON_POLICY_SHORTCUTS),
     )
 
     def __attrs_post_init__(self) -> None:
@@ -189,13 +197,33 @@ def resolve_aggregation(config: ClippedPGConfig) -> str:
     return "seq_mean_token_mean" if config.ratio_level == "sequence" else "token_mean"
 
 
-def resolved_clipped_pg_config(config: ClippedPGConfig, colocated: bool) -> ClippedPGConfig:
-    """A copy of ``config`` with ``is_correction`` (see :func:`resolve_is_correction`) and
-    ``aggregation`` (see :func:`resolve_aggregation`) resolved."""
+def resolve_on_policy_shortcut(
+    config: ClippedPGConfig, optimizer_steps_per_rollout: int | None
+) -> bool:
+    """The concrete ``on_policy_shortcut`` of ``config``.
+
+    ``"auto"`` becomes ``True`` when a rollout's batch takes exactly one optimizer step: the
+    weights that generated it are then the weights being trained, so ``prev_logprobs`` would
+    equal the training forward's own logprobs and recomputing them is a wasted forward pass
+    (TRL skips it in the same case). Several optimizer steps per rollout, or an unknown number
+    (``None``), give ``False``. An explicit choice is returned unchanged.
+    """
+    if config.on_policy_shortcut != "auto":
+        return bool(config.on_policy_shortcut)
+    return optimizer_steps_per_rollout == 1
+
+
+def resolved_clipped_pg_config(
+    config: ClippedPGConfig, colocated: bool, optimizer_steps_per_rollout: int | None = None
+) -> ClippedPGConfig:
+    """A copy of ``config`` with ``is_correction`` (see :func:`resolve_is_correction`),
+    ``aggregation`` (see :func:`resolve_aggregation`) and ``on_policy_shortcut`` (see
+    :func:`resolve_on_policy_shortcut`) resolved."""
     return attrs.evolve(
         config,
         is_correction=resolve_is_correction(config, colocated),
         aggregation=resolve_aggregation(config),
+        on_policy_shortcut=resolve_on_policy_shortcut(config, optimizer_steps_per_rollout),
     )
 
 

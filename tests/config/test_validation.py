@@ -65,13 +65,54 @@ def test_on_policy_shortcut_with_several_optimizer_steps_is_refused(registry):
 
 
 @pytest.mark.parametrize(
+    ("batch_size", "value", "skips_prev_logprobs"),
+    [
+        # auto: skip exactly when one optimizer step takes the whole rollout.
+        (32, None, True),
+        (64, None, True),
+        (16, None, False),
+        (10, None, False),
+        # An explicit choice stands.
+        (32, "false", False),
+        (64, "true", True),
+    ],
+)
+def test_on_policy_shortcut_auto_skips_prev_logprobs_only_with_one_optimizer_step(
+    registry, batch_size, value, skips_prev_logprobs
+):
+    from nrl_core.algorithms.runtime import loss_options
+    from nrl_core.losses.clipped_pg import ClippedPGLoss
+
+    overrides = [*ROLLOUT, f"policy.train_global_batch_size={batch_size}"]
+    if value is not None:
+        overrides.append(f"loss.clipped_pg.on_policy_shortcut={value}")
+    config = resolve_config("grpo", None, overrides, registry)
+    assert config.loss.options_for().on_policy_shortcut == (
+        "auto" if value is None else value == "true"
+    )
+    # What the driver builds the run's loss from (RunSession._build_loss).
+    options = loss_options(config, registry)
+    assert options.on_policy_shortcut is skips_prev_logprobs
+    assert ClippedPGLoss(options).needs_prev_logprobs is not skips_prev_logprobs
+    # The loss alone, with `auto` unresolved, recomputes: the safe side.
+    assert ClippedPGLoss(config.loss.options_for()).needs_prev_logprobs is (value != "true")
+
+
+def test_on_policy_shortcut_refuses_other_values(registry):
+    with pytest.raises(ConfigError) as error:
+        resolve_config("grpo", None, ["loss.clipped_pg.on_policy_shortcut=sometimes"], registry)
+    assert "on_policy_shortcut" in str(error.value) and "auto" in str(error.value)
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         # One optimizer step per rollout (the batch may be larger than a rollout).
         ["policy.train_global_batch_size=32", "loss.clipped_pg.on_policy_shortcut=true"],
         ["policy.train_global_batch_size=64", "loss.clipped_pg.on_policy_shortcut=true"],
-        # Several steps, but prev_logprobs are recomputed.
+        # Several steps, but prev_logprobs are recomputed (explicitly, or by `auto`).
         ["policy.train_global_batch_size=16", "loss.clipped_pg.on_policy_shortcut=false"],
+        ["policy.train_global_batch_size=16"],
     ],
 )
 def test_consistent_settings_load(registry, overrides):

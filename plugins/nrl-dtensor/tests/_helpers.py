@@ -62,3 +62,36 @@ class InspectableWorker(DTensorPolicyWorker):
 
     def bucket_list(self, bucket_bytes: int) -> list[dict]:
         return list(self.state_dict_buckets(bucket_bytes))
+
+    def generate_counting_collectives(self, prompts, params) -> tuple:
+        """``generate`` plus the all-gathers and all-reduces it issued on this rank, and
+        whether every parameter is sharded again afterwards."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        counts = {"all_gather": 0, "all_reduce": 0}
+        # FSDP2 gathers through dist.all_gather_single; a torch that renames it counts 0
+        # gathers, which the test refuses.
+        originals = {"all_gather": dist.all_gather_single, "all_reduce": dist.all_reduce}
+
+        def counting(kind):
+            def call(*args, **kwargs):
+                counts[kind] += 1
+                return originals[kind](*args, **kwargs)
+
+            return call
+
+        dist.all_gather_single = counting("all_gather")
+        dist.all_reduce = counting("all_reduce")
+        try:
+            out = self.generate(prompts, params)
+        finally:
+            dist.all_gather_single = originals["all_gather"]
+            dist.all_reduce = originals["all_reduce"]
+        sharded = all(isinstance(p, DTensor) for p in self.model.parameters())
+        return out, counts, sharded
+
+    def num_fsdp_modules(self) -> int:
+        from torch.distributed.fsdp import FSDPModule
+
+        return sum(isinstance(m, FSDPModule) for m in self.model.modules())

@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import TokenMeanNLL, make_batch, stats_for
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
+from nrl_dtensor.generation import TorchGenerator
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
 from nrl_core.data import Batch, pad_sequences
@@ -86,7 +87,9 @@ def full_params(group) -> dict[str, torch.Tensor]:
     return merged[0]
 
 
-def test_two_ranks_match_one_rank(tiny_path, start_group):
+# `model` is the CPU default; `blocks` (the GPU default) shards each decoder block apart.
+@pytest.mark.parametrize("fsdp_units", ["auto", "blocks"])
+def test_two_ranks_match_one_rank(tiny_path, start_group, fsdp_units):
     config = make_config(tiny_path)
     batch = make_batch(8, seed=1)
     stats = stats_for(batch)
@@ -94,7 +97,7 @@ def test_two_ranks_match_one_rank(tiny_path, start_group):
     expected = single.train(batch, TokenMeanNLL())
     expected_lp = single.get_logprobs(batch)
 
-    policy = group_policy(start_group, config)
+    policy = group_policy(start_group, config, DTensorConfig(fsdp_units=fsdp_units))
     got = policy.train(batch, TokenMeanNLL())
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
@@ -191,6 +194,91 @@ def test_generation_logprobs_match_training_logprobs(tiny_path, start_group):
     # Same seed, same samples.
     again = group.run_sharded("generate", shards, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    ("fsdp_units", "once"),
+    [
+        # The GPU default, before (a gather per layer and decode step) and now (one per call).
+        ("blocks", False),
+        ("blocks", True),
+        # The CPU default (`auto`: one unit): the gathered weights stay for the training step.
+        ("auto", True),
+    ],
+)
+def test_generation_gathers_the_weights_once_per_call(tiny_path, start_group, fsdp_units, once):
+    """Colocated generation on 2 FSDP ranks all-gathers each FSDP module once per call and runs
+    no collective per decode step (before: one all-gather per layer and forward, and an
+    all-reduce per step), with the same samples as without a ranks; afterwards the weights are
+    sharded again or, on CPU, kept gathered for the next training forward, which trains as a
+    single process does."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[1, 5, 20, 21, 22], [1, 5, 30], [1, 5, 31, 32, 33, 34, 35]]
+    shards = [prompts[:2], prompts[2:]]  # uneven: the ranks finish at different times
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    config = make_config(tiny_path)
+    config.generation.options["torch"] = TorchGenerationConfig(gather_weights_once=once)
+    group = start_group(WORKER, (DTensorConfig(fsdp_units=fsdp_units), context(config)))
+    results = group.run_sharded("generate_counting_collectives", shards, params)
+    modules = group.run_all("num_fsdp_modules")[0]
+    assert modules == (5 if fsdp_units == "blocks" else 1)  # 4 decoder layers and the root
+    for (out, counts, sharded), shard in zip(results, shards, strict=True):
+        if once:
+            assert counts == {"all_gather": modules, "all_reduce": 0}
+            assert sharded is (fsdp_units == "blocks")
+        else:
+            # Every forward gathers each layer again (the root keeps its own: not all sharded),
+            # and every decode step all-reduces a "done" flag (8 forwards unless all rows stop).
+            assert counts["all_gather"] > 2 * modules and counts["all_reduce"] > 2
+            assert sharded is False
+        # The samples of a single process holding the same weights, seeded as that rank.
+        single = TorchGenerator(
+            model=AutoModelForCausalLM.from_pretrained(tiny_path).eval(),
+            tokenizer=None,
+            seed_offset=shards.index(shard),
+            synchronize=False,
+        )
+        expected = single.generate(shard, params)
+        assert out.token_ids == expected.token_ids
+        for a, b in zip(out.logprobs, expected.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    # The step after a generation is the single-process step.
+    batch = make_batch(8, seed=1)
+    got = Policy.from_config(group, config.policy).train(batch, TokenMeanNLL())
+    expected = local_policy(config).train(batch, TokenMeanNLL())
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+
+
+def test_on_policy_shortcut_takes_the_same_step_as_recomputed_prev_logprobs(tiny_path, start_group):
+    """With one optimizer step per rollout, skipping the prev_logprobs pass (rho = 1 by
+    construction) gives the update that recomputing them gives (rho = 1 up to rounding)."""
+    from nrl_core.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss
+
+    batch = make_batch(8, seed=9)
+    batch["advantages"] = torch.randn(len(batch), generator=torch.Generator().manual_seed(2))
+    outcomes = {}
+    for shortcut in (False, True):
+        config = make_config(tiny_path, optimizer="sgd", lr=0.5, max_grad_norm=0.0)
+        policy = group_policy(start_group, config, name=f"shortcut-{shortcut}")
+        loss = ClippedPGLoss(ClippedPGConfig(is_correction="none", on_policy_shortcut=shortcut))
+        step = Batch(dict(batch.tensors))
+        if loss.needs_prev_logprobs:
+            step["prev_logprobs"] = policy.get_logprobs(step)
+        metrics = policy.train(step, loss)
+        outcomes[shortcut] = (metrics, full_params(policy.group))
+        policy.shutdown()
+    (recomputed, params_recomputed), (skipped, params_skipped) = outcomes[False], outcomes[True]
+    assert "prev_logprobs" not in batch
+    assert skipped["ratio_max"] == skipped["ratio_min"] == 1.0
+    assert recomputed["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert skipped["loss"] == pytest.approx(recomputed["loss"], rel=1e-5)
+    assert skipped["grad_norm"] == pytest.approx(recomputed["grad_norm"], rel=1e-5)
+    for key in params_recomputed:
+        torch.testing.assert_close(
+            params_skipped[key], params_recomputed[key], rtol=1e-5, atol=1e-7
+        )
 
 
 def test_checkpoint_round_trip_reference_and_export(tiny_path, start_group, tmp_path):

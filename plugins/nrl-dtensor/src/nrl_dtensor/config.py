@@ -3,6 +3,8 @@
 Import-light: only attrs. The CLI validates configs with these classes without torch.
 """
 
+from typing import Literal
+
 import attrs
 
 from nrl_core.config.schema import Valid, between, ge, gt, option
@@ -20,6 +22,19 @@ class DTensorConfig:
     )
     activation_checkpointing: bool = option(False, "Recompute activations in backward.")
     cpu_offload: bool = option(False, "FSDP2 CPU offload of parameters and gradients.")
+    fsdp_units: Literal["auto", "blocks", "model"] = option(
+        "auto",
+        (
+            "What FSDP2 gathers and reduces as one unit. `blocks`: each decoder block, freed "
+            "after its forward and gathered again in the backward (least memory; on GPUs FSDP "
+            "overlaps a block's communication with the next block's compute). `model`: the "
+            "whole model, one all-gather and one reduce-scatter per step (full weights and "
+            "gradients on every rank during a step; the optimizer state stays sharded). "
+            "`auto`: `blocks` on GPUs, `model` on CPU, where collectives cannot overlap compute "
+            "and each unit only adds a synchronisation point."
+        ),
+        validator=attrs.validators.in_(("auto", "blocks", "model")),
+    )
     head: str = option(
         "auto",
         (
@@ -65,4 +80,11 @@ class TorchGenerationConfig:
     generation_batch_size: int = option(64, "Prompts generated together per rank.", validator=ge(1))
     stop_at_eos: bool = option(
         True, ("Stop a sample at the tokenizer's EOS token (off only for fixed-length benchmarks).")
+    )
+    gather_weights_once: bool = option(
+        True,
+        "All-gather the FSDP-sharded weights once per generation call and keep them gathered "
+        "until it returns: one full copy of the weights per rank meanwhile, and no collective "
+        "per decode step (none at all without tensor parallelism). `false`: FSDP gathers each "
+        "layer at every decode step (least memory, much slower).",
     )

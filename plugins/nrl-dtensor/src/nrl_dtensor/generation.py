@@ -13,14 +13,20 @@ The dtensor trainer divides its logits by the same generation temperature (see
 ``DTensorPolicyWorker``), so in float32 the train/generation logprob mismatch is ~0 whatever the
 temperature.
 
-Sharded models: with FSDP every forward is a collective, so when ``synchronize`` is on every rank
-keeps stepping (feeding padding for finished rows, or a dummy one-token prompt when it has no
-prompts left) until all ranks are done; ranks agree through an all-reduce of a "done" flag.
+Sharded models: each ``generate`` call all-gathers the FSDP-sharded weights once and keeps them
+gathered until it returns (``gather_weights_once``, the default; colocated rollouts in real
+systems do the same), instead of FSDP's all-gather of every layer at every decode step. Without
+tensor parallelism the gathered model then runs no collective at all, so each rank decodes its own
+prompts at its own pace. When forwards are collectives (tensor parallelism, or
+``gather_weights_once=false``) and ``synchronize`` is on, every rank keeps stepping (feeding
+padding for finished rows, or a dummy one-token prompt when it has no prompts left) until all
+ranks are done; ranks agree through an all-reduce of a "done" flag.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +54,7 @@ class TorchGenerator:
         device: torch.device | str | None = None,
         synchronize: bool | None = None,
         seed_offset: int = 0,
+        fsdp_reshard_after_forward: bool = True,
     ) -> None:
         self.options = options or TorchGenerationConfig()
         self.context = context or ComponentContext(config=None)
@@ -62,6 +69,8 @@ class TorchGenerator:
             dist.is_available() and dist.is_initialized() if synchronize is None else synchronize
         )
         self.seed_offset = seed_offset
+        self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
+        """How the FSDP-sharded model's layers were set up (restored after a generation)."""
         # The stream used when SamplingParams carries no seed: seeded once, then it advances.
         self._default_rng = seeded_generator(self.context.seed, seed_offset, self.device)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -108,37 +117,56 @@ class TorchGenerator:
             rng = seeded_generator(params.seed, self.seed_offset, self.device)
         chunk = max(1, self.options.generation_batch_size)
         starts = list(range(0, len(prompts), chunk))
-        num_chunks = self._global_max(len(starts))
         token_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
         was_training = self.model.training
         self.model.eval()
         try:
-            for c in range(num_chunks):
-                if c < len(starts):
-                    sl = slice(starts[c], starts[c] + chunk)
-                    ids, lps, why = self._generate_chunk(prompts[sl], stops[sl], params, rng)
-                    token_ids += ids
-                    logprobs += lps
-                    reasons += why
-                else:
-                    # Nothing left here, but the other ranks' forwards need this rank's shards.
-                    self._generate_chunk([[self.pad_token_id]], [()], params, rng)
+            with self._weights_for_generation() as lockstep:
+                num_chunks = self._global_max(len(starts)) if lockstep else len(starts)
+                for c in range(num_chunks):
+                    if c < len(starts):
+                        sl = slice(starts[c], starts[c] + chunk)
+                        ids, lps, why = self._generate_chunk(
+                            prompts[sl], stops[sl], params, rng, lockstep
+                        )
+                        token_ids += ids
+                        logprobs += lps
+                        reasons += why
+                    else:
+                        # Nothing left here, but the other ranks' forwards need this rank's
+                        # shards.
+                        self._generate_chunk([[self.pad_token_id]], [()], params, rng, lockstep)
         finally:
             self.model.train(was_training)
         return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)
 
+    @contextlib.contextmanager
+    def _weights_for_generation(self) -> Iterator[bool]:
+        """Gather the FSDP-sharded weights for the whole call (``gather_weights_once``); yields
+        whether this rank's forwards are still collectives, i.e. whether ranks must step in
+        lockstep."""
+        if not (self.synchronize and self.options.gather_weights_once):
+            yield self.synchronize
+            return
+        from nrl_dtensor.fsdp import gathered_fsdp_weights
+
+        with gathered_fsdp_weights(self.model, self.fsdp_reshard_after_forward):
+            # Gathered, a model without tensor parallelism holds plain tensors and its forward
+            # talks to no other rank; tensor-parallel weights stay DTensors whose forward does.
+            from torch.distributed.tensor import DTensor
+
+            yield any(isinstance(p, DTensor) for p in self.model.parameters())
+
     def _global_max(self, value: int) -> int:
-        if not self.synchronize:
-            return value
         t = torch.tensor([value], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def _all_done(self, done: torch.Tensor) -> bool:
+    def _all_done(self, done: torch.Tensor, lockstep: bool) -> bool:
         flag = done.all()
-        if self.synchronize:
+        if lockstep:
             flag = flag.to(torch.int32).reshape(1)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
@@ -150,11 +178,11 @@ class TorchGenerator:
 
         return torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode()
 
-    def _generate_chunk(self, prompts, stops, params: SamplingParams, rng: torch.Generator):
+    def _generate_chunk(self, prompts, stops, params, rng, lockstep: bool):
         with self._grad_context():
-            return self._generate_chunk_impl(prompts, stops, params, rng)
+            return self._generate_chunk_impl(prompts, stops, params, rng, lockstep)
 
-    def _generate_chunk_impl(self, prompts, stops, params: SamplingParams, rng: torch.Generator):
+    def _generate_chunk_impl(self, prompts, stops, params, rng, lockstep: bool):
         device, batch = self.device, len(prompts)
         max_new = int(params.max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -218,7 +246,7 @@ class TorchGenerator:
             final_len = torch.where(newly, step + 1, final_len)
             stopped |= newly
             done |= newly
-            if step + 1 == max_new or self._all_done(done):
+            if step + 1 == max_new or self._all_done(done, lockstep):
                 break
             mask[:, width + step] = 1
             out = self.model(

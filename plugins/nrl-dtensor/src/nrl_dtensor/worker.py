@@ -102,6 +102,14 @@ class DTensorPolicyWorker:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
 
+    @property
+    def fsdp_units(self) -> str:
+        """``policy.dtensor.fsdp_units`` with ``auto`` resolved for this device."""
+        if self.options.fsdp_units == "auto":
+            # A CPU has no separate stream to overlap a block's collective with compute.
+            return "model" if self.device_type == "cpu" else "blocks"
+        return self.options.fsdp_units
+
     def _init_meshes(self) -> None:
         tp = self.options.tensor_parallel_size
         if tp < 1 or self.world_size % tp:
@@ -234,11 +242,22 @@ class DTensorPolicyWorker:
         if self.options.cpu_offload and self.device_type == "cuda":
             # On CPU-only machines parameters already live in host memory: nothing to offload.
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        block_names = set(getattr(model, "_no_split_modules", None) or ())
-        for module in model.modules():
-            if type(module).__name__ in block_names:
-                fully_shard(module, **kwargs)
+        if self.fsdp_units == "blocks":
+            block_names = set(getattr(model, "_no_split_modules", None) or ())
+            for module in model.modules():
+                if type(module).__name__ in block_names:
+                    fully_shard(module, **kwargs)
+        # The root unit (the whole model with `model`) keeps its weights gathered from its
+        # forward to the end of the backward.
         fully_shard(model, **kwargs)
+        if dist.get_backend(self.dp_mesh.get_group()) == "gloo":
+            from torch.distributed.fsdp import FSDPModule
+
+            from nrl_dtensor.fsdp import AllReduceScatter
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(AllReduceScatter())
 
     def _build_optimizer(self, params):
         opt = self.policy.optimizer
@@ -249,6 +268,9 @@ class DTensorPolicyWorker:
                 betas=tuple(opt.betas),
                 eps=opt.eps,
                 weight_decay=opt.weight_decay,
+                # One fused kernel over all parameters instead of a loop of small ops per
+                # parameter (torch's default on CPU, and for DTensor parameters).
+                fused=self.device_type in ("cpu", "cuda"),
             )
         if opt.name == "sgd":
             return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
@@ -410,7 +432,13 @@ class DTensorPolicyWorker:
         if "optimizer" in what:
             move_optimizer_state(self.optimizer, "cpu")
         if "weights" in what and not self.options.cpu_offload:
+            from torch.distributed.fsdp import FSDPModule
+
             for model in self._models():
+                # Weights a forward left gathered (the root unit keeps them) go first.
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
                 model.to("cpu")
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -511,6 +539,8 @@ class DTensorPolicyWorker:
                 device=self.device,
                 synchronize=self.distributed,
                 seed_offset=self.dp_rank,
+                # Block units are freed after each forward; the root keeps its weights.
+                fsdp_reshard_after_forward=self.fsdp_units == "blocks",
             )
         return self._generator
 

@@ -1,0 +1,350 @@
+"""Seconds per GRPO step of nrl against Hugging Face TRL's ``GRPOTrainer``, same tiny CPU workload.
+
+    uv run nox -s bench-trl [-- --steps 20 --warmup 2 KEY=VALUE ...]
+    python benchmarks/vs_trl.py [--steps 20] [--warmup 2] [KEY=VALUE ...]  # a venv with trl
+
+TRL is not a dependency of nrl: the ``bench-trl`` nox session installs ``trl==1.16.0`` on top of
+the locked dev environment (keeping its torch and transformers); run the script directly only in
+a venv that has trl. Trailing ``KEY=VALUE`` arguments are config overrides for the nrl side only
+(e.g. ``policy.num_workers=1``).
+
+The workload, the same on both sides: a Qwen2-shaped model (hidden 256, 4 layers, 8 heads / 4 KV
+heads, MLP 768, tied embeddings, ~3.2M parameters, float32) built locally with nrl's builder and
+its character tokenizer; one-digit additions ("3+4=", no chat template, rendered "3+4=\\n" as
+nrl renders a prompt without a template); reward 1.0 when ``last_integer(completion)`` equals the
+sum (nrl-math-env's ``arithmetic`` reward); 8 prompts x 4 generations per step, at most 16 new
+tokens, temperature 1.0, no reference model (beta 0), AdamW at lr 1e-4 (constant), one optimizer
+step per batch of 32, no gradient checkpointing, no mixed precision.
+
+The TRL side runs first, in a subprocess of this interpreter (``--side trl``); its step time is
+the time between consecutive ``on_step_end`` callbacks (step 1 from its ``on_step_begin``). The
+nrl side then runs ``nrl run grpo`` (actors in the driver's interpreter) and reads
+``metrics.jsonl``. Medians are over steps ``warmup+1..steps``. The FLOP floor is
+``2·P·T + 6·P·T`` (generation forward + training forward/backward) at this machine's fp32
+matmul rate (2 threads, the best of a measurement before and one after both sides); a side's
+share of it is ``floor / step_s``. TRL's first steps carry first-call costs: keep ``--warmup``
+at 2 or more. The last line is ``nrl_step_s=<float> trl_step_s=<float> ratio=<nrl/trl>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("timing/generation_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
+MODEL = dict(
+    arch="qwen2",
+    hidden_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=768,
+    tie_word_embeddings=True,
+)
+PROMPTS, GENERATIONS, MAX_NEW_TOKENS, LR, SEED = 8, 4, 16, 1e-4, 42
+BATCH = PROMPTS * GENERATIONS
+
+
+def prompt_text(expression: str) -> str:
+    # nrl's ChatCodec without a template joins the message contents and ends with "\n" as the
+    # generation prompt; TRL gets the same text so that both sides see the same prompt tokens.
+    # (AutoTokenizer loads this folder as a Qwen2Tokenizer, whose byte-level BPE over the
+    # character vocabulary drops the "\n": both sides tokenise "3+4=\n" as "3", "+", "4", "=".)
+    return f"{expression}=\n"
+
+
+# -- TRL side (a subprocess: `--side trl --model DIR`) ---------------------------------------
+
+
+def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
+    import datasets
+    import torch
+    import trl
+    from nrl_math_env.arithmetic import make_problem
+    from nrl_math_env.common import last_integer
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rng = random.Random(SEED)
+    rows = []
+    for _ in range(2048):
+        expression, value = make_problem(rng, 1, ["+"], 2)
+        rows.append({"prompt": prompt_text(expression), "answer": value})
+    dataset = datasets.Dataset.from_list(rows)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    calls: list[dict] = []  # one per reward call: the step it served, batch size, reward, tokens
+
+    def arithmetic_reward(prompts, completions, completion_ids, answer, trainer_state, **_):
+        rewards = [float(last_integer(c) == a) for c, a in zip(completions, answer, strict=True)]
+        # The same call TRL tokenizes plain-string prompts with (_tokenize_prompts).
+        prompt_ids = tokenizer(text=list(prompts))["input_ids"]
+        calls.append(
+            {
+                "global_step": trainer_state.global_step,
+                "completions": len(completions),
+                "reward_mean": statistics.fmean(rewards),
+                "tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids)),
+            }
+        )
+        return rewards
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.begin: list[float] = []
+            self.end: list[float] = []
+            self.optimizer_steps: list[int] = []
+            self._optimizer_steps = 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self._optimizer_steps += 1
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+            self.optimizer_steps.append(self._optimizer_steps)
+            self._optimizer_steps = 0
+
+    config = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=BATCH,
+        num_generations=GENERATIONS,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",  # nrl's AdamW has no schedule (warmup_steps 0)
+        bf16=False,  # TRL defaults to bf16 autocast; both sides run float32
+        gradient_checkpointing=False,  # TRL defaults to True; nrl recomputes nothing
+        use_cpu=True,
+        max_steps=steps,
+        seed=SEED,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**9,
+        disable_tqdm=True,
+    )
+    # One trainer step = one generation of 32 completions + one optimizer step
+    # (GRPOConfig.__post_init__ derives these from per_device_train_batch_size).
+    assert config.gradient_accumulation_steps == 1, config.gradient_accumulation_steps
+    assert config.steps_per_generation == 1, config.steps_per_generation
+    assert config.generation_batch_size == BATCH, config.generation_batch_size
+    assert config.num_iterations == 1, config.num_iterations
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[arithmetic_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.train()
+
+    assert len(timer.end) == steps and len(timer.begin) == steps, (timer.begin, timer.end)
+    assert timer.optimizer_steps == [1] * steps, timer.optimizer_steps
+    assert [c["global_step"] for c in calls] == list(range(steps)), calls
+    assert all(c["completions"] == BATCH for c in calls), calls
+    step_s = [timer.end[0] - timer.begin[0]]
+    step_s += [b - a for a, b in zip(timer.end, timer.end[1:], strict=False)]
+    return {
+        "step_s": step_s,
+        "begin_to_end_s": [b - a for a, b in zip(timer.begin, timer.end, strict=True)],
+        "reward_mean": [c["reward_mean"] for c in calls],
+        "tokens": [c["tokens"] for c in calls],
+        "completions_per_step": [c["completions"] for c in calls],
+        "optimizer_steps_per_step": timer.optimizer_steps,
+        "versions": {"trl": trl.__version__, "torch": torch.__version__},
+        "torch_threads": torch.get_num_threads(),
+        "config": {
+            "generation_batch_size": config.generation_batch_size,
+            "steps_per_generation": config.steps_per_generation,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "num_iterations": config.num_iterations,
+            "optim": str(config.optim),
+            "loss_type": config.loss_type,
+        },
+    }
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+
+def matmul_flops_per_s(n: int = 1024, repeats: int = 7, per_repeat: int = 3) -> float:
+    """Best fp32 rate of ``n x n @ n x n`` matmuls on 2 threads, in FLOP/s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(per_repeat):
+                a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return per_repeat * 2 * n**3 / best
+
+
+def count_parameters(model_dir: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+
+
+def prompt_tokens(model_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return len(tokenizer(text=prompt_text("3+4"))["input_ids"])
+
+
+def run_trl_side(model_dir: Path, steps: int, tmp: Path) -> dict:
+    command = [sys.executable, __file__, "--side", "trl", "--model", str(model_dir)]
+    command += ["--steps", str(steps), "--out", str(tmp / "trl")]
+    result = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    lines = result.stdout.rstrip("\n").splitlines()
+    for line in lines[:-1]:  # whatever the trainer printed, kept visible
+        print(f"[trl] {line}", file=sys.stderr)
+    return json.loads(lines[-1])
+
+
+def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -> list[dict]:
+    command = [
+        sys.executable,
+        "-m",
+        "nrl_core.cli",
+        "run",
+        "grpo",
+        "-q",
+        f"policy.model_name={model_dir}",
+        "data.apply_chat_template=false",
+        "data.dataset=arithmetic",
+        "grpo.num_prompts_per_step=8",
+        "grpo.num_generations_per_prompt=4",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}",
+        "generation.temperature=1.0",
+        f"policy.train_global_batch_size={BATCH}",
+        f"policy.train_micro_batch_size={BATCH}",
+        f"policy.optimizer.lr={LR}",
+        "grpo.sft_warmup_steps=0",
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_period=0",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={tmp}",
+        "logger.run_name=bench",
+        *overrides,
+    ]
+    subprocess.run(command, check=True, env={**os.environ, "NRL_ACTOR_ENV": "system"})
+    lines = (tmp / "bench" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "timing/step_s" in r]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (nrl side)")
+    args = parser.parse_args()
+    if args.side == "trl":
+        print(json.dumps(run_trl(args.model, args.steps, args.out)), flush=True)
+        return
+    if args.steps <= args.warmup:
+        sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if bad := [o for o in args.overrides if "=" not in o]:
+        sys.exit(f"overrides must be KEY=VALUE: {bad}")
+
+    from nrl_core.testing.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = build_tiny_model(tmp / "model", **MODEL)
+        params = count_parameters(model_dir)
+        prompt_len = prompt_tokens(model_dir)
+        rate_before = matmul_flops_per_s()
+        print(f"model: {MODEL} parameters={params:,} prompt_tokens={prompt_len}", flush=True)
+        print(f"trl side: {args.steps} steps ...", flush=True)
+        trl_result = run_trl_side(model_dir, args.steps, tmp)
+        print(f"nrl side: {args.steps} steps, overrides {args.overrides} ...", flush=True)
+        nrl_records = run_nrl_side(model_dir, args.steps, tmp, args.overrides)
+    # Measured before and after both sides: a busy machine only ever lowers the rate.
+    rate = max(rate_before, matmul_flops_per_s())
+
+    first = args.warmup + 1  # steps are 1-based on both sides
+    trl_steady = trl_result["step_s"][args.warmup :]
+    nrl_steady = [r for r in nrl_records if r["step"] >= first]
+    if len(trl_steady) != args.steps - args.warmup or len(nrl_steady) != len(trl_steady):
+        sys.exit(f"measured steps differ: trl {len(trl_steady)}, nrl {len(nrl_steady)}")
+    trl_step_s = statistics.median(trl_steady)
+    nrl_step_s = statistics.median(r["timing/step_s"] for r in nrl_steady)
+
+    print(f"\ntrl {trl_result['versions']} threads={trl_result['torch_threads']}")
+    print(
+        f"matmul fp32 1024^3, 2 threads, best of before/after: {rate / 1e9:.1f} GFLOP/s"
+        f" (before {rate_before / 1e9:.1f})"
+    )
+    print(f"trl config: {trl_result['config']}")
+    print(
+        f"trl per step: completions={set(trl_result['completions_per_step'])} "
+        f"optimizer_steps={set(trl_result['optimizer_steps_per_step'])}"
+    )
+    print(f"steps measured: {first}..{args.steps} ({len(trl_steady)} per side)")
+    trl_inner = statistics.median(trl_result["begin_to_end_s"][args.warmup :])
+    print(f"trl step_s={trl_step_s:.4f} (on_step_begin->on_step_end only: {trl_inner:.4f})")
+    print(f"nrl step_s={nrl_step_s:.4f}")
+    for key in PHASES:
+        print(f"  nrl {key.split('/')[1]}={statistics.median(r[key] for r in nrl_steady):.4f}")
+    overhead = [1 - sum(r[k] for k in PHASES) / r["timing/step_s"] for r in nrl_steady]
+    print(f"  nrl overhead_frac={statistics.median(overhead):.4f}")
+    print(f"ratio nrl/trl={nrl_step_s / trl_step_s:.3f}")
+
+    last = max(1, min(5, args.steps - args.warmup))
+    trl_reward = trl_result["reward_mean"]
+    nrl_reward = [r["train/reward_mean"] for r in nrl_records]
+    print(
+        f"reward_mean (sanity): trl last={trl_reward[-1]:.3f} last{last}="
+        f"{statistics.fmean(trl_reward[-last:]):.3f} | nrl last={nrl_reward[-1]:.3f} "
+        f"last{last}={statistics.fmean(nrl_reward[-last:]):.3f}"
+    )
+
+    # FLOP floor: generation forward (2PT) + training forward and backward (6PT), same T.
+    bound = BATCH * (prompt_len + MAX_NEW_TOKENS)
+    trl_tokens = statistics.median(trl_result["tokens"][args.warmup :])
+    nrl_tokens = statistics.median(
+        r["throughput/tokens_per_s"] * r["timing/step_s"] for r in nrl_steady
+    )
+    for label, tokens, sides in (
+        (f"upper bound T={bound}", bound, {"trl": trl_step_s, "nrl": nrl_step_s}),
+        (f"trl actual T={trl_tokens:.0f}", trl_tokens, {"trl": trl_step_s}),
+        (f"nrl actual T={nrl_tokens:.0f}", nrl_tokens, {"nrl": nrl_step_s}),
+    ):
+        flops = 2 * params * tokens + 6 * params * tokens
+        floor = flops / rate
+        shares = " ".join(f"{side}={floor / s:.3f}" for side, s in sides.items())
+        print(f"flop floor ({label}): {flops / 1e9:.2f} GFLOP = {floor:.4f} s; share {shares}")
+    print(
+        f"nrl_step_s={nrl_step_s:.4f} trl_step_s={trl_step_s:.4f} "
+        f"ratio={nrl_step_s / trl_step_s:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
