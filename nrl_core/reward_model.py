@@ -37,7 +37,10 @@ def token_values(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
 
     The head's output is captured with a forward hook while the WHOLE model runs, rather than
     by calling the backbone and the head separately: FSDP2 gathers the root module's own
-    parameters (embeddings, head) only in the root's forward.
+    parameters (embeddings, head) only in the root's forward. The model's own (pooled) output
+    joins the result with weight 0: FSDP2 starts its backward bookkeeping (reducing the root's
+    gradients, resharding its weights) from hooks on the root's output, so a loss on the
+    captured values alone would leave a model sharded as one FSDP unit untrained.
     """
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if head is None:
@@ -48,13 +51,18 @@ def token_values(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     captured: dict[str, Any] = {}
     handle = head.register_forward_hook(lambda _m, _i, out: captured.__setitem__("values", out))
     try:
-        model(input_ids=input_ids, use_cache=False)
+        output = model(input_ids=input_ids, use_cache=False)
     finally:
         handle.remove()
     values = captured["values"]
     if hasattr(values, "full_tensor"):
         values = values.full_tensor()
-    return values[..., 0].float()
+    values = values[..., 0].float()
+    pooled = output.logits
+    if pooled.requires_grad:
+        pooled = pooled.full_tensor() if hasattr(pooled, "full_tensor") else pooled
+        values = values + 0.0 * pooled.float().sum()
+    return values
 
 
 def last_token_mask(lengths: Sequence[int], width: int) -> list[list[float]]:

@@ -95,3 +95,19 @@ class InspectableWorker(DTensorPolicyWorker):
         from torch.distributed.fsdp import FSDPModule
 
         return sum(isinstance(m, FSDPModule) for m in self.model.modules())
+
+    def reduce_scatter_both_ways(self, numel: int) -> tuple[float, bool]:
+        """gloo's reduce-scatter and :class:`~nrl_dtensor.fsdp.AllReduceScatter` of the same
+        random per-rank input: the largest difference, and whether the policy's FSDP units use
+        the latter."""
+        import torch.distributed as dist
+        from nrl_dtensor.fsdp import AllReduceScatter
+
+        world = dist.get_world_size()
+        x = torch.randn(numel * world, generator=torch.Generator().manual_seed(self.rank))
+        expected, got = torch.empty(numel), torch.empty(numel)
+        dist.reduce_scatter_tensor(expected, x.clone())
+        AllReduceScatter()(got, x.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+        groups = self.model._get_fsdp_state()._fsdp_param_groups
+        installed = all(isinstance(g._reduce_scatter_comm, AllReduceScatter) for g in groups)
+        return float((expected - got).abs().max()), installed

@@ -94,10 +94,14 @@ def test_two_ranks_match_one_rank(tiny_path, start_group, fsdp_units):
     batch = make_batch(8, seed=1)
     stats = stats_for(batch)
     single = local_policy(config)
+    expected_before = single.get_logprobs(batch)
     expected = single.train(batch, TokenMeanNLL())
     expected_lp = single.get_logprobs(batch)
 
     policy = group_policy(start_group, config, DTensorConfig(fsdp_units=fsdp_units))
+    # A no-grad forward first (validation before training): the weights it gathers must not
+    # outlive the update.
+    torch.testing.assert_close(policy.get_logprobs(batch), expected_before, rtol=0, atol=1e-5)
     got = policy.train(batch, TokenMeanNLL())
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
@@ -249,6 +253,19 @@ def test_generation_gathers_the_weights_once_per_call(tiny_path, start_group, fs
     expected = local_policy(config).train(batch, TokenMeanNLL())
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+
+
+def test_a_step_without_gradients_is_refused(tiny_path):
+    worker = local_worker(make_config(tiny_path))
+    with pytest.raises(Exception, match="produced no gradient for the optimizer's parameters"):
+        worker.optimizer_step()
+
+
+def test_gloo_reduce_scatter_as_all_reduce_is_the_same_sum(tiny_path, start_group):
+    group = start_group(WORKER, (DTensorConfig(), context(make_config(tiny_path))))
+    for difference, installed in group.run_all("reduce_scatter_both_ways", 1000):
+        assert difference == 0.0  # two addends: the same sum in either order
+        assert installed
 
 
 def test_on_policy_shortcut_takes_the_same_step_as_recomputed_prev_logprobs(tiny_path, start_group):

@@ -331,6 +331,17 @@ class DTensorPolicyWorker:
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, zero the gradients; returns
         ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+        if not any(
+            p.grad is not None for group in self.optimizer.param_groups for p in group["params"]
+        ):
+            # A backward whose gradients never reached the (sharded) parameters the optimizer
+            # holds: stepping would train nothing and say nothing. FSDP2 reduces a unit's
+            # gradients from hooks on its forward's output, so a loss computed from anything
+            # else (a captured intermediate) never reaches them.
+            raise NrlError(
+                "the training step produced no gradient for the optimizer's parameters; the "
+                "loss must be computed from the model's forward output"
+            )
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
