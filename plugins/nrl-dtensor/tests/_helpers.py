@@ -92,9 +92,9 @@ class InspectableWorker(DTensorPolicyWorker):
         return out, counts, sharded
 
     def num_fsdp_modules(self) -> int:
-        from torch.distributed.fsdp import FSDPModule
+        from nrl_dtensor.fsdp import fsdp_modules
 
-        return sum(isinstance(m, FSDPModule) for m in self.model.modules())
+        return len(fsdp_modules(self.model))
 
     def reduce_scatter_both_ways(self, numel: int) -> tuple[float, bool]:
         """gloo's reduce-scatter and :class:`~nrl_dtensor.fsdp.AllReduceScatter` of the same

@@ -10,6 +10,13 @@ import torch
 import torch.distributed as dist
 
 
+def fsdp_modules(model) -> list:
+    """The FSDP2 units of ``model`` (the modules ``fully_shard`` was applied to), root included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 @contextlib.contextmanager
 def gathered_fsdp_weights(model, reshard_after_forward: bool = True) -> Iterator[None]:
     """Keep every FSDP2 module of ``model`` unsharded from entry to exit: one all-gather per
@@ -22,9 +29,7 @@ def gathered_fsdp_weights(model, reshard_after_forward: bool = True) -> Iterator
     resharded, or (``False``) still gathered, so that the next training forward needs no
     all-gather (the backward reshards; a state dict reshards first).
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    modules = fsdp_modules(model)
     for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
     try:

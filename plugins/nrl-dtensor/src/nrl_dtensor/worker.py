@@ -251,13 +251,10 @@ class DTensorPolicyWorker:
         # forward to the end of the backward.
         fully_shard(model, **kwargs)
         if dist.get_backend(self.dp_mesh.get_group()) == "gloo":
-            from torch.distributed.fsdp import FSDPModule
+            from nrl_dtensor.fsdp import AllReduceScatter, fsdp_modules
 
-            from nrl_dtensor.fsdp import AllReduceScatter
-
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_custom_reduce_scatter(AllReduceScatter())
+            for module in fsdp_modules(model):
+                module.set_custom_reduce_scatter(AllReduceScatter())
 
     def _build_optimizer(self, params):
         opt = self.policy.optimizer
@@ -443,13 +440,12 @@ class DTensorPolicyWorker:
         if "optimizer" in what:
             move_optimizer_state(self.optimizer, "cpu")
         if "weights" in what and not self.options.cpu_offload:
-            from torch.distributed.fsdp import FSDPModule
+            from nrl_dtensor.fsdp import fsdp_modules
 
             for model in self._models():
                 # Weights a forward left gathered (the root unit keeps them) go first.
-                for module in model.modules():
-                    if isinstance(module, FSDPModule):
-                        module.reshard()
+                for module in fsdp_modules(model):
+                    module.reshard()
                 model.to("cpu")
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
