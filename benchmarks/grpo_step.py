@@ -23,6 +23,35 @@ from pathlib import Path
 PHASES = ("timing/generation_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
 
 
+def run_grpo(steps: int, overrides: list[str], log_dir: Path) -> list[dict]:
+    """Run ``nrl run grpo`` for ``steps`` steps without validation, checkpoints or supervised
+    warm-up (actors in this interpreter), logging under ``log_dir``; return its step records
+    (those with ``timing/step_s``). ``overrides`` come last, so they win."""
+    command = [
+        sys.executable,
+        "-m",
+        "nrl_core.cli",
+        "run",
+        "grpo",
+        "-q",
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_period=0",
+        "grpo.sft_warmup_steps=0",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={log_dir}",
+        "logger.run_name=bench",
+        *overrides,
+    ]
+    subprocess.run(command, check=True, env={**os.environ, "NRL_ACTOR_ENV": "system"})
+    lines = (Path(log_dir) / "bench" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "timing/step_s" in r]
+
+
+def overhead_fraction(record: dict) -> float:
+    """The share of a step's time outside generation + logprobs + train + refit."""
+    return 1 - sum(record[k] for k in PHASES) / record["timing/step_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -30,33 +59,14 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "nrl_core.cli",
-            "run",
-            "grpo",
-            "-q",
-            f"grpo.max_num_steps={args.steps}",
-            "grpo.val_period=0",
-            "grpo.sft_warmup_steps=0",
-            "checkpointing.enabled=false",
-            f"logger.log_dir={tmp}",
-            "logger.run_name=bench",
-            *args.overrides,
-        ]
-        subprocess.run(command, check=True, env={**os.environ, "NRL_ACTOR_ENV": "system"})
-        records = [
-            json.loads(line)
-            for line in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()
-        ]
-    steady = [r for r in records if r["step"] > args.warmup and "timing/step_s" in r]
+        records = run_grpo(args.steps, args.overrides, Path(tmp))
+    steady = [r for r in records if r["step"] > args.warmup]
     if not steady:
         sys.exit(f"no steps after the first {args.warmup}; raise --steps")
     step_s = statistics.median(r["timing/step_s"] for r in steady)
     for key in PHASES:
         print(f"{key.split('/')[1]}={statistics.median(r[key] for r in steady):.4f}")
-    overhead = [1 - sum(r[k] for k in PHASES) / r["timing/step_s"] for r in steady]
+    overhead = [overhead_fraction(r) for r in steady]
     print(f"tokens_per_s={statistics.median(r['throughput/tokens_per_s'] for r in steady):.1f}")
     print(f"steps_measured={len(steady)}")
     print(f"step_s={step_s:.4f} overhead_frac={statistics.median(overhead):.4f}")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -39,7 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("timing/generation_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
+# A sibling script (this file runs as `python benchmarks/vs_trl.py`): the same nrl run and
+# phase accounting as the GRPO step benchmark.
+from grpo_step import PHASES, overhead_fraction, run_grpo
+
 MODEL = dict(
     arch="qwen2",
     hidden_size=256,
@@ -225,13 +227,7 @@ def run_trl_side(model_dir: Path, steps: int, tmp: Path) -> dict:
 
 
 def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -> list[dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "nrl_core.cli",
-        "run",
-        "grpo",
-        "-q",
+    workload = [
         f"policy.model_name={model_dir}",
         "data.apply_chat_template=false",
         "data.dataset=arithmetic",
@@ -242,17 +238,8 @@ def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -
         f"policy.train_global_batch_size={BATCH}",
         f"policy.train_micro_batch_size={BATCH}",
         f"policy.optimizer.lr={LR}",
-        "grpo.sft_warmup_steps=0",
-        f"grpo.max_num_steps={steps}",
-        "grpo.val_period=0",
-        "checkpointing.enabled=false",
-        f"logger.log_dir={tmp}",
-        "logger.run_name=bench",
-        *overrides,
     ]
-    subprocess.run(command, check=True, env={**os.environ, "NRL_ACTOR_ENV": "system"})
-    lines = (tmp / "bench" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "timing/step_s" in r]
+    return run_grpo(steps, [*workload, *overrides], tmp)
 
 
 def main() -> None:
@@ -312,7 +299,7 @@ def main() -> None:
     print(f"nrl step_s={nrl_step_s:.4f}")
     for key in PHASES:
         print(f"  nrl {key.split('/')[1]}={statistics.median(r[key] for r in nrl_steady):.4f}")
-    overhead = [1 - sum(r[k] for k in PHASES) / r["timing/step_s"] for r in nrl_steady]
+    overhead = [overhead_fraction(r) for r in nrl_steady]
     print(f"  nrl overhead_frac={statistics.median(overhead):.4f}")
     print(f"ratio nrl/trl={nrl_step_s / trl_step_s:.3f}")
 
