@@ -26,7 +26,7 @@ ranks are done; ranks agree through an all-reduce of a "done" flag.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,13 +123,13 @@ class TorchGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._weights_for_generation() as lockstep:
+            with self._weights_for_generation() as (forward, lockstep):
                 num_chunks = self._global_max(len(starts)) if lockstep else len(starts)
                 for c in range(num_chunks):
                     if c < len(starts):
                         sl = slice(starts[c], starts[c] + chunk)
                         ids, lps, why = self._generate_chunk(
-                            prompts[sl], stops[sl], params, rng, lockstep
+                            forward, prompts[sl], stops[sl], params, rng, lockstep
                         )
                         token_ids += ids
                         logprobs += lps
@@ -137,27 +137,37 @@ class TorchGenerator:
                     else:
                         # Nothing left here, but the other ranks' forwards need this rank's
                         # shards.
-                        self._generate_chunk([[self.pad_token_id]], [()], params, rng, lockstep)
+                        self._generate_chunk(
+                            forward, [[self.pad_token_id]], [()], params, rng, lockstep
+                        )
         finally:
             self.model.train(was_training)
         return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)
 
     @contextlib.contextmanager
-    def _weights_for_generation(self) -> Iterator[bool]:
+    def _weights_for_generation(self) -> Iterator[tuple[Callable, bool]]:
         """Gather the FSDP-sharded weights for the whole call (``gather_weights_once``); yields
-        whether this rank's forwards are still collectives, i.e. whether ranks must step in
-        lockstep."""
+        the forward to call and whether this rank's forwards are still collectives, i.e.
+        whether ranks must step in lockstep."""
         if not (self.synchronize and self.options.gather_weights_once):
-            yield self.synchronize
+            yield self.model, self.synchronize
             return
-        from nrl_dtensor.fsdp import gathered_fsdp_weights
+        from nrl_dtensor.fsdp import fsdp_modules, gathered_fsdp_weights
 
         with gathered_fsdp_weights(self.model, self.fsdp_reshard_after_forward):
             # Gathered, a model without tensor parallelism holds plain tensors and its forward
             # talks to no other rank; tensor-parallel weights stay DTensors whose forward does.
             from torch.distributed.tensor import DTensor
 
-            yield any(isinstance(p, DTensor) for p in self.model.parameters())
+            lockstep = any(isinstance(p, DTensor) for p in self.model.parameters())
+            # With the weights gathered for the whole call, the FSDP unit's per-forward hooks
+            # (input casts, unshard waits, reshard and backward-hook bookkeeping) have nothing
+            # to do, but cost about 1 ms per decode step on a CPU: when the whole model is one
+            # unit (the CPU default), call its forward itself. With inner units the hooks
+            # stay: they run FSDP's lazy initialisation from the root's.
+            single_unit = fsdp_modules(self.model) == [self.model]
+            forward = self.model.forward if single_unit and not lockstep else self.model
+            yield forward, lockstep
 
     def _global_max(self, value: int) -> int:
         t = torch.tensor([value], device=self.device)
@@ -178,11 +188,11 @@ class TorchGenerator:
 
         return torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode()
 
-    def _generate_chunk(self, prompts, stops, params, rng, lockstep: bool):
+    def _generate_chunk(self, forward, prompts, stops, params, rng, lockstep: bool):
         with self._grad_context():
-            return self._generate_chunk_impl(prompts, stops, params, rng, lockstep)
+            return self._generate_chunk_impl(forward, prompts, stops, params, rng, lockstep)
 
-    def _generate_chunk_impl(self, prompts, stops, params, rng, lockstep: bool):
+    def _generate_chunk_impl(self, forward, prompts, stops, params, rng, lockstep: bool):
         device, batch = self.device, len(prompts)
         max_new = int(params.max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -220,7 +230,7 @@ class TorchGenerator:
         window = max((len(s) for row in stops for s in row), default=0) + 2
 
         cache = preallocated_cache(self.model.config, width + max_new)
-        out = self.model(
+        out = forward(
             input_ids=ids,
             attention_mask=mask[:, :width] if padded else None,
             position_ids=positions,
@@ -249,7 +259,7 @@ class TorchGenerator:
             if step + 1 == max_new or self._all_done(done, lockstep):
                 break
             mask[:, width + step] = 1
-            out = self.model(
+            out = forward(
                 input_ids=token[:, None],
                 attention_mask=mask[:, : width + step + 1] if padded else None,
                 position_ids=next_position,
