@@ -33,6 +33,20 @@ requests fill the bundle together, so Ray schedules both and narrows both actors
 nothing for the engine, which would then wait for resources until the worker timeout.)"""
 
 
+ENGINE_CPUS_ON_CPU = 0.5
+"""The CPU share each separate engine asks for on a CPU-only cluster; the policy ranks leave it
+room (they share the cores as the engines and environments do)."""
+
+
+def runs_in_policy_workers(spec: Any, generation: Any) -> bool:
+    """Whether generation runs inside the policy workers from the policy's own weights (no
+    engines, no refit): a backend registered with ``colocated=True`` (``torch``) whose options
+    do not ask for separate engines (``generation.torch.colocated=false``)."""
+    if not spec.metadata.get("colocated"):
+        return False
+    return bool(getattr(generation.options_for(), "colocated", True))
+
+
 def engines_colocated(generation: Any, *, on_gpu: bool) -> bool:
     """Whether the separate engines of a ``generation`` config section share the policy's GPUs
     (their ``colocated`` option, on a GPU cluster: on CPU there is nothing to share)."""
@@ -206,11 +220,11 @@ def start_generation_engines(
 
     generation = config.generation
     options = generation.options_for()
-    tp = options.tensor_parallel_size
+    tp = getattr(options, "tensor_parallel_size", 1)
     engines = options.num_engines
     colocated = engines_colocated(generation, on_gpu=on_gpu)
     placement = None
-    gpus, cpus = (float(tp) if on_gpu else 0.0), 1.0
+    gpus, cpus = (float(tp), 1.0) if on_gpu else (0.0, ENGINE_CPUS_ON_CPU)
     if colocated:
         if tp != 1:
             raise ConfigError(

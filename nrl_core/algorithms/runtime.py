@@ -74,8 +74,10 @@ def loss_options(config: RunConfig, registry: Registry) -> Any:
     options = config.loss.options_for()
     if not isinstance(options, ClippedPGConfig):
         return options
+    from nrl_core.generation import runs_in_policy_workers
+
     generation = registry.get("generation", config.generation.backend)
-    colocated = bool(generation.metadata.get("colocated"))
+    colocated = runs_in_policy_workers(generation, config.generation)
     steps = optimizer_steps_per_rollout(config) if hasattr(config, "grpo") else None
     return resolved_clipped_pg_config(options, colocated, steps)
 
@@ -229,6 +231,12 @@ class RunSession:
         """The policy ranks and the generation backend (:attr:`generate`, :attr:`refit`;
         none for algorithms without generation), in the order their GPUs need."""
         shared = self._colocation_bundles(resources)
+        engines = self._separate_engines()
+        if engines and resources.total_gpus <= 0:
+            # On a CPU-only machine the engines share the cores with the policy ranks.
+            from nrl_core.generation import ENGINE_CPUS_ON_CPU
+
+            reserved_cpus += ENGINE_CPUS_ON_CPU * engines
         if shared is not None:
             # Colocated engines first: they check at start-up that the GPU memory they were
             # told to use is free, which it is only before the policy loads its weights. They
@@ -237,6 +245,19 @@ class RunSession:
         self.policy = self._start_policy(resources, reserved_cpus, shared)
         if hasattr(self.config, "generation") and shared is None:
             self.generate, self.refit = self._generation_backend(None)
+
+    def _separate_engines(self) -> int:
+        """How many separate generation engines the run starts (0: none, or generation inside
+        the policy workers)."""
+        from nrl_core.generation import runs_in_policy_workers
+
+        generation = getattr(self.config, "generation", None)
+        if generation is None:
+            return 0
+        spec = self.registry.get("generation", generation.backend, key="generation.backend")
+        if runs_in_policy_workers(spec, generation):
+            return 0
+        return int(getattr(generation.options_for(), "num_engines", 1))
 
     def _start_cluster(self) -> Any:
         """Start the configured cluster (stopped by :meth:`close`); returns its resources."""
@@ -382,7 +403,9 @@ class RunSession:
             return None
         spec = self.registry.get("generation", generation.backend, key="generation.backend")
         if spec.metadata.get("colocated") or not engines_colocated(generation, on_gpu=True):
-            return None  # torch generation runs on the policy ranks; or engines on their own GPUs
+            # torch generation runs on the policy ranks, or its engines (and any engines that
+            # are not colocated) on their own GPUs
+            return None
         from ray.util.placement_group import remove_placement_group
 
         from nrl_core.distributed.worker_group import create_placement_group
@@ -499,12 +522,15 @@ class RunSession:
     def _generation_backend(self, shared: Any):
         """``(generate, refit)`` of the configured generation; ``shared``: the placement group
         of engines colocated with the policy (see :meth:`_colocation_bundles`)."""
+        from nrl_core.generation import runs_in_policy_workers
+
         generation = self.config.generation
         spec = self.registry.get("generation", generation.backend, key="generation.backend")
-        if spec.metadata.get("colocated"):
+        if runs_in_policy_workers(spec, generation):
             # Generation runs on the policy workers with the policy's own weights: no refit.
             return self.policy.generate, lambda: 0.0
-        # Separate engines (vLLM, SGLang): the facade in nrl_core.generation drives them.
+        # Separate engines (vLLM, SGLang, torch with colocated=false): the facade in
+        # nrl_core.generation drives them.
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.generation import start_generation_engines
 

@@ -242,6 +242,7 @@ class ConfigConverter:
         if not isinstance(value, Mapping):
             raise TypeError(f"expected a section, got {_describe_value(value)}")
         field_names = {f.name for f in attrs.fields(cls)} - {"options"}
+        value = self._lift_selected_options(value, cls, field_names)
         plain = {k: v for k, v in value.items() if k in field_names}
         component_keys = [k for k in value if k not in field_names]
         errors: list[Exception] = []
@@ -278,6 +279,49 @@ class ConfigConverter:
         section.options = options
         self._add_selected_options(section)
         return section
+
+    def _lift_selected_options(
+        self, value: Mapping[str, Any], cls: type[ComponentSection], field_names: set[str]
+    ) -> Mapping[str, Any]:
+        """Read a key of the section that is an option of the selected component as that
+        option: ``generation.num_engines=2`` is ``generation.<backend>.num_engines=2``. Given
+        both ways, the two values must agree."""
+        selector = attrs.fields_dict(cls)[cls.selector]
+        selected = value.get(cls.selector, selector.default)
+        spec = self.registry.find(cls.component_kind, selected) if selected else None
+        config_cls = spec.load_config_class() if spec is not None else None
+        if config_cls is None:
+            return value
+        names = {f.name for f in attrs.fields(config_cls)}
+        lifted = [
+            k
+            for k in value
+            if k not in field_names
+            and k in names
+            and self.registry.find(cls.component_kind, k) is None
+        ]
+        if not lifted:
+            return value
+        nested = value.get(selected) or {}
+        if not isinstance(nested, Mapping):
+            return value  # reported by the options' own structuring
+        merged = dict(nested)
+        for key in lifted:
+            if key in merged and merged[key] != value[key]:
+                raise ClassValidationError(
+                    f"While structuring {cls.__name__}",
+                    [
+                        ValueError(
+                            f"{key} is given as {value[key]!r} and as {selected}.{key}="
+                            f"{merged[key]!r}; give it once"
+                        )
+                    ],
+                    cls,
+                )
+            merged[key] = value[key]
+        out = {k: v for k, v in value.items() if k not in lifted}
+        out[selected] = merged
+        return out
 
     def _add_selected_options(self, section: ComponentSection) -> None:
         """Give the selected component its default options, so ``config show`` lists them."""

@@ -38,10 +38,10 @@ class TestTorchGeneration(GenerationConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def generator(cls, tiny_model_path):
-        from nrl_dtensor.generation import TorchGenerator
+        from nrl_dtensor.engine import TorchEngine
 
-        # Built through the registry's path: TorchGenerator(options, context) loads the model.
-        return TorchGenerator(TorchGenerationConfig(), _context(tiny_model_path))
+        # Built through the registry's path: TorchEngine(options, context) loads the model.
+        return TorchEngine(TorchGenerationConfig(), _context(tiny_model_path))
 
     @pytest.fixture
     def tokenizer(self, generator):

@@ -88,3 +88,27 @@ class TorchGenerationConfig:
         "per decode step (none at all without tensor parallelism). `false`: FSDP gathers each "
         "layer at every decode step (least memory, much slower).",
     )
+    colocated: bool = option(
+        True,
+        "`true`: generate inside the policy workers from the policy's own weights (no refit). "
+        "`false`: separate engines, each a Ray worker holding its own copy of the weights and "
+        "refitted from the policy through shared memory after every training step (the path "
+        "vLLM and SGLang take; needed by `grpo.async`).",
+    )
+    num_engines: int = option(
+        1,
+        "Separate engines when `colocated=false` (data parallel: each gets an even share of "
+        "the prompts). Each takes one GPU on a GPU cluster, a share of a core on CPU.",
+        validator=ge(1),
+    )
+    refit_bucket_mb: int = option(
+        64,
+        "Size bound of each weight bucket sent to separate engines, in MB (>= 1).",
+        validator=ge(1),
+    )
+    refit_transport: Literal["shm"] = option(
+        "shm",
+        "How weights reach separate torch engines: `shm` (shared memory; policy and engines on "
+        "one node), the only transport they implement.",
+        validator=attrs.validators.in_(("shm",)),
+    )

@@ -17,8 +17,10 @@ def nrl_register_policies(register):
 def nrl_register_generations(register):
     register(
         "torch",
-        "nrl_dtensor.generation:TorchGenerator",
+        "nrl_dtensor.engine:TorchEngine",
         config="nrl_dtensor.config:TorchGenerationConfig",
+        # Inside the policy workers from the policy's own weights, unless colocated=false asks
+        # for separate engines (the registered class).
         colocated=True,
-        description="generation from the policy's own weights inside the policy workers (KV cache)",
+        description="KV-cache generation inside the policy workers, or on separate refitted engines",
     )

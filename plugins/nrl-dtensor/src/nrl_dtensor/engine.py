@@ -1,0 +1,107 @@
+"""A torch generation engine on its own Ray worker (``generation.torch.colocated=false``).
+
+The separate-engine path that vLLM and SGLang take, with the :class:`TorchGenerator` sampler:
+each engine loads ``policy.model_name`` itself, holds its own copy of the weights, and receives
+the policy's weights through :class:`nrl_core.interfaces.WeightSync` (buckets over shared
+memory, as :class:`nrl_core.generation.GenerationEngines` sends them). The core places the
+engines, shards the prompts across them and refits them; this class only generates and loads
+buckets. On CPU it makes that whole path run for real.
+
+Engine ``e`` samples with seed stream ``e`` (the stream colocated rank ``e`` uses), so
+``num_engines`` engines given the weights of a policy with as many ranks sample exactly what
+colocated generation samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.weight_sync import BucketHandle, BucketMeta, WeightSyncError, receive_into
+from nrl_dtensor.config import TorchGenerationConfig
+from nrl_dtensor.generation import TorchGenerator
+
+
+class TorchEngine:
+    """One torch generation engine: :class:`TorchGenerator` over a model of its own, plus
+    :class:`~nrl_core.interfaces.WeightSync`."""
+
+    def __init__(self, options: TorchGenerationConfig | None, context: ComponentContext) -> None:
+        options = options or TorchGenerationConfig()
+        model, tokenizer = TorchGenerator._load(context)
+        self.generator = TorchGenerator(
+            options,
+            context,
+            model=model,
+            tokenizer=tokenizer,
+            synchronize=False,
+            seed_offset=context.rank,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        # Tied weights (embeddings and LM head) arrive under both names: keep both.
+        self._parameters = dict(model.named_parameters(remove_duplicate=False))
+        self._buffers = dict(model.named_buffers())
+        self._loaded: set[str] = set()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> GenerationOutput:
+        """Continue each prompt with this engine's current weights."""
+        if not prompts:
+            return GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
+        return self.generator.generate(prompts, params, stop_strings)
+
+    def sleep(self) -> None:
+        """Nothing to release: torch engines are never colocated with the policy."""
+
+    # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
+
+    def begin_weight_update(self) -> None:
+        self._loaded = set()
+
+    def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Copy one bucket into the model's tensors of the same names (bit-exact: the copy
+        casts only when the engine keeps another dtype)."""
+
+        def load(named: list) -> None:
+            with torch.no_grad():
+                for name, tensor in named:
+                    target = self._parameters.get(name, self._buffers.get(name))
+                    if target is None:
+                        raise WeightSyncError(
+                            f"the policy sent {name!r}, which this engine's model does not have; "
+                            "policy and generation must load the same architecture"
+                        )
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise WeightSyncError(
+                            f"the policy sent {name!r} with shape {tuple(tensor.shape)}; this "
+                            f"engine's model has {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+                    self._loaded.add(name)
+
+        return receive_into(meta, handle, load)
+
+    def finish_weight_update(self) -> None:
+        """Refuse a refit that left parameters untouched: the engine would generate from a mix
+        of old and new weights."""
+        missing = sorted(set(self._parameters) - self._loaded)
+        if missing:
+            raise WeightSyncError(
+                f"a refit sent no value for {len(missing)} of this engine's parameters "
+                f"(first: {missing[0]}); the policy must send its full state dict"
+            )
+
+    def weights_checksum(self) -> dict[str, float]:
+        """Per-parameter sums (tests)."""
+        return {n: float(p.detach().double().sum()) for n, p in self._parameters.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The engine's weights (tests compare them with the trainer's bit for bit)."""
+        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}

@@ -1,0 +1,99 @@
+"""Separate torch engines (``generation.torch.colocated=false``): the engine-side path that
+vLLM and SGLang take (own weights, refit through shared memory), run for real on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import TokenMeanNLL, make_batch
+from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
+from test_dtensor import WORKER, context, full_params, make_config
+
+from nrl_core.generation import start_generation_engines
+from nrl_core.interfaces import SamplingParams
+from nrl_core.policy import Policy
+from nrl_core.registry import ComponentSpec
+
+PROMPTS = [[1, 5, 20, 21, 22], [1, 5, 30], [1, 5, 31, 32, 33, 34, 35], [1, 7, 8]]
+
+
+def engines_for(config, num_engines: int):
+    config.generation.options["torch"] = TorchGenerationConfig(
+        colocated=False, num_engines=num_engines
+    )
+    spec = ComponentSpec(
+        kind="generation", name="torch", target="nrl_dtensor.engine:TorchEngine", plugin="test"
+    )
+    return start_generation_engines(spec, config, on_gpu=False, timeout_s=300)
+
+
+@pytest.fixture
+def setup(tiny_path, start_group):
+    config = make_config(tiny_path)
+    group = start_group(WORKER, (DTensorConfig(), context(config)))
+    engines = engines_for(config, num_engines=2)
+    yield config, Policy.from_config(group, config.policy), group, engines
+    engines.shutdown()
+
+
+def test_engines_sample_what_colocated_generation_samples_and_follow_refits(setup):
+    """Two engines and two colocated ranks, same weights and seeds: the same samples. After a
+    training step and a refit, the engines hold the trainer's weights bit for bit, and sample
+    what the trainer's ranks now sample."""
+    config, policy, group, engines = setup
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for p in (params, greedy):
+        assert engines.generate(PROMPTS, p).token_ids == policy.generate(PROMPTS, p).token_ids
+
+    policy.train(make_batch(8, seed=1), TokenMeanNLL())
+    before = engines.generate(PROMPTS, greedy)
+    seconds = engines.refit(policy)
+    stats = engines.last_refit
+    trainer = full_params(group)
+    assert seconds > 0 and stats.bytes == sum(t.numel() * 4 for t in trainer.values())
+    for engine_state in engines.group.run_all("state_dict"):
+        for name, tensor in trainer.items():
+            assert torch.equal(engine_state[name], tensor), name
+    after = engines.generate(PROMPTS, params)
+    colocated = policy.generate(PROMPTS, params)
+    assert after.token_ids == colocated.token_ids
+    for a, b in zip(after.logprobs, colocated.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    # The refit changed what the engines generate (the test would pass without one otherwise).
+    assert engines.generate(PROMPTS, greedy).token_ids != before.token_ids or any(
+        not torch.allclose(torch.tensor(a), torch.tensor(b))
+        for a, b in zip(engines.generate(PROMPTS, greedy).logprobs, before.logprobs, strict=True)
+    )
+
+
+def test_a_refit_with_missing_or_foreign_tensors_is_refused(tiny_path, ray_cluster):
+    from nrl_core.weight_sync import WeightSender
+
+    config = make_config(tiny_path)
+    engines = engines_for(config, num_engines=1)
+    try:
+        engine = engines.group.actors[0]
+        sender = WeightSender(receivers=[engine], transport="shm")
+        with pytest.raises(Exception, match="does not have"):
+            sender.send([{"not.a.weight": torch.zeros(2)}])
+        with pytest.raises(Exception, match="sent no value for"):
+            sender.send([{"lm_head.weight": torch.zeros_like(_lm_head(tiny_path))}])
+    finally:
+        engines.shutdown()
+
+
+def _lm_head(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).lm_head.weight.detach()
+
+
+def test_killing_an_engine_mid_run_is_a_named_error(setup):
+    import ray
+
+    _, _, _, engines = setup
+    ray.kill(engines.group.actors[1])
+    with pytest.raises(Exception, match="generation") as info:
+        engines.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert "rank 1 died in generate" in str(info.value)
