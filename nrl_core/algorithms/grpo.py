@@ -8,6 +8,7 @@ validate / checkpoint on schedule. Every component comes from the registry by na
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from nrl_core.algorithms.advantages import (
     has_reward_variance,
     overlong_sample_mask,
 )
+from nrl_core.algorithms.async_grpo import RolloutProducer, WeightGate
 from nrl_core.algorithms.rollout import (
     Episode,
     apply_trajectory,
@@ -73,6 +75,9 @@ class GRPOTrainer:
         self.session = session
         self.config: GRPOConfig = session.config
         self.grpo = self.config.grpo
+        self.gate: WeightGate = session.gate
+        self.producer: RolloutProducer | None = None
+        self.async_options = self.grpo.async_
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -147,10 +152,66 @@ class GRPOTrainer:
         return StepData(episodes, rewards, advantages, sample_mask, generation_s)
 
     def train_step(self, step: int) -> dict[str, float]:
-        s = self.session
+        """One synchronous step: bring the engines up to date, roll out, train."""
         step_start = time.perf_counter()
-        refit_s = s.refit()
+        refit_s = self.gate.ensure(step - 1)  # the weights after step - 1 optimizer steps
         data = self.collect(step)
+        return self.train_on(step, data, step_start=step_start, refit_s=refit_s)
+
+    def async_step(self, step: int) -> dict[str, float]:
+        """One asynchronous step: refit, take the producer's batch for this step (generated
+        meanwhile, with weights at most ``max_trajectory_age_steps`` older), train on it."""
+        producer = self.producer
+        assert producer is not None
+        step_start = time.perf_counter()
+        busy_before = self.gate.busy_s
+        refit_s = self.gate.ensure(step - 1)
+        dropped = 0
+        while True:
+            waited = time.perf_counter()
+            produced = producer.take(step)
+            waited = time.perf_counter() - waited
+            age = (step - 1) - produced.version
+            if age <= producer.max_age:
+                break
+            dropped += 1  # too old for the bound: generate it again with newer weights
+            producer.regenerate(step)
+        buffered = producer.buffered
+        if produced.data is None:
+            raise _NoSignal()
+        metrics = self.train_on(
+            step, produced.data, step_start=step_start, refit_s=refit_s, generation_s=waited
+        )
+        step_s = metrics["timing/step_s"]
+        trajectories = float(len(produced.data.episodes))
+        metrics.update(
+            {
+                "async/trajectory_age_mean": float(age),
+                "async/trajectory_age_max": float(age),
+                "async/dropped_stale": float(dropped) * trajectories,
+                "async/buffer_size": float(buffered) * trajectories,
+                "async/generation_s": produced.seconds,
+                "async/engine_idle_fraction": max(
+                    0.0, 1.0 - (self.gate.busy_s - busy_before) / step_s
+                )
+                if step_s > 0
+                else 0.0,
+            }
+        )
+        return metrics
+
+    def train_on(
+        self,
+        step: int,
+        data: StepData,
+        *,
+        step_start: float,
+        refit_s: float,
+        generation_s: float | None = None,
+    ) -> dict[str, float]:
+        """Train on one step's rollouts; the step's metrics. ``generation_s``: the time the
+        step spent on its rollouts (default: the time collecting them took)."""
+        s = self.session
         batch = episodes_to_batch(data.episodes, data.advantages, s.tokenizer.pad_token_id)
         batch["sample_mask"] = data.sample_mask
 
@@ -173,7 +234,9 @@ class GRPOTrainer:
         tokens = sum(len(e.token_ids) for e in data.episodes)
         metrics.update(
             {
-                "timing/generation_s": data.generation_s,
+                "timing/generation_s": (
+                    data.generation_s if generation_s is None else generation_s
+                ),
                 "timing/logprobs_s": logprobs_s,
                 "timing/train_s": train_s,
                 "timing/refit_s": refit_s,
@@ -194,6 +257,7 @@ class GRPOTrainer:
         s = self.session
         if not s.val_samples:
             return {}
+        self.gate.ensure(step)  # separate engines: validate the weights after this step
         episodes = start_episodes(s.val_samples, s.codec, 1)
         self.roll_out(episodes, sampling_params(self.config, s.tokenizer, step=step, greedy=True))
         metrics = episode_metrics("val", episodes, s)
@@ -280,21 +344,49 @@ class GRPOTrainer:
             metrics.update(getattr(s, "data_metrics", {}))
             if metrics:
                 s.log(0, metrics)
+        if self.async_options.enabled:
+            self.producer = RolloutProducer(
+                self.collect,
+                _NoSignal,
+                self.gate,
+                s.train_stream,
+                first_step=start_step + 1,
+                last_step=grpo.max_num_steps,
+                max_age=self.async_options.max_trajectory_age_steps,
+                max_buffer=self.async_options.max_buffer_size,
+            )
+        try:
+            self._steps(start_step)
+        finally:
+            if self.producer is not None:
+                self.producer.stop()
+        s.summary()
+        return 0
+
+    def _steps(self, start_step: int) -> None:
+        s, grpo, producer = self.session, self.grpo, self.producer
+        step_fn = self.train_step if producer is None else self.async_step
         with s.progress(grpo.max_num_steps, start_step) as advance:
             for step in range(start_step + 1, grpo.max_num_steps + 1):
                 try:
-                    metrics = self.train_step(step)
+                    metrics = step_fn(step)
                 except _NoSignal:
                     metrics = {"train/skipped_no_signal": 1.0}
                 last = step == grpo.max_num_steps
                 if grpo.val_period > 0 and (step % grpo.val_period == 0 or last):
-                    metrics.update(self.validate(step))
+                    with producer.paused() if producer else contextlib.nullcontext():
+                        metrics.update(self.validate(step))
                 s.log(step, metrics)
                 if s.should_checkpoint(step, last):
-                    s.save_checkpoint(step)
+                    if producer is None:
+                        s.save_checkpoint(step)
+                    else:
+                        # The buffer is discarded, the stream rewound to its oldest batch:
+                        # see nrl_core.algorithms.async_grpo.
+                        with producer.paused():
+                            producer.discard(step + 1)
+                            s.save_checkpoint(step)
                 advance(metrics)
-        s.summary()
-        return 0
 
 
 class _NoSignal(Exception):

@@ -245,6 +245,14 @@ class RunSession:
         self.policy = self._start_policy(resources, reserved_cpus, shared)
         if hasattr(self.config, "generation") and shared is None:
             self.generate, self.refit = self._generation_backend(None)
+        if hasattr(self.config, "generation"):
+            from nrl_core.algorithms.async_grpo import WeightGate
+
+            # Every generate call (the core's rollouts, the policy endpoint, a background
+            # producer) and every refit goes through the gate, which serialises them and knows
+            # which weights the engines hold.
+            self.gate = WeightGate(self.generate, self.refit)
+            self.generate = self.gate.generate
 
     def _separate_engines(self) -> int:
         """How many separate generation engines the run starts (0: none, or generation inside

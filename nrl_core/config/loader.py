@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import keyword
 import re
 import types
 import typing
@@ -232,11 +233,25 @@ class ConfigConverter:
             lambda t: isinstance(t, type) and issubclass(t, ComponentSection),
             self._unstructure_section,
         )
+        conv.register_structure_hook_factory(_has_renamed_fields, self._renamed_structure)
+        conv.register_unstructure_hook_factory(_has_renamed_fields, self._renamed_unstructure)
         self._plain = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
         self._plain.register_structure_hook_func(
             lambda t: True, lambda value, t: conv.structure(value, t)
         )
         self.converter = conv
+
+    def _renamed_structure(self, cls: type) -> Any:
+        return cattrs.gen.make_dict_structure_fn(
+            cls,
+            self.converter,
+            _cattrs_forbid_extra_keys=True,
+            _cattrs_detailed_validation=True,
+            **_renames(cls),
+        )
+
+    def _renamed_unstructure(self, cls: type) -> Any:
+        return cattrs.gen.make_dict_unstructure_fn(cls, self.converter, **_renames(cls))
 
     def _structure_section(self, value: Any, cls: type[ComponentSection]) -> ComponentSection:
         if not isinstance(value, Mapping):
@@ -384,6 +399,25 @@ class ConfigConverter:
         return self.converter.unstructure(config)
 
 
+def _has_renamed_fields(cls: Any) -> bool:
+    """An attrs config class with a field whose key differs from its attribute name (field
+    metadata ``key``, for keys that are Python keywords such as ``grpo.async``)."""
+    return (
+        isinstance(cls, type)
+        and attrs.has(cls)
+        and not issubclass(cls, ComponentSection)
+        and any("key" in f.metadata for f in attrs.fields(cls))
+    )
+
+
+def _renames(cls: type) -> dict[str, Any]:
+    return {
+        f.name: cattrs.gen.override(rename=f.metadata["key"])
+        for f in attrs.fields(cls)
+        if "key" in f.metadata
+    }
+
+
 class _UnknownKey(Exception):
     def __init__(self, key: str, known: list[str], kind: str | None = None) -> None:
         super().__init__(key)
@@ -401,7 +435,7 @@ def _format_errors(exc: BaseException, path: str):
             sub_path = path
             for note in getattr(sub, "__notes__", []):
                 if isinstance(note, AttributeValidationNote):
-                    sub_path = f"{path}.{note.name}" if path else note.name
+                    sub_path = _join(path, str(note.name))
                 elif hasattr(note, "index"):
                     sub_path = f"{path}[{note.index}]"
             yield from _format_errors(sub, sub_path)
@@ -427,6 +461,9 @@ def _format_errors(exc: BaseException, path: str):
 
 
 def _join(path: str, name: str) -> str:
+    # An attribute named after a keyword (`async_`) is the keyword in the config.
+    if name.endswith("_") and keyword.iskeyword(name[:-1]):
+        name = name[:-1]
     return f"{path}.{name}" if path else name
 
 

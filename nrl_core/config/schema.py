@@ -539,6 +539,32 @@ class LoggerConfig:
 
 
 @attrs.define
+class AsyncSection:
+    """Asynchronous GRPO (``grpo.async``): separate engines generate the next steps' rollouts
+    while the trainer trains (see docs/async-grpo.md)."""
+
+    enabled: bool = option(
+        False,
+        "Generate rollouts on a background producer while training. Needs separate generation "
+        "engines (`generation.colocated=false`, or vLLM/SGLang engines that are not colocated).",
+    )
+    max_trajectory_age_steps: int = option(
+        1,
+        "How many optimizer steps older than the trainer the weights that generated a trained "
+        "trajectory may be (>= 0). The producer generates the batch of step k only once the "
+        "engines hold weights of step k - this or newer; a batch found older when it is "
+        "trained is dropped and counted (`async/dropped_stale`). 0 is the synchronous loop.",
+        validator=ge(0),
+    )
+    max_buffer_size: int = option(
+        2,
+        "Most finished batches (one step's rollouts each) waiting for the trainer (>= 1); the "
+        "producer pauses when the buffer is full.",
+        validator=ge(1),
+    )
+
+
+@attrs.define
 class GRPOSection:
     max_num_steps: int = option(100, "Training steps.", validator=ge(0))
     num_prompts_per_step: int = option(8, "Prompts drawn per step.", validator=ge(1))
@@ -580,6 +606,13 @@ class GRPOSection:
     sft_warmup_template: str = option(
         "{answer}",
         ("Response text of the warm-up examples; `{answer}` is the (possibly shuffled) answer."),
+    )
+    async_: AsyncSection = attrs.field(
+        factory=AsyncSection,
+        metadata={
+            "doc": "Asynchronous GRPO: overlap rollout generation with training.",
+            "key": "async",  # a Python keyword: the attribute is `async_`, the key `async`
+        },
     )
 
 

@@ -21,6 +21,24 @@ def validate_run_config(config: Any) -> None:
     """
     _check_response_room(config)
     _check_on_policy_shortcut(config)
+    _check_async(config)
+
+
+def _check_async(config: Any) -> None:
+    # The producer overlaps generation with training: that needs engines that hold weights of
+    # their own. Generation inside the policy workers (torch's default) or on engines that
+    # hand the GPUs back and forth with the policy (colocated vLLM/SGLang) cannot overlap.
+    grpo = getattr(config, "grpo", None)
+    if grpo is None or not grpo.async_.enabled:
+        return
+    generation = config.generation
+    if getattr(generation.options_for(), "colocated", True) is False:
+        return
+    raise ConfigError(
+        "grpo.async.enabled=true needs generation engines of their own, and "
+        f"generation.{generation.backend}.colocated is true (or the backend has no separate "
+        "engines); set generation.colocated=false"
+    )
 
 
 def _check_response_room(config: Any) -> None:
