@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from tests.algorithms.test_grpo_cli import metrics, run_nrl
 
 from nrl_core.algorithms.async_grpo import RolloutProducer, WeightGate
+from tests.algorithms.test_grpo_cli import metrics, run_nrl
 
 SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
 

@@ -40,7 +40,7 @@ def test_engines_sample_what_colocated_generation_samples_and_follow_refits(setu
     """Two engines and two colocated ranks, same weights and seeds: the same samples. After a
     training step and a refit, the engines hold the trainer's weights bit for bit, and sample
     what the trainer's ranks now sample."""
-    config, policy, group, engines = setup
+    _, policy, group, engines = setup
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     for p in (params, greedy):
