@@ -113,6 +113,7 @@ def test_grpo_logs_the_drop_counts_with_the_step_0_metrics():
         log=lambda step, metrics: logged.append((step, dict(metrics))),
         progress=progress,
         should_checkpoint=lambda step, last: False,
+        gate=None,
         summary=lambda: None,
     )
 
