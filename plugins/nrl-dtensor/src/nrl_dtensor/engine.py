@@ -52,9 +52,7 @@ class TorchEngine:
         params: SamplingParams,
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
-        """Continue each prompt with this engine's current weights."""
-        if not prompts:
-            return GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
+        """Continue each prompt with this engine's current weights (none: an empty output)."""
         return self.generator.generate(prompts, params, stop_strings)
 
     def sleep(self) -> None:
@@ -97,10 +95,6 @@ class TorchEngine:
                 f"a refit sent no value for {len(missing)} of this engine's parameters "
                 f"(first: {missing[0]}); the policy must send its full state dict"
             )
-
-    def weights_checksum(self) -> dict[str, float]:
-        """Per-parameter sums (tests)."""
-        return {n: float(p.detach().double().sum()) for n, p in self._parameters.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights (tests compare them with the trainer's bit for bit)."""
