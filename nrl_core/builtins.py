@@ -81,3 +81,10 @@ def nrl_register_losses(register):
         config="nrl_core.losses.config:DPOLossConfig",
         description="direct preference optimization on (chosen, rejected) row pairs",
     )
+    register(
+        "distillation",
+        "nrl_core.losses.distillation:DistillationLoss",
+        config="nrl_core.losses.config:DistillationLossConfig",
+        description="on-policy distillation: reverse/forward/mixed KL to a teacher's top-k "
+        "(nrl run distill)",
+    )

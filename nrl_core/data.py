@@ -134,7 +134,8 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch], pad_values: Mapping[str, float] | None = None) -> Batch:
-        """Concatenate along the batch dimension, right-padding ``[B, T]`` tensors to one width."""
+        """Concatenate along the batch dimension, right-padding ``[B, T, ...]`` tensors to one
+        width ``T``."""
         if not batches:
             return Batch()
         pad_values = pad_values or {}
@@ -145,8 +146,11 @@ class Batch:
             if parts[0].dim() >= 2:
                 width = max(p.shape[1] for p in parts)
                 fill = pad_values.get(key, 0)
+                # Pad dimension 1 (``[B, T, ...]``: F.pad lists the last dimension first).
                 parts = [
-                    torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill)
+                    torch.nn.functional.pad(
+                        p, [0, 0] * (p.dim() - 2) + [0, width - p.shape[1]], value=fill
+                    )
                     if p.shape[1] < width
                     else p
                     for p in parts

@@ -78,6 +78,11 @@ class LossFunction(Protocol):
     needs_prev_logprobs: bool
     """True when the batch must carry ``prev_logprobs`` recomputed by the trainer."""
 
+    # Optional: ``logprobs_at_key: str`` names a batch key of ``[B, T, K]`` token ids at which
+    # the loss also needs the policy's logprobs (with the graph); the core then puts them in
+    # ``batch["logprobs_at"]`` (``[B, T, K]``) before calling the loss. Distillation uses it for
+    # the teacher's top-k ids.
+
     def __call__(
         self, logprobs: torch.Tensor, batch: Batch, stats: GlobalBatchStats
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -116,7 +121,15 @@ class PolicyWorker(Protocol):
         """Training forward of ``micro_batch`` (train mode, with a graph): compute its
         per-token logprobs ``[B, T]`` as :meth:`compute_logprobs` does, call ``loss`` on them
         exactly once, and back-propagate the scalar it returns. Gradients accumulate over calls
-        until :meth:`optimizer_step`."""
+        until :meth:`optimizer_step`.
+
+        When ``loss.logprobs_at_ids`` is not None (a ``[B, T, K]`` long tensor: a distillation
+        loss wants the policy's distribution at a teacher's top-k ids), call
+        ``loss(logprobs, logprobs_at)`` instead, with ``logprobs_at[b, t, j]`` the logprob of
+        token ``logprobs_at_ids[b, t, j]`` at position ``t`` (the distribution that predicts
+        token ``t``; row 0 holds 0), from the same forward and with the graph. A backend
+        that cannot (Megatron's vocabulary-parallel logits) leaves it out; ``nrl run distill``
+        then refuses it at start."""
         ...
 
     def optimizer_step(self) -> dict[str, float]:
@@ -143,6 +156,12 @@ class PolicyWorker(Protocol):
         """Write a Hugging Face folder (safetensors, config, tokenizer) loadable by
         ``from_pretrained``."""
         ...
+
+    # Optional, for a distillation teacher (``nrl run distill``):
+    # ``compute_topk_logprobs(micro_batch, k) -> (token_logprobs, topk_logprobs, topk_ids)``:
+    # without a graph, under the current weights, the ``[B, T]`` logprobs of the batch's tokens
+    # and the ``[B, T, k']`` logprobs and ids of the ``k' = min(k, vocabulary)`` most likely
+    # tokens at each position (position 0 holds 0), all from one forward.
 
     # Optional: ``generate(prompts, params, stop_strings)`` as in :class:`GenerationWorker`,
     # for colocated generation on the policy's own weights (``generation.backend=torch``).

@@ -22,6 +22,7 @@ from nrl_core.training import (
     logprobs_on_rank,
     reduce_metrics,
     split_micro_batches,
+    topk_on_rank,
     train_on_rank,
 )
 
@@ -158,6 +159,22 @@ class Policy:
         num_chunks = max(len(c) for c in chunks)
         parts = self.group.run_sharded(logprobs_on_rank, chunks, num_chunks, width, reference)
         return torch.cat(parts)[:real]
+
+    def get_topk_logprobs(
+        self, batch: Batch, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` scored by this (frozen) model, for distillation: ``[B, T]`` logprobs of
+        its tokens and ``[B, T, k']`` logprobs and ids of the ``k' = min(k, vocabulary)``
+        most likely tokens at each position (position ``t``: the distribution of token ``t``).
+        Only ``k'`` numbers per position cross Ray, never the vocabulary."""
+        self.onload()
+        shards, real = self._shards(batch)
+        chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
+        width = batch["input_ids"].shape[1]
+        num_chunks = max(len(c) for c in chunks)
+        parts = self.group.run_sharded(topk_on_rank, chunks, num_chunks, width, k)
+        tokens, values, ids = (torch.cat(p)[:real] for p in zip(*parts, strict=True))
+        return tokens, values, ids
 
     def train(self, batch: Batch, loss_fn: LossFunction) -> dict[str, float]:
         """Optimizer steps over ``batch`` in chunks of ``train_global_batch_size`` samples.

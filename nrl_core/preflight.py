@@ -35,12 +35,10 @@ from typing import Any
 
 import attrs
 
-from nrl_core.config.schema import ComponentSection
+from nrl_core.config.schema import NO_ENVIRONMENT, ComponentSection
 from nrl_core.errors import ConfigError
 from nrl_core.registry import Registry
 
-TINY_MODEL = "tiny"
-"""``policy.model_name`` of the bundled tiny test model (built locally, never downloaded)."""
 HUB_TIMEOUT_S = 3.0
 """The one request that asks the hub whether a model exists gives up after this long."""
 INTERPRETER_TIMEOUT_S = 4.0
@@ -67,6 +65,13 @@ def check_components(config: Any, registry: Registry) -> None:
         name = section.selected
         if section.component_kind == "dataset" and name.endswith(".jsonl"):
             continue  # a file, read by the registered `jsonl` dataset
+        if section.component_kind == "environment" and name == NO_ENVIRONMENT:
+            if not hasattr(config, "teacher"):
+                raise ConfigError(
+                    f"env.name={NO_ENVIRONMENT}: only `nrl run distill` runs without an "
+                    "environment; name a registered environment (see `nrl plugins`)"
+                )
+            continue
         registry.get(section.component_kind, name, key=f"{field.name}.{section.selector}")
 
 
@@ -88,6 +93,14 @@ def preflight(config: Any, registry: Registry) -> None:
             check_model_source(
                 policy.tokenizer_name, "policy.tokenizer_name", weights=False, tokenizer=True
             )
+    teacher = getattr(config, "teacher", None)
+    if teacher is not None:
+        check_model_source(
+            teacher.model_name,
+            "teacher.model_name",
+            weights=True,
+            tokenizer=teacher.tokenizer_name is None,
+        )
     check_actor_envs(config)
     check_component_requirements(config, registry)
     check_named_files(config)
@@ -114,7 +127,9 @@ def check_model_source(name: str, key: str, *, weights: bool, tokenizer: bool) -
     """``name`` (the value of ``key``) can be loaded: ``tiny``, a local folder holding what a
     Hugging Face model folder holds (``config.json`` and weights with ``weights``, tokenizer
     files with ``tokenizer``), or a hub name that is cached locally or, online, exists."""
-    if name == TINY_MODEL:
+    from nrl_core.testing.tiny import NAMED_SIZES  # stdlib-only at import
+
+    if name in NAMED_SIZES:
         return
     path = Path(name).expanduser()
     if path.exists():

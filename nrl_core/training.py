@@ -223,18 +223,43 @@ def _loss_closure(
     record: dict[str, float],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function a worker's ``forward_backward`` calls with its logprobs: masks padding,
-    applies the loss, records the metrics, and returns the scaled loss to back-propagate."""
+    applies the loss, records the metrics, and returns the scaled loss to back-propagate.
 
-    def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
+    A loss that declares ``logprobs_at_key`` (distillation: the teacher's top-k ids) also needs
+    the policy's logprobs at the ``[B, T, K]`` ids in that batch key: the closure carries them
+    as :attr:`logprobs_at_ids` and the worker passes ``[B, T, K]`` logprobs as the second
+    argument, which the loss finds in ``batch["logprobs_at"]``."""
+    ids_key = logprobs_at_key(loss_fn)
+
+    def loss_of(logprobs: torch.Tensor, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
         batch = micro_batch.to(logprobs.device)
-        logprobs = logprobs * valid_token_mask(batch, logprobs.shape[1])
+        valid = valid_token_mask(batch, logprobs.shape[1])
+        logprobs = logprobs * valid
+        if ids_key is not None:
+            if logprobs_at is None:
+                raise RuntimeError(
+                    f"{type(loss_fn).__name__} needs the policy's logprobs at "
+                    f"batch[{ids_key!r}], and the policy worker passed none (see "
+                    "nrl_core.interfaces.PolicyWorker.forward_backward)"
+                )
+            # where, not a product: padding may hold -inf, and 0 * -inf is NaN.
+            batch["logprobs_at"] = torch.where(valid[:, :, None], logprobs_at, 0.0)
         loss, metrics = loss_fn(logprobs, batch, stats)
         record.update({k: float(v) for k, v in metrics.items()})
         # The value that is back-propagated, whatever the loss function calls `loss`.
         record["loss"] = float(loss.detach())
         return loss * scale
 
+    loss_of.logprobs_at_ids = None if ids_key is None else micro_batch[ids_key]
     return loss_of
+
+
+def logprobs_at_key(loss_fn: Any) -> str | None:
+    """The batch key of ``[B, T, K]`` token ids at which ``loss_fn`` needs the policy's
+    logprobs as well (its optional ``logprobs_at_key``), or None."""
+    return getattr(loss_fn, "logprobs_at_key", None)
 
 
 def logprobs_on_rank(
@@ -259,3 +284,38 @@ def logprobs_on_rank(
             lp = lp * valid_token_mask(chunk, lp.shape[1])
             out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
     return torch.cat(out) if out else torch.zeros((0, width))
+
+
+def topk_on_rank(
+    worker: PolicyWorker,
+    chunks: Sequence[Batch],
+    num_chunks: int,
+    width: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's shard scored by a frozen model (a distillation teacher), in ``chunks``:
+    ``[B, width]`` logprobs of the tokens, and ``[B, width, k]`` logprobs and ids of the ``k``
+    most likely tokens at each position (every rank runs ``num_chunks`` forwards; padding and
+    position 0 hold 0, with id 0)."""
+    import torch
+
+    tokens, values, ids = [], [], []
+    with torch.no_grad():
+        for index in range(num_chunks):
+            if index >= len(chunks):
+                worker.compute_topk_logprobs(_filler(chunks).trimmed(), k)
+                continue
+            chunk = chunks[index].trimmed()
+            lp, top_lp, top_ids = worker.compute_topk_logprobs(chunk, k)
+            valid = valid_token_mask(chunk, lp.shape[1])
+            valid[:, 0] = False
+            pad = width - lp.shape[1]
+            tokens.append(torch.nn.functional.pad(lp.detach().float().cpu() * valid, (0, pad)))
+            top_lp = torch.where(valid[..., None], top_lp.detach().float().cpu(), 0.0)
+            top_ids = torch.where(valid[..., None], top_ids.detach().long().cpu(), 0)
+            values.append(torch.nn.functional.pad(top_lp, (0, 0, 0, pad)))
+            ids.append(torch.nn.functional.pad(top_ids, (0, 0, 0, pad)))
+    if not tokens:
+        empty = torch.zeros((0, width, k))
+        return torch.zeros((0, width)), empty, empty.long()
+    return torch.cat(tokens), torch.cat(values), torch.cat(ids)

@@ -88,3 +88,54 @@ def test_empty_shard_has_no_micro_batch():
 def test_valid_token_mask_follows_lengths():
     mask = valid_token_mask(_batch([2, 4]), 4)
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+class _AtLoss:
+    """A loss that asks for the policy's logprobs at ``batch["ids"]`` and sums them."""
+
+    needs_reference = needs_prev_logprobs = False
+    logprobs_at_key = "ids"
+
+    def __call__(self, logprobs, batch, stats):
+        return batch["logprobs_at"].sum(), {}
+
+
+class _Worker:
+    """One rank that scores ``ids`` with fixed logprobs (-inf past each row's length)."""
+
+    def __init__(self, pass_at: bool = True) -> None:
+        self.pass_at = pass_at
+        self.seen: list[torch.Tensor] = []
+
+    def forward_backward(self, micro_batch, loss):
+        ids = loss.logprobs_at_ids
+        at = torch.full(ids.shape, -1.0)
+        at[0, 3:] = float("-inf")  # padding of the shorter row
+        value = loss(torch.zeros(ids.shape[:2]), at) if self.pass_at else loss(torch.zeros(1, 1))
+        self.seen.append(value)
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+def test_a_loss_gets_the_logprobs_at_its_ids_with_padding_zeroed():
+    from nrl_core.interfaces import GlobalBatchStats
+    from nrl_core.training import train_on_rank
+
+    batch = Batch(
+        {
+            "input_ids": torch.zeros(2, 4, dtype=torch.long),
+            "lengths": torch.tensor([3, 4]),
+            "ids": torch.zeros(2, 4, 2, dtype=torch.long),
+        }
+    )
+    worker = _Worker()
+    stats = GlobalBatchStats(valid_tokens=1, valid_sequences=1, max_sequence_length=4)
+    result = train_on_rank(worker, [batch], 1, _AtLoss(), stats, 1.0)
+    # 2 ids at positions 0-2 of row 0 and 0-3 of row 1 hold -1; row 0's position 3 (-inf, past
+    # its length) is zeroed with `where`, not multiplied (0 * -inf would be NaN).
+    assert float(worker.seen[0]) == -2.0 * (3 + 4)
+    assert result.micro_batch_metrics[0]["loss"] == -14.0
+
+    with pytest.raises(RuntimeError, match="needs the policy's logprobs at batch\\['ids'\\]"):
+        train_on_rank(_Worker(pass_at=False), [batch], 1, _AtLoss(), stats, 1.0)

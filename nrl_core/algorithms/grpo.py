@@ -71,6 +71,9 @@ class StepData:
 class GRPOTrainer:
     """The GRPO loop over a :class:`~nrl_core.algorithms.runtime.RunSession`."""
 
+    progress_fields: tuple[tuple[str, str], ...] | None = None
+    """``(metric, label)`` pairs the progress bar shows (None: reward, val accuracy, s/step)."""
+
     def __init__(self, session: RunSession) -> None:
         self.session = session
         self.config: GRPOConfig = session.config
@@ -230,20 +233,36 @@ class GRPOTrainer:
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
         metrics.setdefault("train/kl", float("nan"))
         metrics.update(episode_metrics("train", data.episodes, s))
+        return self.close_step(
+            step,
+            data,
+            metrics,
+            step_start=step_start,
+            timings={
+                "generation_s": data.generation_s if generation_s is None else generation_s,
+                "logprobs_s": logprobs_s,
+                "train_s": train_s,
+                "refit_s": refit_s,
+            },
+        )
+
+    def close_step(
+        self,
+        step: int,
+        data: StepData,
+        metrics: dict[str, float],
+        *,
+        step_start: float,
+        timings: dict[str, float],
+    ) -> dict[str, float]:
+        """Add the step's ``timing/*`` (``timings`` and the whole step), throughput and refit
+        metrics to ``metrics``, log sample rollouts when due; return ``metrics``."""
+        s = self.session
         step_s = time.perf_counter() - step_start
         tokens = sum(len(e.token_ids) for e in data.episodes)
-        metrics.update(
-            {
-                "timing/generation_s": (
-                    data.generation_s if generation_s is None else generation_s
-                ),
-                "timing/logprobs_s": logprobs_s,
-                "timing/train_s": train_s,
-                "timing/refit_s": refit_s,
-                "timing/step_s": step_s,
-                "throughput/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            }
-        )
+        metrics.update({f"timing/{key}": value for key, value in timings.items()})
+        metrics["timing/step_s"] = step_s
+        metrics["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         engines = getattr(s, "generation_engines", None)
         if engines is not None and getattr(engines, "last_refit", None) is not None:
             metrics.update(engines.last_refit.as_metrics())  # bytes moved, GB/s, buckets
@@ -273,28 +292,14 @@ class GRPOTrainer:
         s, grpo = self.session, self.grpo
         if grpo.sft_warmup_steps <= 0:
             return {}
-        rng = random.Random(f"{self.config.seed}-sft-warmup")
-        nll = s.registry.get("loss", "nll").load()(None, None)
-        batch_size = self.config.policy.train_global_batch_size
-        losses = []
-        for _ in range(grpo.sft_warmup_steps):
-            prompts = s.train_stream.take(batch_size)
-            answers = [str(p.answer) for p in prompts]
-            if grpo.sft_warmup_shuffle_answers:
-                rng.shuffle(answers)
-            rows = []
-            for sample, answer in zip(prompts, answers, strict=True):
-                prompt = s.codec.encode_prompt(s.codec.prompt_messages(sample))
-                text = grpo.sft_warmup_template.format(answer=answer)
-                response = [
-                    *s.tokenizer(text, add_special_tokens=False)["input_ids"],
-                    s.tokenizer.eos_token_id,
-                ]
-                rows.append((prompt, response))
-            batch = supervised_batch(rows, s.tokenizer.pad_token_id)
-            losses.append(s.policy.train(batch, nll)["loss"])
-        # The warm-up drew from the training stream; GRPO starts from its beginning.
-        s.train_stream.rewind()
+        losses = answer_warmup(
+            s,
+            s.policy,
+            grpo.sft_warmup_steps,
+            template=grpo.sft_warmup_template,
+            shuffle_answers=grpo.sft_warmup_shuffle_answers,
+            batch_size=self.config.policy.train_global_batch_size,
+        )
         if s.loss_fn.needs_reference:
             # The KL penalty keeps GRPO near the model it starts from: the warmed-up one.
             s.policy.snapshot_reference(str(self.warmup_reference_path))
@@ -366,7 +371,7 @@ class GRPOTrainer:
     def _steps(self, start_step: int) -> None:
         s, grpo, producer = self.session, self.grpo, self.producer
         step_fn = self.train_step if producer is None else self.async_step
-        with s.progress(grpo.max_num_steps, start_step) as advance:
+        with s.progress(grpo.max_num_steps, start_step, self.progress_fields) as advance:
             for step in range(start_step + 1, grpo.max_num_steps + 1):
                 try:
                     metrics = step_fn(step)
@@ -432,6 +437,44 @@ def episode_metrics(
             )
             metrics.update({f"{key}{k}": float(v) for k, v in env.items()})
     return metrics
+
+
+def answer_warmup(
+    session: RunSession,
+    policy: Any,
+    steps: int,
+    *,
+    template: str,
+    batch_size: int,
+    shuffle_answers: bool = False,
+) -> list[float]:
+    """``steps`` supervised optimizer steps of ``policy`` (a :class:`~nrl_core.policy.Policy`)
+    on the training prompts and their answers, each rendered with ``template`` (``{answer}``),
+    ``batch_size`` prompts per step; the training stream is rewound afterwards. With
+    ``shuffle_answers`` each prompt gets another prompt's answer. Returns the step losses."""
+    s = session
+    rng = random.Random(f"{s.config.seed}-sft-warmup")
+    nll = s.registry.get("loss", "nll").load()(None, None)
+    losses = []
+    for _ in range(steps):
+        prompts = s.train_stream.take(batch_size)
+        answers = [str(p.answer) for p in prompts]
+        if shuffle_answers:
+            rng.shuffle(answers)
+        rows = []
+        for sample, answer in zip(prompts, answers, strict=True):
+            prompt = s.codec.encode_prompt(s.codec.prompt_messages(sample))
+            text = template.format(answer=answer)
+            response = [
+                *s.tokenizer(text, add_special_tokens=False)["input_ids"],
+                s.tokenizer.eos_token_id,
+            ]
+            rows.append((prompt, response))
+        batch = supervised_batch(rows, s.tokenizer.pad_token_id)
+        losses.append(policy.train(batch, nll)["loss"])
+    # The warm-up drew from the training stream; the run starts from its beginning.
+    s.train_stream.rewind()
+    return losses
 
 
 def supervised_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:

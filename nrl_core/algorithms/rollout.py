@@ -229,7 +229,8 @@ def rollout(
     an observation that would fill it ends the episode, and an episode with no budget left
     (a prompt at or over the limit) ends as truncated without generating; its prompt is cut
     to the limit so the training batch stays within it (it has no generated token, so it
-    carries no loss either way).
+    carries no loss either way). Without an environment (``env_pool`` None) every episode
+    ends after its first turn with reward 0.
     """
     for turn in range(max_turns):
         for episode in episodes:
@@ -256,6 +257,10 @@ def rollout(
             episode.finish_reason = reason
             episode.truncated = len(episode.token_ids) >= max_total_length
             episode.turns += 1
+        if env_pool is None:  # no environment (distillation): one turn, nothing scored
+            for episode in active:
+                episode.done = True
+            break
         results = env_pool.step(
             [e.task for e in active],
             [[{"role": m["role"], "content": m["content"]} for m in e.messages] for e in active],

@@ -32,7 +32,7 @@ from nrl_core.checkpoint import (
     read_state,
 )
 from nrl_core.config.loader import dump_config
-from nrl_core.config.schema import RunConfig, portable_config
+from nrl_core.config.schema import NO_ENVIRONMENT, RunConfig, portable_config
 from nrl_core.config.validation import optimizer_steps_per_rollout
 from nrl_core.datasets import (
     DataStream,
@@ -54,6 +54,9 @@ RUN_LOCK = ".nrl.lock"
 of its checkpoint folder when that lies elsewhere."""
 ENV_CPUS_PER_WORKER = 0.25
 """Environment actors mostly wait on the policy; a quarter CPU each leaves the rest to it."""
+TEACHER_CPUS_ON_CPU = 0.5
+"""On a CPU-only cluster a distillation teacher rank (forwards only, while the student waits)
+takes half a CPU from the scheduler's count; the cores are shared anyway."""
 
 
 def resolve_model_name(name: str) -> str:
@@ -109,6 +112,8 @@ class RunSession:
         self.history: list[dict[str, Any]] = []
         self._closers: list[Callable[[], None]] = []
         self.cluster = self.policy = self.env_pool = self.loss_fn = None
+        self.teacher: Any = None
+        """``nrl run distill``: the frozen teacher (a :class:`~nrl_core.policy.Policy`)."""
         self.tokenizer: Any = None
         self.codec: ChatCodec | None = None
         self.val_samples: list = []
@@ -198,6 +203,8 @@ class RunSession:
         # Data first: a dataset the run cannot use is a config error, reported before the run
         # directory, Ray or any worker exists (it needs only the driver's tokenizer).
         self._load_data()
+        if hasattr(config, "teacher"):
+            self._check_teacher_tokenizer()
         # Before the run folder is written to, and before Ray or any worker starts.
         self._lock_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -214,10 +221,11 @@ class RunSession:
 
         resources = self._start_cluster()
 
-        env = getattr(config, "env", None)
-        self._start_policy_and_generation(
-            resources, ENV_CPUS_PER_WORKER * self._helper_actor_count()
-        )
+        env = self._environment_section()
+        reserved = ENV_CPUS_PER_WORKER * self._helper_actor_count()
+        if hasattr(config, "teacher"):
+            self.teacher = self._start_teacher(resources)
+        self._start_policy_and_generation(resources, reserved + self._teacher_cpus(resources))
         if env is not None:
             self.env_pool = self._start_environments(env)
         if hasattr(config, "agent"):
@@ -366,6 +374,26 @@ class RunSession:
             )
         return self.codec
 
+    def _check_teacher_tokenizer(self) -> None:
+        """Distillation compares teacher and student token by token: their tokenizers must map
+        the same strings to the same ids (one line naming both models otherwise)."""
+        from transformers import AutoTokenizer
+
+        teacher, policy = self.config.teacher, self.config.policy
+        path = resolve_model_name(teacher.tokenizer_name or teacher.model_name)
+        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+        ours = self.tokenizer.get_vocab()
+        if theirs == ours:
+            return
+        differs = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
+        token = differs[0][0] if differs else "?"
+        raise ConfigError(
+            f"teacher.model_name={teacher.model_name} and policy.model_name={policy.model_name} "
+            f"do not share a tokenizer ({len(theirs)} vs {len(ours)} tokens; {token!r} differs): "
+            "distillation compares the two models token by token, so pick a teacher and a "
+            "student of one tokenizer family"
+        )
+
     def _report_dropped_prompts(self, prompt_filter: PromptLengthFilter, train: list) -> None:
         """Fail when no training prompt fits, warn when some were dropped, keep the counts."""
         config = self.config
@@ -481,10 +509,66 @@ class RunSession:
             if self.agent_for(task.name) == BUILTIN_AGENT
         }
 
+    def _environment_section(self) -> Any:
+        """The ``env`` section, or None when the run has none (or ``env.name=none``)."""
+        env = getattr(self.config, "env", None)
+        return None if env is None or env.name == NO_ENVIRONMENT else env
+
+    def _teacher_cpus(self, resources: Any) -> float:
+        """What the teacher ranks take of a CPU-only cluster (the policy leaves them room)."""
+        teacher = getattr(self.config, "teacher", None)
+        if teacher is None or resources.total_gpus > 0:
+            return 0.0
+        return TEACHER_CPUS_ON_CPU * teacher.num_workers
+
+    @property
+    def teacher_snapshot(self) -> Path:
+        """Where a teacher trained by ``distill.teacher_warmup_steps`` is kept (beside the
+        step checkpoints, so that a resumed run scores with the same teacher)."""
+        return self.checkpoints.root / "teacher_after_warmup"
+
+    def _start_teacher(self, resources: Any):
+        """The frozen teacher of ``nrl run distill``: a worker group of its policy backend,
+        built from the ``teacher`` section as if it were the ``policy`` one. A resumed run whose
+        teacher was trained by the warm-up loads the snapshot taken after it."""
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.policy import Policy, policy_layout
+
+        teacher = self.config.teacher
+        spec = self.registry.get("policy", teacher.backend, key="teacher.backend")
+        if self.resume_path is not None and self.config.distill.teacher_warmup_steps > 0:
+            if not (self.teacher_snapshot / "config.json").is_file():
+                raise ConfigError(
+                    "resuming a run with distill.teacher_warmup_steps > 0 needs the teacher "
+                    f"trained by the warm-up, and {self.teacher_snapshot} is missing; start "
+                    "over with checkpointing.resume=never"
+                )
+            teacher = attrs.evolve(
+                teacher, model_name=str(self.teacher_snapshot), tokenizer_name=None
+            )
+        on_gpu = resources.total_gpus > 0
+        context = self.context_for(spec)
+        # The worker reads its model, precision and batch sizes from `policy`.
+        context = attrs.evolve(context, config=attrs.evolve(context.config, policy=teacher))
+        group = WorkerGroup.start(
+            spec.target,
+            teacher.num_workers,
+            layout=policy_layout(teacher.options_for()),
+            args=(teacher.options_for(), context),
+            name="teacher",
+            python=actor_python(spec, self.config, teacher),
+            num_cpus_per_worker=1.0 if on_gpu else TEACHER_CPUS_ON_CPU,
+            num_gpus_per_worker=1.0 if on_gpu else 0.0,
+            timeout_s=self.config.cluster.worker_timeout_s,
+        )
+        self._closers.append(group.shutdown)
+        return Policy.from_config(group, teacher)
+
     def _helper_actor_count(self) -> int:
         """How many environment and agent actors the run will start (each takes
         :data:`ENV_CPUS_PER_WORKER`; on a CPU-only cluster the policy leaves them room)."""
-        if getattr(self.config, "env", None) is None:
+        if self._environment_section() is None:
             return 0
         environments = {name for name, _ in self._environment_routes().values()}
         agents = self._driving_agents()

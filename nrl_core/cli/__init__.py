@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-ALGORITHMS = ("grpo", "sft", "dpo", "rm")
+ALGORITHMS = ("grpo", "sft", "dpo", "rm", "distill")
 
 _EPILOG = """\
 examples:
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="train: nrl run {grpo,sft,dpo,rm} [--config FILE] [KEY=VALUE...]",
+        help="train: nrl run {grpo,sft,dpo,rm,distill} [--config FILE] [KEY=VALUE...]",
         description="Run a training algorithm.",
     )
     run.add_argument(

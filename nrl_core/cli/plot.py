@@ -9,12 +9,22 @@ from nrl_core.errors import ConfigError, NrlError
 
 CHARTS = {
     "reward": ["train/reward_mean"],
-    "val_accuracy": ["val/accuracy"],
+    # distill: the teacher's own accuracy (step 0) next to the student's
+    "val_accuracy": ["val/accuracy", "val/teacher_accuracy"],
     "kl": ["train/kl"],
     "entropy": ["train/entropy"],
     "loss": ["train/loss"],
+    # distill
+    "kl_to_teacher": ["train/kl_to_teacher", "train/reverse_kl", "train/forward_kl"],
+    "logprob_gap": ["train/logprob_gap"],
 }
-TIMING_KEYS = ["timing/generation_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s"]
+TIMING_KEYS = [
+    "timing/generation_s",
+    "timing/logprobs_s",
+    "timing/teacher_s",
+    "timing/train_s",
+    "timing/refit_s",
+]
 
 
 def add_parser(subparsers) -> None:

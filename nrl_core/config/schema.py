@@ -341,6 +341,10 @@ class LossConfig(ComponentSection):
     name: str = option("clipped_pg", "Registered loss function.")
 
 
+NO_ENVIRONMENT = "none"
+"""``env.name`` of a run without an environment (``nrl run distill``): nothing is scored."""
+
+
 @attrs.define
 class EnvConfig(ComponentSection):
     component_kind: ClassVar[ComponentKind] = "environment"
@@ -617,6 +621,59 @@ class GRPOSection:
 
 
 @attrs.define
+class TeacherConfig(PolicyConfig):
+    """The frozen teacher of ``nrl run distill``: a second policy worker group that only scores
+    the student's rollouts (top-k logprobs per position). It must share the student's
+    tokenizer. Its batch-size and optimizer fields matter only for
+    ``distill.teacher_warmup_steps``."""
+
+    num_workers: int = option(
+        1, "Number of teacher ranks (Ray actors), one per GPU on GPU.", validator=ge(1)
+    )
+
+
+@attrs.define
+class DistillSection:
+    """On-policy distillation (``nrl run distill``): the student generates, the teacher scores
+    the student's own tokens, the student minimises the per-token divergence (the
+    ``distillation`` loss)."""
+
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    num_prompts_per_step: int = option(16, "Prompts drawn per step.", validator=ge(1))
+    num_generations_per_prompt: int = option(
+        1, "Student responses per prompt (>= 1; no group baseline is needed).", validator=ge(1)
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
+    val_period: int = option(
+        10,
+        "Validate every N steps (0 disables; needs an environment); step 0 is validated too.",
+        validator=ge(0),
+    )
+    topk: int = option(
+        64,
+        (
+            "Teacher logprobs kept per position (>= 1): the k most likely tokens, plus the "
+            "rest of the mass as one bucket. At or above the vocabulary size the full "
+            "distribution is kept and the divergence is exact; below it only k numbers per "
+            "position cross Ray."
+        ),
+        validator=ge(1),
+    )
+    teacher_warmup_steps: int = option(
+        0,
+        (
+            "Supervised optimizer steps that first train the teacher on the training prompts' "
+            "answers (>= 0; 0 for a teacher that is already trained). The CPU demo trains its "
+            "teacher this way; the result is kept beside the checkpoints for resuming."
+        ),
+        validator=ge(0),
+    )
+    teacher_warmup_template: str = option(
+        "{answer}", "Response text of the teacher's warm-up examples; `{answer}` is the answer."
+    )
+
+
+@attrs.define
 class SFTSection:
     max_num_steps: int = option(100, "Training steps.", validator=ge(0))
     val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
@@ -702,6 +759,21 @@ class GRPOConfig(RunConfig):
 
 
 @attrs.define
+class DistillConfig(RunConfig):
+    """`nrl run distill`: on-policy distillation of a teacher into the policy (the student)."""
+
+    distill: DistillSection = option(DistillSection(), "The distillation loop.")
+    teacher: TeacherConfig = option(TeacherConfig(), "The frozen teacher.")
+    generation: GenerationConfig = option(GenerationConfig(), "The student's rollouts.")
+    loss: LossConfig = option(LossConfig(name="distillation"), "The distillation loss.")
+    env: EnvConfig = option(
+        EnvConfig(),
+        "The environment that scores rollouts (rewards and validation accuracy); `none` for "
+        "no environment (nothing is scored, nothing is validated).",
+    )
+
+
+@attrs.define
 class ServeConfig(RunConfig):
     """`nrl serve`: a model behind the OpenAI-compatible endpoint."""
 
@@ -763,4 +835,5 @@ ALGORITHM_CONFIGS: dict[str, type[RunConfig]] = {
     "sft": SFTConfig,
     "dpo": DPOConfig,
     "rm": RMConfig,
+    "distill": DistillConfig,
 }

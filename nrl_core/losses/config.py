@@ -47,6 +47,9 @@ ON_POLICY_SHORTCUTS: tuple[str | bool, ...] = ("auto", True, False)
 SequenceISWeight = Literal["geometric_mean", "product"]
 SEQUENCE_IS_WEIGHTS: tuple[str, ...] = ("geometric_mean", "product")
 
+DistillationKL = Literal["reverse", "forward", "mixed"]
+DISTILLATION_KL_TYPES: tuple[str, ...] = ("reverse", "forward", "mixed")
+
 
 # c <= 1 would cap the loss of negative-advantage tokens below the unclipped PPO value even at
 # ratio 1, i.e. it would change the on-policy gradient, not just bound outliers.
@@ -254,4 +257,33 @@ class DPOLossConfig:
         False,
         "Use the mean (not the sum) of the response's token logprobs as the sequence "
         "logprob, in both the preference term and the SFT term.",
+    )
+
+
+@attrs.define
+class DistillationLossConfig:
+    """Options of the on-policy distillation loss (``loss.name=distillation``, run by
+    ``nrl run distill``): a per-token KL between the student and a teacher's top-k
+    distribution (coarsened to the teacher's K tokens plus one tail bucket, see
+    :mod:`nrl_core.losses.distillation`)."""
+
+    kl_type: DistillationKL = option(
+        "reverse",
+        "Divergence minimised at each generated token, one of `reverse`, `forward`, `mixed`: "
+        "`reverse` = KL(student || teacher) (mode seeking; the usual on-policy choice), "
+        "`forward` = KL(teacher || student) (mass covering), `mixed` = `mixed_weight` * "
+        "forward + (1 - `mixed_weight`) * reverse.",
+        validator=one_of(*DISTILLATION_KL_TYPES),
+    )
+    mixed_weight: float = option(
+        0.5,
+        "Weight of the forward KL when `kl_type=mixed`, in [0, 1] (0 is pure reverse, 1 pure "
+        "forward); ignored by the other kl_types.",
+        validator=between(0, 1),
+    )
+    aggregation: Aggregation = option(
+        "token_mean",
+        "Normaliser of the summed per-token KL, one of `token_mean` (global valid tokens), "
+        "`seq_mean_token_mean` or `seq_mean_token_sum_norm` (see `clipped_pg.aggregation`).",
+        validator=one_of(*AGGREGATIONS),
     )

@@ -373,16 +373,27 @@ class LossConformance:
         """Loss, gradient and reduced metrics summed over row ranges ``parts``."""
         import torch
 
-        from nrl_core.training import reduce_metrics
+        from nrl_core.training import logprobs_at_key, reduce_metrics
 
         stats = _stats(batch, self.max_sequence_length)
+        # A loss with `logprobs_at_key` (distillation) also gets its gradient through
+        # batch["logprobs_at"] ([B, T, K]): the gradient is then [B, T, 1 + K].
+        at_key = logprobs_at_key(loss_fn)
         total, grads, metrics = 0.0, [], []
         for start, stop in parts:
             rows = logprobs[start:stop].detach().clone().requires_grad_(True)
-            loss, part_metrics = loss_fn(rows, batch.slice(start, stop), stats)
+            part = batch.slice(start, stop)
+            if at_key is not None:
+                at = part["logprobs_at"].detach().clone().requires_grad_(True)
+                part["logprobs_at"] = at
+            loss, part_metrics = loss_fn(rows, part, stats)
             loss.backward()
             total += float(loss.detach())
-            grads.append(rows.grad if rows.grad is not None else torch.zeros_like(rows))
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            if at_key is not None:
+                at_grad = at.grad if at.grad is not None else torch.zeros_like(at)
+                grad = torch.cat([grad[..., None], at_grad], dim=-1)
+            grads.append(grad)
             metrics.append(part_metrics)
         return total, torch.cat(grads), reduce_metrics(metrics)
 

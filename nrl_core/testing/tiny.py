@@ -169,9 +169,18 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None, **kwargs) -> Pat
     return target
 
 
+NAMED_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    # A smaller student for the distillation demo (~0.1M parameters): same tokenizer.
+    "tiny-small": {"hidden_size": 64, "num_layers": 2},
+}
+"""The locally built models a ``model_name`` may name, with their sizes."""
+
+
 def resolve_model_name(name: str) -> str:
-    """Map ``"tiny"`` to the cached tiny model folder; pass every other name through."""
-    return str(tiny_model_path()) if name == "tiny" else name
+    """Map ``"tiny"`` (and the other :data:`NAMED_SIZES`) to the cached tiny model folder;
+    pass every other name through."""
+    return str(tiny_model_path(**NAMED_SIZES[name])) if name in NAMED_SIZES else name
 
 
 def memorize(

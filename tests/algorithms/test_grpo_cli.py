@@ -51,18 +51,22 @@ def run_nrl(
     env: dict[str, str] | None = None,
     check: bool = True,
     quiet: bool = True,
+    algorithm: str = "grpo",
+    base: list[str] = TINY,
 ) -> subprocess.CompletedProcess:
+    """``nrl run <algorithm>`` with the small ``base`` settings and ``overrides``, its run
+    folder ``tmp_path/run`` and checkpoints ``tmp_path/ckpt``."""
     command = [
         sys.executable,
         "-m",
         "nrl_core.cli",
         "run",
-        "grpo",
+        algorithm,
         *(["-q"] if quiet else []),
         f"logger.log_dir={tmp_path}",
         "logger.run_name=run",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-        *TINY,
+        *base,
         *overrides,
     ]
     result = subprocess.run(

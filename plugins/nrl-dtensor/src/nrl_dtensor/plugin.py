@@ -9,6 +9,8 @@ def nrl_register_policies(register):
         "dtensor",
         "nrl_dtensor.worker:DTensorPolicyWorker",
         config="nrl_dtensor.config:DTensorConfig",
+        # compute_topk_logprobs and logprobs at given ids: a distillation teacher or student.
+        distillation=True,
         description="FSDP2/DTensor training of Hugging Face causal LMs (CPU with gloo, GPU with NCCL)",
     )
 

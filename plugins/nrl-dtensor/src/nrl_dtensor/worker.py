@@ -285,8 +285,20 @@ class DTensorPolicyWorker:
 
     # -- logprobs --------------------------------------------------------------------------------
 
-    def _logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled.
+    def _log_softmax(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T - 1, V]`` next-token log-probabilities (at the logprob temperature)."""
+        with self._autocast():
+            logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        if self.logprob_temperature != 1.0:
+            logits = logits / self.logprob_temperature
+        return torch.log_softmax(logits, dim=-1)
+
+    def _logprobs(
+        self, model, input_ids: torch.Tensor, at: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled;
+        with ``at`` (``[B, T, K]`` ids), also ``[B, T, K]`` logprobs of those ids.
 
         With a scalar head: the per-token values ``[B, T]`` instead (value ``t`` scores the
         prefix ending at token ``t``; see :mod:`nrl_core.reward_model`)."""
@@ -295,13 +307,14 @@ class DTensorPolicyWorker:
 
             with self._autocast():
                 return token_values(model, input_ids)
-        with self._autocast():
-            logits = model(input_ids=input_ids, use_cache=False).logits
-        logits = logits[:, :-1].float()
-        if self.logprob_temperature != 1.0:
-            logits = logits / self.logprob_temperature
-        token_lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        return torch.nn.functional.pad(token_lp, (1, 0))
+        log_probs = self._log_softmax(model, input_ids)
+        token_lp = torch.nn.functional.pad(
+            log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0)
+        )
+        if at is None:
+            return token_lp
+        at_lp = log_probs.gather(-1, at[:, 1:].to(self.device))
+        return token_lp, torch.nn.functional.pad(at_lp, (0, 0, 1, 0))
 
     def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of one micro batch without a graph, under the current
@@ -310,6 +323,24 @@ class DTensorPolicyWorker:
         model.eval()
         with torch.no_grad():
             return self._logprobs(model, micro_batch["input_ids"].to(self.device))
+
+    def compute_topk_logprobs(
+        self, micro_batch: Batch, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A distillation teacher's scores of one micro batch under the current weights: the
+        tokens' logprobs ``[B, T]`` and the logprobs and ids ``[B, T, k']`` of the
+        ``k' = min(k, vocabulary)`` most likely tokens at each position (position 0 holds 0)."""
+        self.model.eval()
+        input_ids = micro_batch["input_ids"].to(self.device)
+        with torch.no_grad():
+            log_probs = self._log_softmax(self.model, input_ids)
+            token_lp = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+            values, ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        return (
+            torch.nn.functional.pad(token_lp, (1, 0)),
+            torch.nn.functional.pad(values, (0, 0, 1, 0)),
+            torch.nn.functional.pad(ids, (0, 0, 1, 0)),
+        )
 
     def set_reference(self, model_path: str) -> None:
         """Use the Hugging Face folder ``model_path`` as the frozen reference."""
@@ -320,10 +351,15 @@ class DTensorPolicyWorker:
     def forward_backward(
         self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """Training forward of one micro batch, ``loss`` on its logprobs, backward."""
+        """Training forward of one micro batch, ``loss`` on its logprobs, backward (with the
+        logprobs at the closure's ``logprobs_at_ids`` too when the loss asks for them)."""
         self.model.train()
-        logprobs = self._logprobs(self.model, micro_batch["input_ids"].to(self.device))
-        loss(logprobs).backward()
+        input_ids = micro_batch["input_ids"].to(self.device)
+        at = getattr(loss, "logprobs_at_ids", None)
+        if at is None:
+            loss(self._logprobs(self.model, input_ids)).backward()
+        else:
+            loss(*self._logprobs(self.model, input_ids, at)).backward()
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, zero the gradients; returns
