@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,16 @@ def test_three_steps_score_with_the_teacher_and_keep_it(tmp_path):
     assert "val/accuracy" in records[-1]
     assert (tmp_path / "ckpt" / "step_3").is_dir()
     assert (tmp_path / "ckpt" / "teacher_after_warmup" / "model.safetensors").is_file()
+
+    plot = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", "plot", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stderr
+    for chart in ("kl_to_teacher.png", "logprob_gap.png", "val_accuracy.png", "step_time.png"):
+        assert (tmp_path / "run" / chart).stat().st_size > 1000
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
