@@ -17,3 +17,13 @@ def default_recipe(algorithm: str) -> dict[str, Any]:
     if not path.is_file():
         return {}
     return parse_yaml(path.read_text()) or {}
+
+
+def recipe_names() -> list[str]:
+    """The embedded recipes (``defaults: <name>`` in a config file builds on one)."""
+    folder = resources.files("nrl_core") / "recipes"
+    return sorted(
+        entry.name.removesuffix(".yaml")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    )

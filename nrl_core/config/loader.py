@@ -122,8 +122,10 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
 
 
 def load_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a config file and the files its ``defaults:`` names (a path or a list of paths,
-    relative to the file; later ones win, and the file's own keys win over all of them)."""
+    """Read a config file and what its ``defaults:`` names (one entry or a list; later ones
+    win, and the file's own keys win over all of them). An entry is a YAML file (relative to
+    the file) or, when no such file exists, the name of an embedded recipe (``grpo``,
+    ``distill``, ...: what ``nrl run <algorithm>`` runs without ``--config``)."""
     path = Path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
@@ -138,8 +140,23 @@ def load_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         raise ConfigError(f"{path}: 'defaults' must be a file path or a list of file paths")
     merged: dict[str, Any] = {}
     for entry in defaults:
-        merged = deep_merge(merged, load_config_file(path.parent / entry, (*_chain, path)))
+        merged = deep_merge(merged, _load_default(path, entry, (*_chain, path)))
     return deep_merge(merged, data)
+
+
+def _load_default(path: Path, entry: str, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """One ``defaults:`` entry of ``path``: a file beside it, else an embedded recipe."""
+    file = path.parent / entry
+    if file.exists():
+        return load_config_file(file, chain)
+    from nrl_core.algorithms.recipes import default_recipe, recipe_names
+
+    if entry in recipe_names():
+        return default_recipe(entry)
+    raise ConfigError(
+        f"{path}: defaults entry {entry!r} is neither a file (no {file}) nor an embedded "
+        f"recipe ({', '.join(recipe_names())})"
+    )
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

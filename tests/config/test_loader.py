@@ -233,3 +233,20 @@ def test_unreadable_config_files_are_one_line(tmp_path, registry, content, messa
 def test_a_folder_given_as_config_file(tmp_path, registry):
     with pytest.raises(ConfigError, match=r"is a folder; pass a YAML file"):
         resolve_config("grpo", tmp_path, registry=registry)
+
+
+def test_defaults_may_name_an_embedded_recipe(tmp_path, registry):
+    """``defaults: grpo`` builds on what `nrl run grpo` runs without --config (not on the
+    class defaults), and the file's own keys still win."""
+    run = write(tmp_path / "run.yaml", "defaults: grpo\ngrpo: {max_num_steps: 7}\n")
+    config = resolve_config("grpo", run, registry=registry)
+    assert config.grpo.max_num_steps == 7
+    assert config.generation.max_new_tokens == 4  # the recipe's, not the class default 128
+    assert config.policy.optimizer.lr == 3.0e-4
+    assert config.logger.run_name == "grpo-arithmetic"
+
+
+def test_an_unknown_defaults_entry_names_files_and_recipes(tmp_path, registry):
+    run = write(tmp_path / "run.yaml", "defaults: grpoo\n")
+    with pytest.raises(ConfigError, match=r"'grpoo' is neither a file .* nor an embedded recipe"):
+        resolve_config("grpo", run, registry=registry)
