@@ -100,7 +100,7 @@ def test_grpo_logs_the_drop_counts_with_the_step_0_metrics():
     logged = []
 
     @contextlib.contextmanager
-    def progress(total, completed):
+    def progress(total, completed, fields=None):
         yield lambda metrics: None
 
     config = GRPOConfig()
