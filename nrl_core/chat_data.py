@@ -151,7 +151,7 @@ def _hub_rows(name: str, subset: str | None, split: str, key: str) -> list[dict[
         ) from None
 
 
-def _split_rows(options: Any, split: str, seed_key: str) -> list[tuple[str, dict]]:
+def split_rows(options: Any, split: str, seed_key: str) -> list[tuple[str, dict]]:
     """The raw rows of ``split`` from a JSONL file or a hub dataset, as ``(where, row)`` pairs
     (``where``: ``file:line``, or the hub split and row number); ``KeyError`` for a validation
     split that the source lacks (the core then holds one out of training)."""
@@ -216,7 +216,7 @@ class ChatDataset:
     def load(self, split: str) -> list[Sample]:
         """The conversations of ``split``; every one must hold an assistant message."""
         return [
-            self.to_sample(row, where) for where, row in _split_rows(self.options, split, "chat")
+            self.to_sample(row, where) for where, row in split_rows(self.options, split, "chat")
         ]
 
     def to_sample(self, row: dict[str, Any], where: str = "row") -> Sample:
@@ -255,7 +255,7 @@ class PreferenceDataset:
 
     def load(self, split: str) -> list[Sample]:
         """The pairs of ``split``: prompt messages, chosen and rejected responses in metadata."""
-        rows = _split_rows(self.options, split, "preference")
+        rows = split_rows(self.options, split, "preference")
         return [self.to_sample(row, where) for where, row in rows]
 
     def to_sample(self, row: dict[str, Any], where: str = "row") -> Sample:

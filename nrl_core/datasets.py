@@ -67,7 +67,7 @@ def read_jsonl_rows(
             ) from None
         if not isinstance(row, dict):
             raise error(
-                f"{path}:{number}: expected a JSON object ({{...}}) per line, got {_json_kind(row)}"
+                f"{path}:{number}: expected a JSON object ({{...}}) per line, got {json_kind(row)}"
             )
         rows.append((f"{path}:{number}", row))
     if not rows:
@@ -75,7 +75,8 @@ def read_jsonl_rows(
     return rows
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """How an error message names the JSON type of ``value`` ("an object", "a list", ...)."""
     kinds = {
         dict: "an object",
         list: "a list",
@@ -104,7 +105,7 @@ def require_text(
     value = row[field]
     if not isinstance(value, str):
         raise error(
-            f"{where}: field {field!r} must be text (a JSON string), got {_json_kind(value)}"
+            f"{where}: field {field!r} must be text (a JSON string), got {json_kind(value)}"
         )
     return value
 

@@ -14,6 +14,16 @@ but never its engine. A plugin implements only the hooks it needs::
 
 Implementations may omit arguments (pluggy passes only those they name), so hooks can gain
 arguments later without breaking existing plugins.
+
+Extras that only some settings need (and that cannot go into every venv) are not registered:
+the component's config class declares them with a method ``required_modules()`` returning
+``{module: (extra, setting)}`` for the options at hand, e.g. the dtensor policy's
+``{"peft": ("lora", "lora_rank=8")}`` when ``lora_rank`` > 0. A run then builds the
+component's actor venv with those extras too
+(:func:`nrl_core.distributed.actor_env.component_extras`), and the driver checks, before
+anything starts, that an ``actor_env`` set to ``system`` or to an interpreter has the modules
+(:func:`nrl_core.preflight.check_component_requirements`). ``nrl venvs build 'NAME[EXTRA]'``
+pre-builds such a venv.
 """
 
 from __future__ import annotations

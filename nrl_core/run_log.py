@@ -2,8 +2,11 @@
 
 The console gets one line per error (``error: policy rank 1 failed in forward_backward: ...``);
 the full story of a worker error (the remote traceback, the tail of the worker's Ray log, its
-node and pid) is written here by the driver, and the line names this file. A run opens the
-log in :class:`~nrl_core.algorithms.runtime.RunSession` and closes it when the run ends.
+node and pid) is written here by the driver, and the line names this file. Without ``nrl run
+-v`` the output of other processes and libraries lands here too instead of on the console
+(:func:`log_output`, :class:`RunLogHandler`): what the Ray workers print, the raylet's warnings
+and Ray's own INFO lines. A run opens the log in
+:class:`~nrl_core.algorithms.runtime.RunSession` and closes it when the run ends.
 Commands without a run folder (``nrl convert``) have no run log: their errors keep the detail
 in their attributes and name the worker's Ray log instead.
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 RUN_LOG_FILE = "nrl.log"
@@ -65,3 +68,28 @@ def log_failure(summary: str, detail: str) -> Path | None:
         return None
     _logger.error("%s\n%s", summary, detail.rstrip())  # FileHandler flushes every record
     return path
+
+
+def log_output(source: str, lines: Iterable[str]) -> None:
+    """Write ``lines`` another process printed (a Ray worker's stdout or stderr, the raylet's
+    warnings) to the run log, each after ``source`` (``(_WorkerActor pid=123)``); dropped when
+    no run log is open."""
+    if not _open:
+        return
+    for line in lines:
+        _logger.info("%s %s", source, line.rstrip("\n"))
+
+
+class RunLogHandler(logging.Handler):
+    """A :mod:`logging` handler that writes another library's records (Ray's) to the run log,
+    each after its logger's name; dropped when no run log is open."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _open:
+            return
+        try:
+            message = record.getMessage()
+        except Exception:
+            self.handleError(record)
+            return
+        _logger.log(record.levelno, "%s: %s", record.name, message)

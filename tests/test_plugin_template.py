@@ -99,6 +99,28 @@ def test_cli_new_plugin(tmp_path, capsys):
                      "--force"]) == 0  # fmt: skip
 
 
+def test_the_wheel_carries_the_template(tmp_path):
+    """`nrl new-plugin` works from a non-editable install: nrl-core's wheel holds the template
+    (issue 20: it was only in the checkout)."""
+    import zipfile
+
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or "uv"
+    subprocess.run(
+        [uv, "build", "--wheel", "--package", "nrl-core", "-o", str(tmp_path), "-q"],
+        cwd=REPO, check=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("nrl_core-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        str(Path("nrl_core/plugin_template") / path.relative_to(TEMPLATE))
+        for path in TEMPLATE.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert "nrl_core/plugin_template/cookiecutter.json" in expected
+    assert any(name.endswith(".github/workflows/ci.yml") for name in expected)
+    assert expected <= names, sorted(expected - names)
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 

@@ -36,6 +36,7 @@ from nrl_core.config.schema import GRPOConfig
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import SamplingParams
+from nrl_core.metrics import samples_console_table, samples_due
 from nrl_core.registry import Registry
 
 
@@ -266,9 +267,27 @@ class GRPOTrainer:
         engines = getattr(s, "generation_engines", None)
         if engines is not None and getattr(engines, "last_refit", None) is not None:
             metrics.update(engines.last_refit.as_metrics())  # bytes moved, GB/s, buckets
-        if self.config.logger.sample_period and step % self.config.logger.sample_period == 0:
-            s.metrics.log_samples(step, sample_records(data.episodes[:4]))
+        if samples_due(step, self.config.logger.sample_period, self.grpo.max_num_steps):
+            self.log_samples(step, data.episodes, "train", data.advantages)
         return metrics
+
+    def log_samples(
+        self,
+        step: int,
+        episodes: Sequence[Episode],
+        split: str,
+        advantages: torch.Tensor | None = None,
+    ) -> None:
+        """Log the first ``logger.num_samples`` of ``episodes`` (with their ``advantages``,
+        aligned with them) to ``samples.jsonl`` and the sinks, and print training samples as
+        a table above the progress bar (``logger.print_samples``; nothing with ``--quiet``)."""
+        s, logger = self.session, self.config.logger
+        chosen = list(episodes[: logger.num_samples])
+        scores = None if advantages is None else advantages[: len(chosen)].tolist()
+        records = sample_records(chosen, scores)
+        s.metrics.log_samples(step, records, split=split)
+        if split == "train" and logger.print_samples:
+            s.console.print(samples_console_table(step, records, split=split))
 
     def validate(self, step: int) -> dict[str, float]:
         """Greedy responses to the validation prompts; ``val/accuracy`` is their mean reward
@@ -279,6 +298,8 @@ class GRPOTrainer:
         self.gate.ensure(step)  # separate engines: validate the weights after this step
         episodes = start_episodes(s.val_samples, s.codec, 1)
         self.roll_out(episodes, sampling_params(self.config, s.tokenizer, step=step, greedy=True))
+        if self.config.logger.sample_period:
+            self.log_samples(step, episodes, "validation")
         metrics = episode_metrics("val", episodes, s)
         metrics["val/accuracy"] = metrics["val/reward_mean"]
         for task in {e.task for e in episodes}:
@@ -342,9 +363,20 @@ class GRPOTrainer:
         if start_step > 0:
             self._restore_warmup_reference()
         if start_step == 0:
-            metrics = self.sft_warmup()
+            metrics: dict[str, float] = {}
+            if grpo.sft_warmup_steps > 0:
+                count = grpo.sft_warmup_steps
+                steps = f"{count} supervised step{'s' * (count > 1)}"
+                with s.phase(f"warm-up: {steps}") as done:
+                    metrics.update(self.sft_warmup())
+                    done(
+                        f"warm-up: {steps}, loss {metrics['warmup/loss_first']:.3f} -> "
+                        f"{metrics['warmup/loss_last']:.3f}"
+                    )
             if grpo.val_period > 0:
-                metrics.update(self.validate(0))
+                with s.phase(f"validating step 0 ({len(s.val_samples)} prompts)") as done:
+                    metrics.update(self.validate(0))
+                    done(f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}")
             # What loading the data dropped (overlong prompts), once per run.
             metrics.update(getattr(s, "data_metrics", {}))
             if metrics:
@@ -490,15 +522,54 @@ def supervised_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: 
     )
 
 
-def sample_records(episodes: Sequence[Episode]) -> list[dict[str, Any]]:
-    return [
-        {
-            "messages": [{"role": m["role"], "content": m["content"]} for m in e.messages],
-            "reward": e.reward,
-            "finish_reason": e.finish_reason,
+def sample_records(
+    episodes: Sequence[Episode], advantages: Sequence[float] | None = None
+) -> list[dict[str, Any]]:
+    """The ``samples.jsonl`` fields of ``episodes``: ``task``, ``prompt`` (the chat messages
+    before the response), ``completion`` (the response text; a multi-turn one as ``role:
+    content`` lines with the observations between), ``answer`` (the sample's reference, None
+    without one), ``reward``, ``advantage`` (when ``advantages``, aligned with ``episodes``, are
+    given) and ``finish_reason``."""
+    records = []
+    for index, e in enumerate(episodes):
+        cut = response_start(e.messages)
+        response = e.messages[cut:]
+        record: dict[str, Any] = {
+            "task": e.task,
+            "prompt": [{"role": m["role"], "content": m["content"]} for m in e.messages[:cut]],
+            "completion": (
+                str(response[0]["content"])
+                if len(response) == 1
+                else "\n".join(f"{m['role']}: {m['content']}" for m in response)
+            ),
+            "answer": e.metadata.get("answer"),
+            "reward": float(e.reward),
         }
-        for e in episodes
-    ]
+        if advantages is not None:
+            record["advantage"] = float(advantages[index])
+        record["finish_reason"] = e.finish_reason
+        records.append(record)
+    return records
+
+
+def response_start(messages: Sequence[dict[str, Any]]) -> int:
+    """Index of the first message of the response in an episode's ``messages``.
+
+    The rollout gives every message it appends (responses, observations) its ``token_ids``; an
+    agent's trajectory appends ``context`` messages between its responses (see
+    :func:`~nrl_core.algorithms.rollout.apply_trajectory`). The response starts at the first
+    such message, or at the trailing assistant messages before it: an agent's responses carry
+    no ids, while a prompt (even one with few-shot assistant turns) ends with a user turn.
+    """
+    cut = next(
+        (i for i, m in enumerate(messages) if "token_ids" in m or m.get("role") == "context"),
+        len(messages),
+    )
+    if cut < len(messages) and "token_ids" in messages[cut]:
+        return cut
+    while cut > 0 and messages[cut - 1].get("role") == "assistant":
+        cut -= 1
+    return cut
 
 
 def run(

@@ -11,6 +11,7 @@ import contextlib
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,15 @@ from typing import Any
 import attrs
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from nrl_core import atomic
@@ -31,7 +40,7 @@ from nrl_core.checkpoint import (
     check_same_run,
     read_state,
 )
-from nrl_core.config.loader import dump_config
+from nrl_core.config.loader import ConfigConverter, dump_config
 from nrl_core.config.schema import NO_ENVIRONMENT, RunConfig, portable_config
 from nrl_core.config.validation import optimizer_steps_per_rollout
 from nrl_core.datasets import (
@@ -47,7 +56,7 @@ from nrl_core.losses.config import ClippedPGConfig, resolved_clipped_pg_config
 from nrl_core.metrics import MetricsLogger
 from nrl_core.preflight import preflight
 from nrl_core.registry import Registry
-from nrl_core.run_log import open_run_log
+from nrl_core.run_log import RUN_LOG_FILE, open_run_log, run_log_path
 
 RUN_LOCK = ".nrl.lock"
 """A live run holds an exclusive lock on this file of its run folder (it holds the pid), and
@@ -57,6 +66,15 @@ ENV_CPUS_PER_WORKER = 0.25
 TEACHER_CPUS_ON_CPU = 0.5
 """On a CPU-only cluster a distillation teacher rank (forwards only, while the student waits)
 takes half a CPU from the scheduler's count; the cores are shared anyway."""
+PROGRESS_FIELDS = (
+    ("train/reward_mean", "reward"),
+    ("val/accuracy", "val acc"),
+    ("timing/step_s", "s/step"),
+)
+"""The ``(metric key, label)`` pairs the progress shows when the algorithm names none."""
+STEP_LINES = 50
+"""Off a terminal the progress is one line per step, or per N steps so that a run prints about
+this many (plus the first and last steps and every validation step)."""
 
 
 def resolve_model_name(name: str) -> str:
@@ -123,6 +141,10 @@ class RunSession:
         """Task name -> the agent that drives its rollouts (tasks not listed: ``agent.name``)."""
         self.data_metrics: dict[str, float] = {}
         """Counts from loading the data (prompts dropped as too long), logged at step 0."""
+        self.opened_at = time.monotonic()
+        """When the run started (:meth:`open`), for the summary's times."""
+        self.setup_s: float | None = None
+        """How long :meth:`_setup` took (data, Ray, workers), for the summary."""
 
     @classmethod
     @contextlib.contextmanager
@@ -200,40 +222,106 @@ class RunSession:
 
     def _setup(self) -> None:
         config, registry = self.config, self.registry
+        # First, so that the phases below (each a line once done) come under it.
+        self.console.print(
+            f"[bold]nrl {self.algorithm}[/bold] run dir: {escape(str(self.run_dir))}"
+            + (f" (resuming from {escape(str(self.resume_path))})" if self.resume_path else "")
+        )
         # Data first: a dataset the run cannot use is a config error, reported before the run
         # directory, Ray or any worker exists (it needs only the driver's tokenizer).
-        self._load_data()
-        if hasattr(config, "teacher"):
-            self._check_teacher_tokenizer()
+        with self.phase("loading the data") as done:
+            self._load_data()
+            if hasattr(config, "teacher"):
+                self._check_teacher_tokenizer()
+            done(self._data_line())
         # Before the run folder is written to, and before Ray or any worker starts.
         self._lock_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_text(self.run_dir / "config.yaml", dump_config(config, registry))
         self.metrics = MetricsLogger(
-            self.run_dir, config.logger, resume_step=self.start_step if self.resume_path else None
+            self.run_dir,
+            config.logger,
+            resume_step=self.start_step if self.resume_path else None,
+            # The resolved config (what config.yaml holds): W&B / MLflow / TensorBoard get it.
+            run_config=ConfigConverter(registry).unstructure(config),
         )
         self._closers.append(self.metrics.close)
-        self._closers.append(open_run_log(self.run_dir))  # <run dir>/nrl.log: error details
-        self.console.print(
-            f"[bold]nrl {self.algorithm}[/bold] run dir: {self.run_dir}"
-            + (f" (resuming from {self.resume_path})" if self.resume_path else "")
-        )
+        # <run dir>/nrl.log: error details, and (without -v) Ray's and the workers' output
+        self._closers.append(open_run_log(self.run_dir))
 
-        resources = self._start_cluster()
+        with self.phase(f"starting Ray ({config.cluster.backend})") as done:
+            resources = self._start_cluster()
+            done(f"Ray: {_resources_line(resources)}")
 
         env = self._environment_section()
         reserved = ENV_CPUS_PER_WORKER * self._helper_actor_count()
         if hasattr(config, "teacher"):
-            self.teacher = self._start_teacher(resources)
-        self._start_policy_and_generation(resources, reserved + self._teacher_cpus(resources))
+            teacher = _ranks(config.teacher.num_workers, config.teacher.backend)
+            with self.phase(f"starting the teacher ({teacher})") as done:
+                self.teacher = self._start_teacher(resources)
+                done(f"teacher: {teacher} ready")
+        policy = _ranks(config.policy.num_workers, config.policy.backend)
+        with self.phase(f"starting the policy ({policy})") as done:
+            self._start_policy_and_generation(resources, reserved + self._teacher_cpus(resources))
+            done(f"policy: {policy} ready{self._generation_words()}")
         if env is not None:
-            self.env_pool = self._start_environments(env)
-        if hasattr(config, "agent"):
-            self._start_agents()
+            names = sorted({name for name, _ in self._environment_routes().values()})
+            what = (
+                f"{', '.join(names)} ({env.num_workers} worker"
+                f"{'' if env.num_workers == 1 else 's'}{' each' if len(names) > 1 else ''})"
+            )
+            with self.phase(f"starting the environment{'s' * (len(names) > 1)} {what}") as done:
+                self.env_pool = self._start_environments(env)
+                done(f"environment{'s' * (len(names) > 1)}: {what} ready")
+        if hasattr(config, "agent") and self._driving_agents():
+            agents = ", ".join(sorted(self._driving_agents()))
+            with self.phase(f"starting the agents ({agents}) and the policy endpoint") as done:
+                self._start_agents()
+                done(f"agents: {agents} ready, endpoint {self.endpoint.base_url}")
         if hasattr(config, "loss"):
             self.loss_fn = self._build_loss()
         if self.resume_path is not None:
-            self._restore()
+            with self.phase(f"loading {self.resume_path}") as done:
+                self._restore()
+                done(f"restored step {self.start_step} from {self.resume_path}")
+        self.setup_s = time.monotonic() - self.opened_at
+
+    @contextlib.contextmanager
+    def phase(self, doing: str) -> Iterator[Callable[[str], None]]:
+        """Show one phase of the start-up on the console as it happens: ``doing`` (``"starting
+        Ray"``) with a spinner while it runs (on a terminal; nothing off one), then one line
+        saying what it did, with its time. That line is what the phase passes to the function
+        this yields (``done("Ray: 2 CPUs")``), else ``doing``. A phase that fails prints
+        nothing: its error says what happened."""
+        said = [doing]
+        started = time.monotonic()
+        console = self.console
+        live = console.is_terminal and not console.quiet
+        with console.status(escape(f"{doing}…")) if live else contextlib.nullcontext():
+            yield lambda line: said.__setitem__(0, line)
+        console.print(
+            f"  {escape(said[0])} [dim]({time.monotonic() - started:.1f} s)[/dim]", highlight=False
+        )
+
+    def _data_line(self) -> str:
+        """``data: 2048 training, 64 validation prompts`` (and the tasks of ``data.tasks``)."""
+        stream = self.train_stream
+        streams = getattr(stream, "streams", None) or {"": stream}
+        train = sum(len(getattr(s, "samples", ())) for s in streams.values())
+        tasks = f" of {len(streams)} tasks" if len(streams) > 1 else ""
+        what = "examples" if not hasattr(self.config, "generation") else "prompts"
+        return f"data: {train} training, {len(self.val_samples)} validation {what}{tasks}"
+
+    def _generation_words(self) -> str:
+        """``, torch generation`` / ``, 2 vllm engines``: how the run generates (empty for
+        algorithms without generation)."""
+        generation = getattr(self.config, "generation", None)
+        if generation is None:
+            return ""
+        count = self._separate_engines()
+        if count:
+            return f", {count} {generation.backend} engine{'s' * (count > 1)}"
+        return f", {generation.backend} generation"
 
     def _start_policy_and_generation(self, resources: Any, reserved_cpus: float) -> None:
         """The policy ranks and the generation backend (:attr:`generate`, :attr:`refit`;
@@ -282,6 +370,10 @@ class RunSession:
         self.cluster = spec.load()(config.cluster.options_for(), self.context)
         if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
             self.cluster.keep_temp_on_failure = self.verbose
+        if hasattr(self.cluster, "console_output"):
+            # Ray's INFO lines and the workers' output (HF progress bars, warnings) go to the
+            # run log, where there is one, unless -v asks for them here.
+            self.cluster.console_output = self.verbose or run_log_path() is None
         self.cluster_resources = self.cluster.start()
         self._closers.append(self.cluster.shutdown)
         return self.cluster_resources
@@ -313,7 +405,21 @@ class RunSession:
         self._chat_codec()
         if prompt_filter is not None:
             self._report_dropped_prompts(prompt_filter, train)
+        self._check_warmup_answers(train)
         self.train_stream = DataStream(train, seed=config.seed, shuffle=config.data.shuffle)
+
+    def _check_warmup_answers(self, train: list) -> None:
+        """A warm-up (``grpo.sft_warmup_steps``, ``distill.teacher_warmup_steps``) trains on
+        the training samples' answers: a sample without one would be trained to say "None"."""
+        for section, key in (("grpo", "sft_warmup_steps"), ("distill", "teacher_warmup_steps")):
+            steps = getattr(getattr(self.config, section, None), key, 0)
+            missing = sum(sample.answer is None for sample in train)
+            if steps and missing:
+                raise ConfigError(
+                    f"{section}.{key}={steps} trains on the samples' answers, but {missing} of "
+                    f"{len(train)} training samples have none; set {section}.{key}=0 or give "
+                    "every sample an answer (data.prompts.require_answer=true finds them)"
+                )
 
     def _load_tasks(self, prompt_filter: PromptLengthFilter | None) -> None:
         """``data.tasks``: every task's samples, one stream per task drawn by weight
@@ -339,6 +445,7 @@ class RunSession:
         train = [s for task_train, _ in splits.values() for s in task_train]
         if prompt_filter is not None:
             self._report_dropped_prompts(prompt_filter, train)
+        self._check_warmup_answers(train)
         for name, (task_train, _) in splits.items():
             if not task_train:
                 raise ConfigError(
@@ -774,29 +881,32 @@ class RunSession:
     @contextlib.contextmanager
     def progress(
         self, total: int, completed: int, fields: tuple[tuple[str, str], ...] | None = None
-    ):
-        """A progress bar over steps showing the live reward and step time (or the
-        ``(metric key, label)`` pairs of ``fields``)."""
+    ) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """The step progress of the loop: yields the function the loop calls with each step's
+        metrics. It shows the live reward and step time (or the ``(metric key, label)`` pairs
+        of ``fields``; :data:`PROGRESS_FIELDS` by default) and the time left.
+
+        On a terminal that is a progress bar. Off one (Slurm, CI, ``| tee``), where a bar would
+        print nothing until the end, it is one plain line per step, or per N steps for long
+        runs (see :class:`StepLines`)."""
+        fields = fields or PROGRESS_FIELDS
+        if not self.console.is_terminal:
+            yield StepLines(self.console, total, completed, fields)
+            return
         columns = (
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
             BarColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
         )
         with Progress(*columns, console=self.console, transient=False) as bar:
             task = bar.add_task("train", total=total, completed=completed, status="")
 
             def advance(metrics: dict[str, Any]) -> None:
-                parts = []
-                for key, label in fields or (
-                    ("train/reward_mean", "reward"),
-                    ("val/accuracy", "val acc"),
-                    ("timing/step_s", "s/step"),
-                ):
-                    if key in metrics:
-                        parts.append(f"{label} {metrics[key]:.3f}")
-                bar.update(task, advance=1, status="  ".join(parts))
+                bar.update(task, advance=1, status=escape(format_fields(metrics, fields)))
 
             yield advance
 
@@ -810,9 +920,15 @@ class RunSession:
             table.add_row(label, value)
         if self.step_times:
             table.add_row("median step time", f"{statistics.median(self.step_times):.2f} s")
+        total = _duration(time.monotonic() - self.opened_at)
+        if self.setup_s is not None:
+            total += f" (start-up {_duration(self.setup_s)})"
+        table.add_row("wall time", total)
         latest = self.checkpoints.latest()
         if latest is not None:
             table.add_row("latest checkpoint", str(latest))
+        if not self.verbose and run_log_path() is not None:
+            table.add_row("Ray and worker output", f"{RUN_LOG_FILE} (-v prints it here)")
         self.console.print(table)
 
     def _grpo_rows(self) -> list[tuple[str, str]]:
@@ -859,6 +975,103 @@ class RunSession:
                 interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
+
+
+def format_fields(metrics: dict[str, Any], fields: tuple[tuple[str, str], ...]) -> str:
+    """``reward 0.410  val acc 0.620  1.90 s/step``: the ``(metric key, label)`` pairs of
+    ``fields`` that ``metrics`` has (a ``s/...`` label after its value, a time)."""
+    parts = []
+    for key, label in fields:
+        if key in metrics:
+            value = metrics[key]
+            parts.append(
+                f"{value:.2f} {label}" if label.startswith("s/") else f"{label} {value:.3f}"
+            )
+    return "  ".join(parts)
+
+
+class StepLines:
+    """The progress off a terminal: one plain line per step, such as
+    ``step 25/275  reward 0.410  val acc 0.620  1.90 s/step  eta 8m01s``.
+
+    A long run prints every N-th step only, N chosen so that the steps of this session print
+    about :data:`STEP_LINES` lines, plus its first and last steps and every step with a
+    validation metric (a ``val/`` key). The time left is the mean wall time of this session's
+    steps so far (validation and checkpoints included) times the steps left; the last line
+    says how long the steps took instead. Call it with each step's metrics.
+
+    Args:
+        console: where the lines go.
+        total: the run's last step; completed: the steps done before this session.
+        fields: the ``(metric key, label)`` pairs shown (see :func:`format_fields`).
+        clock: the time in seconds (a monotonic clock).
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        total: int,
+        completed: int,
+        fields: tuple[tuple[str, str], ...] = PROGRESS_FIELDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.console, self.total, self.completed, self.fields = console, total, completed, fields
+        self.clock = clock
+        self.first = completed + 1
+        self.every = max(1, (total - completed) // STEP_LINES)
+        self.started = clock()
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        self.completed += 1
+        step = self.completed
+        last = step >= self.total
+        validated = any(key.startswith("val/") for key in metrics)
+        if not (step == self.first or last or validated or step % self.every == 0):
+            return
+        elapsed = self.clock() - self.started
+        parts = [f"step {step:>{len(str(self.total))}}/{self.total}"]
+        status = format_fields(metrics, self.fields)
+        if status:
+            parts.append(status)
+        if last:
+            parts.append(f"took {_duration(elapsed)}")
+        else:
+            per_step = elapsed / (step - self.first + 1)
+            parts.append(f"eta {_duration(per_step * (self.total - step))}")
+        # Plain text: no markup, no highlighting, and never wrapped (a line per step).
+        self.console.print(
+            "  ".join(parts), markup=False, highlight=False, soft_wrap=True, crop=False
+        )
+
+
+def _count(value: float, unit: str) -> str:
+    """``1 CPU``, ``2 CPUs``, ``0.5 GPUs``."""
+    number = str(int(value)) if float(value).is_integer() else f"{value:g}"
+    return f"{number} {unit}{'' if value == 1 else 's'}"
+
+
+def _ranks(count: int, backend: str) -> str:
+    """``2 dtensor ranks``."""
+    return _count(count, f"{backend} rank")
+
+
+def _resources_line(resources: Any) -> str:
+    """``2 CPUs`` / ``3 nodes, 24 CPUs, 8 GPUs``: what the cluster has."""
+    parts = [_count(resources.num_nodes, "node")] if resources.num_nodes > 1 else []
+    parts.append(_count(resources.total_cpus, "CPU"))
+    if resources.total_gpus:
+        parts.append(_count(resources.total_gpus, "GPU"))
+    return ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    """``45s``, ``8m01s``, ``1h02m``: a time span in the progress lines and the summary."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _hold_lock(folder: Path) -> Any:

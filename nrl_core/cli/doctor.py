@@ -6,12 +6,15 @@ import platform
 import sys
 from importlib import metadata
 
+import attrs
 from packaging.requirements import Requirement
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from nrl_core.distributed.actor_env import ACTOR_KINDS
 from nrl_core.plugins import PluginHost
+from nrl_core.registry import ComponentSpec
 
 
 def _version(dist: str) -> str:
@@ -51,7 +54,73 @@ def missing_requirements(requirements: list[Requirement]) -> list[str]:
     return missing
 
 
+@attrs.frozen
+class ComponentCheck:
+    """What ``nrl doctor`` found about one component."""
+
+    needs: str
+    """``dist[extra,...]`` when the component declares extras, else ``-``."""
+    broken: bool
+    """True when it cannot work at all (its target does not import); a missing extra is only
+    a warning: the component is unusable until it is installed, the plugin is fine."""
+    detail: str
+    """``yes``, or what is missing and how to install it (rich markup)."""
+
+
+def check_component(spec: ComponentSpec) -> ComponentCheck:
+    """Whether ``spec`` can run: the requirements its declared extras add (``Requires-Dist``
+    with ``extra == ...`` markers of its distribution) are installed where it runs, and its
+    target imports here.
+
+    A component imports optional libraries lazily (a dataset imports ``datasets`` only when it
+    reads the hub), so importing its target proves nothing about them: the extras are what
+    declares them. Components of :data:`ACTOR_KINDS` run in their plugin's actor venv, which
+    nrl builds with the extras; the others run here and need them installed here.
+    """
+    needs = "-"
+    missing: list[str] = []
+    if spec.extras and spec.distribution is not None:
+        needs = f"{spec.distribution}[{','.join(spec.extras)}]"
+        if _version(spec.distribution) == "not installed":
+            return ComponentCheck(
+                escape(needs),
+                True,
+                f"[red]no[/red]: distribution {spec.distribution} is not installed "
+                f"(pip install {escape(spec.distribution)})",
+            )
+        missing = [
+            m
+            for extra in spec.extras
+            for m in missing_requirements(extra_requirements(spec.distribution, extra))
+        ]
+    if missing and spec.kind in ACTOR_KINDS:
+        return ComponentCheck(
+            escape(needs),
+            False,
+            f"[yellow]no[/yellow]: missing {escape(', '.join(missing))} — runs in its actor "
+            f"venv (`nrl venvs build {escape(spec.plugin)}`)",
+        )
+    if missing:
+        return ComponentCheck(
+            escape(needs),
+            False,
+            f"[yellow]no[/yellow]: missing {escape(', '.join(missing))}; it runs in this "
+            f"interpreter: {escape(f'pip install {needs!r}')}",
+        )
+    try:
+        spec.load()
+    except Exception as exc:  # a broken target of any kind is what this command reports
+        return ComponentCheck(escape(needs), True, f"[red]no[/red]: {escape(str(exc))}")
+    return ComponentCheck(escape(needs), False, "yes")
+
+
 def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None = None) -> int:
+    """Print the versions, the GPUs and, per component, whether it can run from here.
+
+    Returns 1 when a plugin failed to load or a component's target does not import, else 0
+    (a missing extra is shown with its install command but is no failure: only the runs that
+    use that component need it).
+    """
     console = console or Console()
     versions = Table(title="environment", show_header=False)
     versions.add_row("python", f"{platform.python_version()} ({sys.executable})")
@@ -70,29 +139,26 @@ def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None =
         versions.add_row("CUDA", f"torch does not import: {exc}")
     console.print(versions)
 
-    plugins = Table(title="plugins")
-    for column in ("plugin", "status", "component", "needs extras", "importable here"):
-        plugins.add_column(column)
+    plugins = Table(title="plugins", box=None, pad_edge=False, header_style="bold")
+    plugins.add_column("component", no_wrap=True)
+    plugins.add_column("needs extras", no_wrap=True)
+    # The only column that wraps: what is missing and the command that installs it.
+    plugins.add_column("usable here")
+    failed = False
     for info in host.plugins:
+        dist = f"{info.distribution or 'in-process'} {info.version or ''}".strip()
         if info.status == "error":
-            plugins.add_row(info.name, "[red]error[/red]", "", "", f"[red]{info.error}[/red]")
-            continue
-        for spec in info.components:
-            if not spec.extras or spec.distribution is None:
-                plugins.add_row(info.name, "ok", f"{spec.kind} {spec.name}", "-", "yes")
-                continue
-            missing = [
-                m
-                for extra in spec.extras
-                for m in missing_requirements(extra_requirements(spec.distribution, extra))
-            ]
-            extras = escape(f"{spec.distribution}[{','.join(spec.extras)}]")
-            status = (
-                "yes"
-                if not missing
-                else f"[yellow]no[/yellow]: missing {escape(', '.join(missing))} — runs in its actor "
-                f"venv (`nrl venvs build {info.name}`)"
+            failed = True
+            plugins.add_row(
+                f"[bold]{escape(info.name)}[/bold] ({escape(dist)})",
+                "",
+                f"[red]error: {escape(info.error or '')}[/red]",
             )
-            plugins.add_row(info.name, "ok", f"{spec.kind} {spec.name}", extras, status)
+            continue
+        plugins.add_row(f"[bold]{escape(info.name)}[/bold] ({escape(dist)})", "", "")
+        for spec in info.components:
+            check = check_component(spec)
+            failed |= check.broken
+            plugins.add_row(f"  {spec.kind} {spec.name}", check.needs, check.detail)
     console.print(plugins)
-    return 1 if host.broken() else 0
+    return 1 if failed else 0

@@ -48,18 +48,22 @@ def add_parser(subparsers: Any) -> None:
 
 
 def default_template() -> str:
-    """The template next to this checkout of nrl (``<repo>/plugin_template``)."""
+    """The plugin template: ``$NRL_PLUGIN_TEMPLATE``, else the copy inside the installed
+    package (a wheel carries it as ``nrl_core/plugin_template``), else the checkout's
+    ``plugin_template/`` (an editable install)."""
     import os
 
     if os.environ.get(TEMPLATE_ENV_VAR):
         return os.environ[TEMPLATE_ENV_VAR]
-    path = Path(__file__).resolve().parents[2] / "plugin_template"
-    if not (path / "cookiecutter.json").is_file():
-        raise TemplateError(
-            f"the plugin template is not at {path} (nrl-core installed without its checkout); "
-            f"pass --template PATH or set {TEMPLATE_ENV_VAR}"
-        )
-    return str(path)
+    here = Path(__file__).resolve()
+    candidates = [here.parents[1] / "plugin_template", here.parents[2] / "plugin_template"]
+    for path in candidates:
+        if (path / "cookiecutter.json").is_file():
+            return str(path)
+    raise TemplateError(
+        f"the plugin template is missing (looked in {candidates[0]} and {candidates[1]}); "
+        f"reinstall nrl-core, or pass --template PATH or set {TEMPLATE_ENV_VAR}"
+    )
 
 
 def generate(
@@ -78,6 +82,7 @@ def generate(
         from cookiecutter.exceptions import CookiecutterException, FailedHookException
         from cookiecutter.main import cookiecutter
     except ImportError:
+        # A dependency of nrl-core; missing only from a broken or partial install.
         raise TemplateError("nrl new-plugin needs cookiecutter: pip install cookiecutter") from None
     import logging
 
@@ -114,5 +119,6 @@ def _handle(args: argparse.Namespace) -> int:
         author_email=args.author_email,
     )
     print(f"created {project}")
-    print(f"next: pip install -e {project}  &&  pytest {project}/tests")
+    # The `test` extra brings pytest: a bare `pip install -e` would leave it out.
+    print(f"next: pip install -e '{project}[test]'  &&  cd {project}  &&  python -m pytest")
     return 0

@@ -23,7 +23,13 @@ def add_parser(subparsers: Any) -> None:
     sub = venvs.add_subparsers(dest="venvs_command", metavar="COMMAND")
 
     build = sub.add_parser("build", help="build (or reuse) the venvs of plugins")
-    build.add_argument("plugins", nargs="*", metavar="PLUGIN", help="plugin short names")
+    build.add_argument(
+        "plugins",
+        nargs="*",
+        metavar="PLUGIN",
+        help="plugin short names, optionally with extras: 'dtensor[lora]' (the venv of "
+        "policy.dtensor.lora_rank > 0)",
+    )
     build.add_argument("--all", action="store_true", help="every installed plugin")
     build.add_argument(
         "--bin", metavar="DIR", help="also write a python-<plugin> launcher per venv into DIR"
@@ -60,22 +66,76 @@ def _venv_root():
     return default_venv_root(find_workspace_root())
 
 
-def _targets(names: list[str], all_plugins: bool) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(plugin, distribution, extras) of every actor venv the selected plugins need."""
+def _parse_target(text: str) -> tuple[str, tuple[str, ...]]:
+    """``dtensor`` -> ``("dtensor", ())``; ``dtensor[lora]`` -> ``("dtensor", ("lora",))``."""
+    import re
+
+    from nrl_core.errors import PluginError
+
+    match = re.fullmatch(r"\s*([A-Za-z0-9][\w.-]*)\s*(?:\[([^\]]*)\])?\s*", text)
+    extras = () if match is None else tuple(e.strip() for e in (match[2] or "").split(","))
+    if match is None or (match[2] is not None and not all(extras)):
+        raise PluginError(
+            f"`{text}` is not a plugin name or NAME[EXTRA,...]; e.g. nrl venvs build dtensor "
+            "'dtensor[lora]'"
+        )
+    return match[1], tuple(e for e in extras if e)
+
+
+def _check_extras(plugin: str, distribution: str, extras: tuple[str, ...]) -> None:
+    """Refuse extras that ``distribution`` does not declare (uv would ignore them silently)."""
+    from importlib import metadata
+
+    from nrl_core.distributed.actor_env import canonical_name
+    from nrl_core.errors import PluginError
+
+    declared = metadata.metadata(distribution).get_all("Provides-Extra") or []
+    known = {canonical_name(e) for e in declared}
+    for extra in extras:
+        if canonical_name(extra) not in known:
+            raise PluginError(
+                f"plugin {plugin!r} ({distribution}) has no extra {extra!r}; its extras: "
+                f"{', '.join(sorted(declared)) or 'none'}"
+            )
+
+
+def _targets(
+    names: list[str], all_plugins: bool, host: Any = None
+) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(plugin, distribution, extras) of every actor venv the selected plugins need.
+
+    A name may carry extras, ``dtensor[lora]``: that plugin's venvs are built with them added,
+    the venv a run gets for settings that need them (``policy.dtensor.lora_rank`` > 0; see
+    :func:`nrl_core.distributed.actor_env.component_extras`). ``host``: the loaded plugins
+    (default: discovered, the selected ones).
+    """
+    from nrl_core.distributed.actor_env import ACTOR_KINDS
     from nrl_core.errors import PluginError
     from nrl_core.plugins import CORE_PLUGIN, PluginHost
 
     if not names and not all_plugins:
         raise PluginError("name the plugins to build (nrl venvs build dtensor vllm) or pass --all")
-    host = PluginHost.discover(None if all_plugins else names)
+    requested: dict[str, set[str]] = {}
+    for text in names:
+        name, extras = _parse_target(text)
+        requested.setdefault(name, set()).update(extras)
+    if host is None:
+        host = PluginHost.discover(None if all_plugins else list(requested))
     targets: list[tuple[str, str, tuple[str, ...]]] = []
     for info in host.plugins:
         if info.name == CORE_PLUGIN or info.status != "ok" or not info.distribution:
             continue
-        combos = {tuple(sorted(spec.extras)) for spec in info.components} or {()}
+        added = tuple(sorted(requested.get(info.name, ())))
+        _check_extras(info.name, info.distribution, added)
+        # A dataset's extras (the hub's `datasets`) are for the driver: no venv of their own.
+        combos = {
+            tuple(sorted({*spec.extras, *added}))
+            for spec in info.components
+            if spec.kind in ACTOR_KINDS
+        } or {added}
         for extras in sorted(combos):
             targets.append((info.name, info.distribution, extras))
-    broken = [i for i in host.broken() if all_plugins or i.name in names]
+    broken = [i for i in host.broken() if all_plugins or i.name in requested]
     if broken:
         raise PluginError(
             f"plugin {broken[0].name!r} failed to load: {broken[0].error}; "

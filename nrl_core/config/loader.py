@@ -121,11 +121,15 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return merged
 
 
-def load_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+def load_config_file(
+    path: str | Path, _chain: tuple[Path, ...] = (), *, recipes: bool = True
+) -> dict[str, Any]:
     """Read a config file and what its ``defaults:`` names (one entry or a list; later ones
     win, and the file's own keys win over all of them). An entry is a YAML file (relative to
     the file) or, when no such file exists, the name of an embedded recipe (``grpo``,
-    ``distill``, ...: what ``nrl run <algorithm>`` runs without ``--config``)."""
+    ``distill``, ...: what ``nrl run <algorithm>`` runs without ``--config``).
+
+    ``recipes=False`` leaves the embedded recipes out: what the user's own files say."""
     path = Path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
@@ -140,19 +144,19 @@ def load_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         raise ConfigError(f"{path}: 'defaults' must be a file path or a list of file paths")
     merged: dict[str, Any] = {}
     for entry in defaults:
-        merged = deep_merge(merged, _load_default(path, entry, (*_chain, path)))
+        merged = deep_merge(merged, _load_default(path, entry, (*_chain, path), recipes))
     return deep_merge(merged, data)
 
 
-def _load_default(path: Path, entry: str, chain: tuple[Path, ...]) -> dict[str, Any]:
+def _load_default(path: Path, entry: str, chain: tuple[Path, ...], recipes: bool) -> dict[str, Any]:
     """One ``defaults:`` entry of ``path``: a file beside it, else an embedded recipe."""
     file = path.parent / entry
     if file.exists():
-        return load_config_file(file, chain)
+        return load_config_file(file, chain, recipes=recipes)
     from nrl_core.algorithms.recipes import default_recipe, recipe_names
 
     if entry in recipe_names():
-        return default_recipe(entry)
+        return default_recipe(entry) if recipes else {}
     raise ConfigError(
         f"{path}: defaults entry {entry!r} is neither a file (no {file}) nor an embedded "
         f"recipe ({', '.join(recipe_names())})"
@@ -356,10 +360,19 @@ class ConfigConverter:
         return out
 
     def _add_selected_options(self, section: ComponentSection) -> None:
-        """Give the selected component its default options, so ``config show`` lists them."""
-        spec = self.registry.find(section.component_kind, section.selected)
-        if spec is not None and section.selected not in section.options:
-            section.options[section.selected] = self._structure_options(spec, {})
+        """Give the selected component its default options, so ``config show`` lists them.
+
+        ``data.dataset=<file>.jsonl`` is read by the registered ``jsonl`` dataset (see
+        :func:`nrl_core.datasets._loader`): its options (prompt template, task) are shown too,
+        or they would shape every prompt unseen."""
+        from nrl_core.datasets import JSONL_DATASET
+
+        name = section.selected
+        if section.component_kind == "dataset" and str(name).endswith(".jsonl"):
+            name = JSONL_DATASET
+        spec = self.registry.find(section.component_kind, name)
+        if spec is not None and name not in section.options:
+            section.options[name] = self._structure_options(spec, {})
 
     def _complete(self, config: Any) -> None:
         # Sections missing from the data come from attrs defaults, bypassing the hook above.
@@ -524,13 +537,58 @@ def resolve_config(
         raise ConfigError(
             f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHM_CONFIGS)}"
         ) from None
+    registry = registry or Registry()
     data: dict[str, Any] = dict(defaults or {})
     if config_file is not None:
         data = deep_merge(data, load_config_file(config_file))
     data = apply_overrides(data, overrides)
+    written = apply_overrides(
+        load_config_file(config_file, recipes=False) if config_file is not None else {},
+        overrides,
+    )
+    data = drop_unused_recipe_options(data, written, cls, registry)
     config = ConfigConverter(registry).structure(data, cls)
     validate_run_config(config)
     return config
+
+
+def drop_unused_recipe_options(
+    data: Mapping[str, Any], written: Mapping[str, Any], cls: type, registry: Registry
+) -> dict[str, Any]:
+    """``data`` without the component options that only an embedded recipe brought and that
+    this installation cannot use: a sub-section such as ``data.arithmetic`` whose component is
+    not installed (here: nrl-math-env) and not selected.
+
+    A recipe carries the options of the components it selects. A run that builds on it but
+    selects others (``env.name=my_env data.dataset=my_data``) never uses them, and must not
+    need the plugin that defines them. Options the user wrote (``written``: their files and
+    overrides) are kept, so a misspelt or missing component there is still an error."""
+    hints = typing.get_type_hints(cls)
+    result = dict(data)
+    for field in attrs.fields(cls):
+        section_cls = hints.get(field.name)
+        section = result.get(field.name)
+        if not (
+            isinstance(section_cls, type)
+            and issubclass(section_cls, ComponentSection)
+            and isinstance(section, Mapping)
+        ):
+            continue
+        own_fields = {f.name for f in attrs.fields(section_cls)}
+        selector = attrs.fields_dict(section_cls)[section_cls.selector]
+        selected = section.get(section_cls.selector, selector.default)
+        user_keys = written.get(field.name)
+        user_keys = user_keys if isinstance(user_keys, Mapping) else {}
+        result[field.name] = {
+            key: value
+            for key, value in section.items()
+            if key in own_fields
+            or key == selected
+            or key in user_keys
+            or not isinstance(value, Mapping)
+            or registry.find(section_cls.component_kind, key) is not None
+        }
+    return result
 
 
 def dump_config(config: Any, registry: Registry | None = None) -> str:

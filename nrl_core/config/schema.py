@@ -532,14 +532,74 @@ class CheckpointingConfig:
 
 @attrs.define
 class LoggerConfig:
+    """Where a run's metrics and sample rollouts go (``logger``): the run folder's
+    ``metrics.jsonl`` and ``samples.jsonl``, the console, and TensorBoard / W&B / MLflow."""
+
     log_dir: str = option("results/runs", "Parent folder of run directories.", validator=NON_EMPTY)
-    run_name: str = option("default", "Run directory name under log_dir.", validator=NON_EMPTY)
-    sample_period: int = option(
-        10, "Log sampled prompt/response pairs every N steps (0 never).", validator=ge(0)
+    run_name: str = option(
+        "default",
+        "Run directory name under log_dir; also the W&B and MLflow run name.",
+        validator=NON_EMPTY,
     )
-    tensorboard: bool = option(False, "Write TensorBoard events (extra `tensorboard`).")
-    wandb: bool = option(False, "Log to Weights & Biases (extra `wandb`).")
-    mlflow: bool = option(False, "Log to MLflow (extra `mlflow`).")
+    sample_period: int = option(
+        10,
+        (
+            "Log `num_samples` training rollouts (prompt, completion, reference answer, reward, "
+            "advantage) to `samples.jsonl`, the console and the enabled sinks at step 1, every "
+            "N steps and at the last step, and the first `num_samples` of each validation pass "
+            "(0 never)."
+        ),
+        validator=ge(0),
+    )
+    num_samples: int = option(
+        4, "Rollouts logged per sampled step and per validation pass.", validator=ge(1)
+    )
+    print_samples: bool = option(
+        True, "Print the training samples as a table on the console (not with `--quiet`)."
+    )
+    tensorboard: bool = option(
+        False,
+        (
+            "Write TensorBoard events to `<run dir>/tensorboard` (extra `tensorboard`): "
+            "scalars, the config as hyperparameters, sample tables as text."
+        ),
+    )
+    wandb: bool = option(
+        False,
+        (
+            "Log to Weights & Biases (extra `wandb`): the config, metrics and sample tables; "
+            "a resumed run continues the same W&B run. `WANDB_MODE=offline` works offline."
+        ),
+    )
+    wandb_project: str | None = option(
+        None, "W&B project (default: $WANDB_PROJECT, else `nrl`).", validator=optional(NON_EMPTY)
+    )
+    wandb_entity: str | None = option(
+        None,
+        "W&B entity, a team or user (default: $WANDB_ENTITY, else your default entity).",
+        validator=optional(NON_EMPTY),
+    )
+    mlflow: bool = option(
+        False,
+        (
+            "Log to MLflow (extra `mlflow`): the config as params and a `config.yaml` "
+            "artifact, metrics, sample tables as JSON artifacts; a resumed run continues the "
+            "same MLflow run."
+        ),
+    )
+    mlflow_experiment: str | None = option(
+        None,
+        "MLflow experiment, created when missing (default: $MLFLOW_EXPERIMENT_NAME, else `nrl`).",
+        validator=optional(NON_EMPTY),
+    )
+    mlflow_tracking_uri: str | None = option(
+        None,
+        (
+            "MLflow tracking URI, e.g. `http://host:5000` or `sqlite:///mlflow.db` (default: "
+            "$MLFLOW_TRACKING_URI, else MLflow's default)."
+        ),
+        validator=optional(NON_EMPTY),
+    )
 
 
 @attrs.define

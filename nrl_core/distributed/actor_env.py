@@ -58,6 +58,10 @@ CONSTRAINTS_FILE = "nrl-constraints.txt"
 """Written inside an installed-mode venv built beside a checkout: the lock's versions of
 nrl-core's dependencies that ``uv pip install`` was held to."""
 BUILD_TIMEOUT_S = 3600.0
+ACTOR_KINDS = frozenset({"policy", "generation", "environment", "agent"})
+"""The component kinds whose actors run with their plugin's venv (:func:`actor_python`), built
+with the extras they register. The others run in the driver (datasets, clusters) or inside
+the policy's actors (losses): their extras must be installed there, not in a venv of theirs."""
 
 
 def _truthy(value: str | None) -> bool:
@@ -468,7 +472,10 @@ def build_on_all_nodes(
 ) -> VenvInfo:
     """Build ``request`` on every alive Ray node at once (or here when Ray is not running).
 
-    The venv path is the same on every node, so actors can name one interpreter.
+    The venv path is the same on every node, so actors can name one interpreter. The driver's
+    node builds in this process and only the other nodes get a Ray task: a local run starts
+    no Ray worker for it, which would cost a process start on every run and then idle until
+    Ray stops it, mid-run (idle workers are stopped after 10 s).
     """
     root = (
         Path(venv_root)
@@ -486,12 +493,19 @@ def build_on_all_nodes(
 
     task = ray.remote(num_cpus=0, max_retries=0)(_build_task)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:  # a Ray client driver is on no node of the cluster
+        here = None
     refs = [
         task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
             request.to_json(), str(root), force
         )
         for node in nodes
+        if node != here
     ]
+    # Meanwhile the other nodes build theirs.
+    built = build_venv(request, root, force).built if here in nodes else False
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         for ref in pending:
@@ -501,7 +515,6 @@ def build_on_all_nodes(
             f"{timeout_s:g}s on {len(pending)} node(s); build it ahead with "
             "`nrl venvs build` and check the node's disk and network"
         )
-    built = False
     for ref in ready:
         try:
             built |= ray.get(ref)["built"]

@@ -2,12 +2,17 @@
 
 ``local`` starts a Ray head inside this process (and always stops it: at exit, on Ctrl-C, on
 SIGTERM, on error); ``ray`` joins a running cluster and never stops it.
+
+Both print what Ray prints (its INFO lines, the workers' output it forwards) unless told
+otherwise (:attr:`LocalCluster.console_output`): ``nrl run`` without ``-v`` sends it to the run
+log, ``<run dir>/nrl.log``, and keeps the console for the run's own lines.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -15,7 +20,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,10 @@ from nrl_core.interfaces import ClusterResources
 # Ray puts unix sockets under its temp dir and a socket path may not exceed 107 bytes, so the
 # real temp dir stays short under /tmp and the run directory gets a symlink to it.
 TEMP_DIR_PREFIX = "nrl-ray-"
+QUIET_WORKER_ENV: Mapping[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Set for the workers of a local cluster whose output goes to the run log: Hugging Face's
+progress bars ("Loading weights") would only fill it with carriage returns. A value already
+set in the environment wins."""
 
 
 @attrs.frozen
@@ -163,6 +172,11 @@ class LocalCluster:
             else Path(tempfile.gettempdir()) / f"{TEMP_DIR_PREFIX}{uuid.uuid4().hex[:8]}"
         )
         self._keep_temp_on_failure = False
+        self.console_output = True
+        """Print Ray's INFO lines and the workers' output here, as Ray does; False (``nrl run``
+        without ``-v``): write them to the run log instead (see :class:`RayOutputToRunLog`).
+        Read by :meth:`start`."""
+        self._output: RayOutputToRunLog | None = None
         self.failed = False
         """Set when the run failed (by :class:`~nrl_core.algorithms.runtime.RunSession`, or by
         a Ctrl-C / SIGTERM): with :attr:`keep_temp_on_failure`, the temp folder is kept."""
@@ -207,12 +221,15 @@ class LocalCluster:
             )
         self._temp_pending = not self.temp_dir.exists()  # never remove a folder we did not make
         self.temp_dir.mkdir(parents=True, exist_ok=True)
+        if not self.console_output:
+            # Before ray.init: its own lines, and the workers' (which inherit the environment).
+            self._output = RayOutputToRunLog(QUIET_WORKER_ENV)
         # address="local" ignores RAY_ADDRESS: this backend must never join someone's cluster.
         kwargs: dict[str, Any] = {
             "address": "local",
             "include_dashboard": self.config.dashboard,
             "_temp_dir": str(self.temp_dir),
-            "log_to_driver": True,
+            "log_to_driver": self._output is None or self._output.forwarding,
         }
         if self.config.num_cpus is not None:
             kwargs["num_cpus"] = self.config.num_cpus
@@ -287,8 +304,13 @@ class LocalCluster:
         with contextlib.suppress(OSError):  # no /proc: nothing to wait for
             watcher = self._reaper.pid if self._reaper is not None else None
             self._processes = session_processes(os.getpid(), str(self.temp_dir), watcher)
-        if ray.is_initialized():
-            ray.shutdown()
+        try:
+            if ray.is_initialized():
+                ray.shutdown()  # flushes the last forwarded lines: still to the run log
+        finally:
+            if self._output is not None:
+                self._output.remove()
+                self._output = None
 
     def _start_reaper(self) -> None:
         """Start the watcher that cleans up if this process dies without :meth:`shutdown`."""
@@ -392,6 +414,10 @@ class RayCluster:
         self.options, self.context = options, context
         self.config = _cluster_config(context)
         self._connected = False
+        self.console_output = True
+        """As :attr:`LocalCluster.console_output` (the cluster's workers keep their own
+        environment: their progress bars are not turned off)."""
+        self._output: RayOutputToRunLog | None = None
 
     @property
     def address(self) -> str | None:
@@ -411,9 +437,15 @@ class RayCluster:
                 "a cluster with `ray start --head` or use cluster.backend=local"
             )
         _enable_token_auth_if_available()
+        if not self.console_output:
+            self._output = RayOutputToRunLog()
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(
+                address=address,
+                log_to_driver=self._output is None or self._output.forwarding,
+            )
         except Exception as exc:
+            self._remove_output()
             raise ClusterError(
                 f"cannot connect to the Ray cluster at {address}: {exc}; check "
                 "that `ray status --address ADDRESS` works from this node"
@@ -427,4 +459,92 @@ class RayCluster:
             import ray
 
             self._connected = False
-            ray.shutdown()  # on a connected driver this only disconnects
+            try:
+                ray.shutdown()  # on a connected driver this only disconnects
+            finally:
+                self._remove_output()
+
+    def _remove_output(self) -> None:
+        if self._output is not None:
+            self._output.remove()
+            self._output = None
+
+
+class RayOutputToRunLog:
+    """From creation until :meth:`remove`, what Ray prints in this process goes to the run log
+    (:mod:`nrl_core.run_log`) instead of the console: the records of its ``ray`` logger below
+    ERROR ("Started a local Ray instance", the token-auth notice; errors are printed too) and
+    every line it forwards from the cluster (the workers' stdout and stderr, with their
+    ``(_WorkerActor pid=...)`` prefix, the raylet's and GCS's warnings, its error messages).
+
+    Ray prints all forwarded lines through one function, ``print_worker_logs`` (the worker
+    output and the error messages alike, deduplicated before); it is replaced while this is in
+    effect. A Ray without it: :attr:`forwarding` is False and the caller asks ``ray.init`` for
+    ``log_to_driver=False`` (the lines then stay in Ray's worker logs, whose tail a worker error
+    still copies to the run log). A worker error is reported as before either way: one line
+    naming the run log (:class:`~nrl_core.distributed.errors.WorkerError`).
+
+    Args:
+        env: variables set in this process's environment meanwhile (a value already set wins),
+            which the workers of a Ray head started meanwhile inherit.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        import ray._private.worker as ray_worker
+
+        from nrl_core.run_log import RunLogHandler
+
+        self._module = ray_worker
+        self._set_env = [name for name in (env or {}) if name not in os.environ]
+        for name in self._set_env:
+            os.environ[name] = env[name]  # type: ignore[index]
+        self._logger = logging.getLogger("ray")
+        self._levels = [(handler, handler.level) for handler in self._logger.handlers]
+        for handler, level in self._levels:
+            handler.setLevel(max(level, logging.ERROR))
+        self._handler = RunLogHandler()
+        self._logger.addHandler(self._handler)
+        self._printer = getattr(ray_worker, "print_worker_logs", None)
+        self.forwarding = callable(self._printer)
+        """Forwarded lines reach the run log (else ``log_to_driver=False`` keeps them out)."""
+        if self.forwarding:
+            ray_worker.print_worker_logs = _worker_lines_to_run_log
+
+    def remove(self) -> None:
+        """Print Ray's output on the console again (idempotent)."""
+        if self._handler is None:
+            return
+        self._logger.removeHandler(self._handler)
+        self._handler = None
+        for handler, level in self._levels:
+            handler.setLevel(level)
+        if self.forwarding:
+            self._module.print_worker_logs = self._printer
+        for name in self._set_env:
+            os.environ.pop(name, None)
+
+
+def _worker_lines_to_run_log(data: dict, print_file: Any = None, ignore_prefix: bool = False):
+    """``ray._private.worker.print_worker_logs``'s stand-in: the lines of ``data`` (one batch
+    Ray forwards: ``lines``, ``pid``, ``actor_name`` / ``task_name``, ``ip``) to the run log,
+    after the prefix Ray would print."""
+    from nrl_core.run_log import log_output
+
+    pid = data.get("pid")
+    lines = data.get("lines") or []
+    if pid == "autoscaler":
+        # Its status table every 5 s: only the events among them, as Ray would print.
+        import ray._private.worker as ray_worker
+
+        try:
+            lines = list(ray_worker.filter_autoscaler_events(lines))
+        except Exception:  # never stop Ray's log thread: the events are dropped instead
+            lines = []
+    if pid in ("raylet", "autoscaler", "gcs_server"):
+        source = f"({pid})"
+    else:
+        name = data.get("actor_name") or data.get("task_name")
+        ip = data.get("ip")
+        where = "" if ip in (None, data.get("localhost")) else f", ip={ip}"
+        source = f"({name + ' ' if name else ''}pid={pid}{where})"
+    log_output(source, lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,7 +89,30 @@ def metrics(tmp_path: Path) -> list[dict]:
 
 
 def test_three_steps_write_every_metric_and_change_the_parameters(tmp_path):
-    run_nrl(tmp_path, "grpo.max_num_steps=3", "grpo.val_period=3", "checkpointing.save_period=3")
+    result = run_nrl(
+        tmp_path,
+        "grpo.max_num_steps=3",
+        "grpo.val_period=3",
+        "checkpointing.save_period=3",
+        quiet=False,
+    )
+    # Captured (not a terminal): the start-up phases, then one plain line per step; what Ray
+    # and the workers print goes to the run log, not here (no -v).
+    out = result.stdout
+    for phase in (
+        r"  data: 2048 training, 8 validation prompts \(\d+\.\d s\)",
+        r"  Ray: 2 CPUs \(\d+\.\d s\)",
+        r"  policy: 2 dtensor ranks ready, torch generation \(\d+\.\d s\)",
+        r"  warm-up: 1 supervised step, loss \d+\.\d+ -> \d+\.\d+ \(\d+\.\d s\)",
+        r"  validation at step 0: accuracy \d\.\d+ \(\d+\.\d s\)",
+    ):
+        assert re.search(f"^{phase}$", out, re.MULTILINE), (phase, out)
+    steps = re.findall(r"^step (\d)/3  reward \d\.\d+ .*s/step  (?:eta|took) \d+s$", out, re.M)
+    assert steps == ["1", "2", "3"], out
+    assert re.search(r"^step 3/3  reward \S+  val acc \S+  ", out, re.MULTILINE), out
+    for noise in ("Started a local Ray instance", "Loading weights", "(_WorkerActor", "(raylet)"):
+        assert noise not in out + result.stderr, noise
+    assert "Started a local Ray instance" in (tmp_path / "run" / "nrl.log").read_text()
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert "val/accuracy" in records[0] and "warmup/loss_first" in records[0]
@@ -108,6 +132,23 @@ def test_three_steps_write_every_metric_and_change_the_parameters(tmp_path):
     assert (tmp_path / "ckpt" / "reference_after_warmup" / "model.safetensors").is_file()
     assert "val/accuracy" in records[-1] and "val/arithmetic/accuracy" in records[-1]
     assert (tmp_path / "run" / "config.yaml").is_file()
+
+    # Samples (logger.sample_period=10 > 3 steps): steps 1 and 3 and both validation passes,
+    # 4 each (logger.num_samples).
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert [(s["step"], s["split"]) for s in samples] == [
+        *[(0, "validation")] * 4,
+        *[(1, "train")] * 4,
+        *[(3, "train")] * 4,
+        *[(3, "validation")] * 4,
+    ]
+    for sample in samples:
+        assert sample["task"] == "arithmetic" and sample["prompt"][-1]["role"] == "user"
+        assert isinstance(sample["completion"], str) and sample["answer"] not in (None, "")
+        assert sample["reward"] in (0.0, 1.0) and sample["finish_reason"] in ("stop", "length")
+        assert ("advantage" in sample) == (sample["split"] == "train")
 
     # The trained weights differ from the initial tiny model's.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

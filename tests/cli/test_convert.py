@@ -28,6 +28,78 @@ def test_a_folder_without_checkpoint_is_a_one_line_error(tmp_path):
         find_step_folder(tmp_path)
 
 
+# Prints the programs started while converting (Ray starts gcs_server, raylet and its
+# workers; torch may ask ldconfig where its libraries are).
+_CONVERT_AND_LIST_SPAWNED = """
+import json, sys
+spawned = []
+events = ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.fork")
+sys.addaudithook(lambda event, args: spawned.append(str(args[0])) if event in events else None)
+from nrl_core.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "spawned": spawned}))
+"""
+
+
+def _convert_in_subprocess(*args: str) -> list[str]:
+    """Run `nrl convert ARGS -q` in a fresh interpreter; the programs it started."""
+    import json
+
+    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
+    argv = [sys.executable, "-c", _CONVERT_AND_LIST_SPAWNED, "convert", *args, "-q"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0
+    return [p for p in result["spawned"] if Path(p).name != "ldconfig"]
+
+
+def _assert_same_folder(ours: Path, theirs: Path) -> None:
+    from safetensors.torch import load_file
+
+    a, b = load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (ours / name).read_text() == (theirs / name).read_text(), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_dtensor_checkpoint_converts_in_process_to_the_policys_own_export(lora_rank, tmp_path):
+    """A dtensor checkpoint is converted by one worker in the `nrl convert` process, without
+    Ray (no program is started), into the folder the policy itself exports."""
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, CheckpointManager
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    overrides = [f"policy.dtensor.lora_rank={lora_rank}"]
+    config = resolve_config("sft", None, overrides, registry, defaults=default_recipe("sft"))
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+    with torch.no_grad():  # weights unlike the initial ones (the adapters' too)
+        generator = torch.Generator().manual_seed(0)
+        for param in worker.model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+    def write(folder: Path) -> None:
+        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
+
+    CheckpointManager(tmp_path / "ckpt").save(3, write, {})
+    worker.export_hf(str(tmp_path / "expected"))
+
+    spawned = _convert_in_subprocess(str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "hf"))
+    assert spawned == []
+    _assert_same_folder(tmp_path / "hf", tmp_path / "expected")
+
+
 @pytest.mark.slow
 def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     from nrl_dtensor.worker import DTensorPolicyWorker
@@ -48,10 +120,15 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
+    # Converted in this process (the default), and by two policy ranks on Ray as trained:
+    # the same folder.
     out = tmp_path / "hf"
-    convert = [*nrl, "convert", str(tmp_path / "ckpt"), "--to", "hf", str(out), "-q"]
-    done = subprocess.run(convert, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _convert_in_subprocess(str(tmp_path / "ckpt"), "--to", "hf", str(out)) == []
+    on_ray = tmp_path / "hf-ray"
+    ckpt = str(tmp_path / "ckpt")
+    spawned = _convert_in_subprocess(ckpt, "--to", "hf", str(on_ray), "--num-workers", "2")
+    assert any(Path(p).name == "raylet" for p in spawned)
+    _assert_same_folder(out, on_ray)
 
     # The policy's logprobs: a fresh worker (single process) loading the same checkpoint.
     step = tmp_path / "ckpt" / "step_3"

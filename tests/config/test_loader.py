@@ -8,10 +8,12 @@ import attrs
 import pytest
 
 from nrl_core import hookimpl
+from nrl_core.algorithms.recipes import default_recipe
 from nrl_core.config.loader import ConfigConverter, dump_config, parse_yaml, resolve_config
 from nrl_core.config.schema import ALGORITHM_CONFIGS, option
 from nrl_core.errors import ConfigError
 from nrl_core.plugins import PluginHost
+from nrl_core.registry import Registry
 
 
 def write(path, text):
@@ -250,3 +252,53 @@ def test_an_unknown_defaults_entry_names_files_and_recipes(tmp_path, registry):
     run = write(tmp_path / "run.yaml", "defaults: grpoo\n")
     with pytest.raises(ConfigError, match=r"'grpoo' is neither a file .* nor an embedded recipe"):
         resolve_config("grpo", run, registry=registry)
+
+
+def _without_math_env() -> Registry:
+    """The core and nrl-dtensor only: an installation without nrl-math-env, whose
+    `arithmetic` dataset and environment the grpo recipe selects and configures."""
+    return PluginHost.discover(selection=["dtensor"]).registry()
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_recipe_options_of_components_not_installed_are_left_out(tmp_path, as_file):
+    """The grpo recipe carries `data.arithmetic` (nrl-math-env); a run that selects another
+    dataset and environment must not need that plugin (issue 20: `unknown key
+    data.arithmetic` in a venv holding nrl-core, nrl-dtensor and the user's plugin)."""
+    registry = _without_math_env()
+    assert registry.find("dataset", "arithmetic") is None
+    overrides = ["data.dataset=preference", "env.name=exact_match"]
+    if as_file:
+        run = write(tmp_path / "run.yaml", "defaults: grpo\ngrpo: {max_num_steps: 7}\n")
+        config = resolve_config("grpo", run, overrides, registry)
+        assert config.grpo.max_num_steps == 7
+    else:
+        config = resolve_config("grpo", None, overrides, registry, defaults=default_recipe("grpo"))
+    assert config.data.dataset == "preference"
+    assert "arithmetic" not in config.data.options
+    assert config.policy.optimizer.lr == 3.0e-4  # the rest of the recipe still applies
+
+
+def test_options_the_user_writes_for_a_component_not_installed_stay_an_error(tmp_path):
+    registry = _without_math_env()
+    run = write(
+        tmp_path / "run.yaml", "defaults: grpo\ndata: {dataset: preference, arithmetic: {}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"unknown key data\.arithmetic"):
+        resolve_config("grpo", run, ["env.name=exact_match"], registry)
+    with pytest.raises(ConfigError, match=r"unknown key data\.arithmetic"):
+        resolve_config(
+            "grpo",
+            None,
+            ["data.dataset=preference", "env.name=exact_match", "data.arithmetic.num_digits=2"],
+            registry,
+            defaults=default_recipe("grpo"),
+        )
+
+
+def test_a_jsonl_path_as_dataset_shows_the_options_that_read_it(registry):
+    """`data.dataset=<file>.jsonl` is read by the math plugin's `jsonl` dataset, whose prompt
+    template and task shape every prompt: `config show` must list them (issue 20)."""
+    config = resolve_config("grpo", None, ["data.dataset=/data/train.jsonl"], registry)
+    shown = parse_yaml(dump_config(config, registry))["data"]["jsonl"]
+    assert "\\boxed{}" in shown["prompt_template"] and shown["task"] == "math"

@@ -199,3 +199,60 @@ def test_cli_build_list_clean(tmp_path, monkeypatch, fixture_workspace):
     args = parser.parse_args(["venvs", "clean"])
     assert args.handler(args) == 0
     assert actor_env.list_venvs(tmp_path / "venvs") == []
+
+
+def test_venvs_build_with_extras_builds_the_venv_a_lora_run_uses():
+    """`nrl venvs build 'dtensor[lora]'` pre-builds exactly the venv (same key) that a run
+    with policy.dtensor.lora_rank > 0 asks for; without lora_rank, the plain one."""
+    from nrl_dtensor.config import DTensorConfig
+
+    from nrl_core.cli.venvs import _targets
+    from nrl_core.plugins import PluginHost
+
+    spec = PluginHost.discover(["dtensor"]).registry().get("policy", "dtensor")
+    for name, lora_rank, extras in (("dtensor[lora]", 4, ("lora",)), ("dtensor", 0, ())):
+        [(plugin, dist, built)] = _targets([name], False)
+        assert (plugin, dist, built) == ("dtensor", "nrl-dtensor", extras)
+        run_extras = actor_env.component_extras(spec, DTensorConfig(lora_rank=lora_rank))
+        assert run_extras == extras
+        assert (
+            actor_env.request_for(dist, built, plugin).key
+            == actor_env.request_for(spec.distribution, run_extras, spec.plugin).key
+        )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("dtensor[lroa]", "plugin 'dtensor' (nrl-dtensor) has no extra 'lroa'; its extras: lora"),
+        ("dtensor[lora", "`dtensor[lora` is not a plugin name or NAME[EXTRA,...]"),
+    ],
+)
+def test_venvs_build_refuses_unknown_extras_in_one_line(name, message):
+    from nrl_core.cli.venvs import _targets
+    from nrl_core.errors import PluginError
+
+    with pytest.raises(PluginError) as caught:
+        _targets([name], False)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_dataset_extras_get_no_actor_venv():
+    """Datasets run in the driver: their extras (the hub's `datasets`) are installed there,
+    and `nrl venvs build` builds no venv for them."""
+    from nrl_core import hookimpl
+    from nrl_core.cli.venvs import _targets
+    from nrl_core.plugins import PluginHost
+
+    class Plugin:
+        @hookimpl
+        def nrl_register_datasets(self, register):
+            register("hub", "nrl_core.chat_data:ChatDataset", extras=["hf"])
+
+        @hookimpl
+        def nrl_register_environments(self, register):
+            register("env", "nrl_core.environments:ExactMatchEnvironment", extras=["verify"])
+
+    host = PluginHost.discover(selection=[])
+    host.add(Plugin(), "mathlike", distribution="nrl-math-env", version="0.1.0")
+    assert _targets(["mathlike"], False, host=host) == [("mathlike", "nrl-math-env", ("verify",))]

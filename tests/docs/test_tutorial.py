@@ -1,33 +1,34 @@
-"""Runs the commands of docs/tutorial.md, in order, as a reader would.
+"""Runs docs/tutorial.md as a reader would, then the CI workflow the tutorial generates.
 
-Every ```bash block of the page is run, in one shell (so ``cd`` carries over), in an empty
-folder, with a fresh virtualenv that has nrl-core installed first on PATH. One substitution:
-``pip install`` becomes ``uv pip install --no-deps``, because the fresh venv borrows the core's
-heavy dependencies from the dev environment (see tests/test_plugin_template.py) and a resolver
-would otherwise download torch and Ray again.
+Every ```bash block of the page is run, in one shell (so ``cd`` and ``source`` carry over),
+in an empty folder, as written: the tutorial makes its own virtualenv and installs nrl into it
+from the clone (``NRL_SRC``, which the page tells the reader to set). Nothing of this
+checkout's ``.venv`` is visible: ``PATH`` holds only ``uv`` and the system's folders.
+
+Then the steps of the generated ``.github/workflows/ci.yml`` run in the generated project, in a
+second fresh virtualenv, with the workflow's ``NRL_CORE`` / ``NRL_DTENSOR`` pointed at this
+checkout instead of the git repository (the one substitution: no network here).
+
+Both installs resolve from the package index; ``UV_CONSTRAINT`` pins them to ``uv.lock``'s
+versions, so they are the tested ones and come from uv's cache.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TUTORIAL = REPO / "docs" / "tutorial.md"
-
-
-def _template_test_helpers():
-    spec = importlib.util.spec_from_file_location(
-        "_template_helpers", REPO / "tests" / "test_plugin_template.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+PROJECT = "nrl-reverse-words"
 
 
 def tutorial_commands() -> list[str]:
@@ -38,32 +39,106 @@ def tutorial_commands() -> list[str]:
 
 def test_tutorial_has_the_steps_it_promises():
     commands = tutorial_commands()
-    assert commands[0].startswith("nrl new-plugin --name")
-    assert any(c.startswith("pip install -e ./nrl-reverse-words") for c in commands)
+    assert commands[0].startswith("uv venv")
+    assert any("uv pip install" in c and "$NRL_SRC" in c for c in commands)
+    assert any(c.startswith("nrl new-plugin --name") for c in commands)
+    assert any(c.startswith(f'uv pip install -e "./{PROJECT}[test]"') for c in commands)
     assert any("pytest" in c for c in commands)
     assert any(" nrl run grpo --config examples/reverse_words_cpu.yaml" in c for c in commands)
 
 
-@pytest.mark.slow
-def test_tutorial_commands_run(tmp_path):
-    helpers = _template_test_helpers()
-    bin_dir = helpers.make_venv(tmp_path / "env", REPO)
-    work = tmp_path / "work"
-    work.mkdir()
-    script = "set -euo pipefail\n" + "\n".join(
-        c.replace("pip install ", "uv pip install --no-deps ") for c in tutorial_commands()
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    """An environment without this checkout's venv: only ``uv`` and the system's PATH, and
+    ``UV_CONSTRAINT`` pinning third-party packages to uv.lock."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    assert uv, "uv is needed to run the tutorial"
+    (tools / "uv").symlink_to(uv)
+    venv_bin = str(Path(sys.executable).parent)
+    system_path = [p for p in os.environ["PATH"].split(os.pathsep) if p and p != venv_bin]
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(
+        subprocess.check_output(
+            [uv, "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-dev",
+             "--no-header", "--no-annotate"],
+            cwd=REPO, text=True,
+        )
+    )  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT", "NRL_ACTOR_ENV")
+    }
+    env.update(
+        PATH=os.pathsep.join([str(tools), *system_path]),
+        NRL_SRC=str(REPO),
+        UV_CONSTRAINT=str(constraints),
     )
+    return env
+
+
+def _run(script: str, cwd: Path, env: dict[str, str], timeout: int) -> str:
     result = subprocess.run(
-        ["bash", "-c", script],
-        cwd=work,
-        env=helpers.run_env(bin_dir),
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=500,
+        timeout=timeout,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "reverse_words" in result.stdout  # `nrl plugins` lists the new plugin
-    assert re.search(r"\d+ passed", result.stdout) and " failed" not in result.stdout
-    metrics = work / "nrl-reverse-words" / "runs" / "reverse_words" / "metrics.jsonl"
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tutorial_and_its_generated_ci_run_as_written(tmp_path):
+    env = _clean_env(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    output = _run("\n".join(tutorial_commands()), work, env, timeout=900)
+    assert "reverse_words" in output  # `nrl plugins` lists the new plugin
+    assert re.search(r"\d+ passed", output) and " failed" not in output
+    # nrl is installed into the tutorial's own venv (its `nrl` script, its torch), from the
+    # clone: uv installs a workspace's members editable, so the package is the clone's.
+    venv_python = work / "nrl-env" / "bin" / "python"
+    assert (work / "nrl-env" / "bin" / "nrl").is_file()
+    where = subprocess.check_output(
+        [
+            str(venv_python),
+            "-c",
+            "import nrl_core, torch; print(nrl_core.__file__, torch.__file__)",
+        ],
+        cwd=work,  # not this checkout: `python -c` imports from the working folder first
+        text=True,
+    ).split()
+    assert where[0] == str(REPO / "nrl_core" / "__init__.py")
+    assert where[1].startswith(str(work / "nrl-env")), where
+    metrics = work / PROJECT / "runs" / "reverse_words" / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.open()]
-    assert len(records) >= 2
+    assert [r["step"] for r in records if "train/reward_mean" in r] == [1, 2]
+
+    project = work / PROJECT
+    workflow = yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())
+    ci_env = {**env, **workflow["env"]}
+    ci_env.update(
+        NRL_CORE=str(REPO),
+        NRL_DTENSOR=str(REPO / "plugins" / "nrl-dtensor"),
+        RUNNER_TEMP=str(tmp_path),  # set by GitHub Actions on its runners
+    )
+    runs = [step for step in workflow["jobs"]["test"]["steps"] if "run" in step]
+    assert [step["name"] for step in runs] == [
+        "Install",
+        "Tests",
+        "GRPO smoke run (2 steps, tiny model)",
+    ]
+    for step in runs:
+        output = _run(step["run"], project, {**ci_env, **step.get("env", {})}, timeout=600)
+        if step["name"] == "Tests":
+            assert re.search(r"\d+ passed", output) and " failed" not in output
+    ci_metrics = tmp_path / "nrl-ci" / "reverse_words" / "metrics.jsonl"
+    assert len(ci_metrics.read_text().splitlines()) >= 2
+    assert (project / ".venv" / "bin" / "nrl").is_file()  # the workflow's own venv

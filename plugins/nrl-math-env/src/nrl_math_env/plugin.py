@@ -53,10 +53,14 @@ def nrl_register_datasets(register):
         ("dapo_math_17k", "loaders:DapoMath17kDataset", "HFDatasetConfig",
          "BytedTsinghua-SIA/DAPO-Math-17k (needs the hf extra or a local copy)"),
     ]  # fmt: skip
+    # The hub datasets read with Hugging Face `datasets` (the `hf` extra): declared, so that
+    # `nrl doctor` reports it missing (the loaders import it only when they run).
+    hub = {"gsm8k", "math500", "openmathinstruct2", "dapo_math_17k"}
     for name, target, config, description in datasets:
         register(
             name,
             "nrl_math_env." + target,
             config=_CONFIG + config,
+            extras=["hf"] if name in hub else [],
             description=description,
         )
