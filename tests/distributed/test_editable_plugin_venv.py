@@ -64,17 +64,16 @@ def test_editable_plugin_outside_the_workspace_gets_an_actor_venv(tmp_path, ray_
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    # One venv per extras combination of the plugin's components: the dataset (none) and the
-    # environment (`env`).
+    # One venv per extras combination of the plugin's actor components: the environment
+    # (`env`). Its dataset runs in the driver, so it gets none (nrl_core's ACTOR_KINDS).
     assert "echo_env (nrl-echo-env[env]): built" in build.stdout, build.stdout
-    assert "echo_env (nrl-echo-env): built" in build.stdout, build.stdout
+    assert "echo_env (nrl-echo-env): built" not in build.stdout, build.stdout
     listed = subprocess.run(
         [sys.executable, "-m", "nrl_core.cli", "venvs", "list", "--json"],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     entries = json.loads(listed.stdout)
     assert sorted((e["plugin"], e["extras"], e["mode"], e["status"]) for e in entries) == [
-        ("echo_env", [], "installed", "fresh"),
         ("echo_env", ["env"], "installed", "fresh"),
     ]
     [entry] = [e for e in entries if e["extras"] == ["env"]]
@@ -125,4 +124,4 @@ def test_editable_plugin_outside_the_workspace_gets_an_actor_venv(tmp_path, ray_
         [sys.executable, "-m", "nrl_core.cli", "venvs", "list", "--json"],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    assert [e["status"] for e in json.loads(listed.stdout)] == ["stale", "stale"]
+    assert [e["status"] for e in json.loads(listed.stdout)] == ["stale"]
