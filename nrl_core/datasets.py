@@ -19,6 +19,12 @@ JSONL_DATASET = "jsonl"
 """The registered dataset that reads ``data.dataset`` when it is a path to a JSONL file."""
 
 
+def reading_dataset(name: str) -> str:
+    """The registered dataset that reads ``data.dataset=name``: ``name`` itself, or
+    :data:`JSONL_DATASET` for a path to a ``.jsonl`` file."""
+    return JSONL_DATASET if name.endswith(".jsonl") else name
+
+
 # -- JSONL files ---------------------------------------------------------------------------------
 
 
@@ -113,15 +119,15 @@ def require_text(
 def _loader(
     name: str, data: DataConfig, registry: Registry, context: ComponentContext, key: str
 ) -> Any:
-    if name.endswith(".jsonl"):
-        spec = registry.get("dataset", JSONL_DATASET, key=key)
-        options = data.options_for(JSONL_DATASET) or spec.load_config_class()()
+    registered = reading_dataset(name)
+    spec = registry.get("dataset", registered, key=key)
+    if registered == name:
+        options = data.options_or_defaults(name, spec)
+    else:  # a file path: the jsonl dataset's options, reading that file
         import attrs
 
+        options = data.options_for(registered) or spec.load_config_class()()
         options = attrs.evolve(options, path=name)
-    else:
-        spec = registry.get("dataset", name, key=key)
-        options = data.options_or_defaults(name, spec)
     return spec.load()(options, context)
 
 

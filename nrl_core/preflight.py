@@ -81,26 +81,20 @@ def preflight(config: Any, registry: Registry) -> None:
 
     check_components(config, registry)
     validate_run_config(config)
-    policy = getattr(config, "policy", None)
-    if policy is not None:
+    for key in ("policy", "teacher"):  # the teacher: `nrl run distill`
+        model = getattr(config, key, None)
+        if model is None:
+            continue
         check_model_source(
-            policy.model_name,
-            "policy.model_name",
+            model.model_name,
+            f"{key}.model_name",
             weights=True,
-            tokenizer=policy.tokenizer_name is None,
+            tokenizer=model.tokenizer_name is None,
         )
-        if policy.tokenizer_name is not None:
+        if model.tokenizer_name is not None:
             check_model_source(
-                policy.tokenizer_name, "policy.tokenizer_name", weights=False, tokenizer=True
+                model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
-    teacher = getattr(config, "teacher", None)
-    if teacher is not None:
-        check_model_source(
-            teacher.model_name,
-            "teacher.model_name",
-            weights=True,
-            tokenizer=teacher.tokenizer_name is None,
-        )
     check_actor_envs(config)
     check_component_requirements(config, registry)
     check_named_files(config)

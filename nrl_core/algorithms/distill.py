@@ -21,7 +21,6 @@ with it.
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -61,6 +60,8 @@ def check_config(config: DistillConfig, registry: Registry) -> None:
 
 class DistillTrainer(GRPOTrainer):
     """The distillation loop; rollouts, validation and the step loop are GRPO's."""
+
+    algorithm = "distill"
 
     progress_fields = (
         ("train/kl_to_teacher", "kl"),
@@ -236,14 +237,7 @@ def run(
 ) -> int:
     """``nrl run distill``."""
     check_config(config, registry)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    with RunSession.open(
-        config, registry, algorithm="distill", verbose=verbose, quiet=quiet
-    ) as session:
-        if session.finished_early:
-            return 0
-        return DistillTrainer(session).fit()
+    return DistillTrainer.run(config, registry, verbose=verbose, quiet=quiet)
 
 
 __all__ = ["DistillTrainer", "check_config", "run"]

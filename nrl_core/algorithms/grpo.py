@@ -74,6 +74,22 @@ class GRPOTrainer:
 
     progress_fields: tuple[tuple[str, str], ...] | None = None
     """``(metric, label)`` pairs the progress bar shows (None: reward, val accuracy, s/step)."""
+    algorithm = "grpo"
+    """The ``nrl run`` command (and the algorithm checkpoints are written for)."""
+
+    @classmethod
+    def run(
+        cls, config: GRPOConfig, registry: Registry, *, verbose: bool = False, quiet: bool = False
+    ) -> int:
+        """``nrl run <algorithm>``: seed, open the run session, train to the end."""
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        with RunSession.open(
+            config, registry, algorithm=cls.algorithm, verbose=verbose, quiet=quiet
+        ) as session:
+            if session.finished_early:
+                return 0
+            return cls(session).fit()
 
     def __init__(self, session: RunSession) -> None:
         self.session = session
@@ -572,18 +588,8 @@ def response_start(messages: Sequence[dict[str, Any]]) -> int:
     return cut
 
 
-def run(
-    config: GRPOConfig, registry: Registry, *, verbose: bool = False, quiet: bool = False
-) -> int:
-    """``nrl run grpo``."""
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    with RunSession.open(
-        config, registry, algorithm="grpo", verbose=verbose, quiet=quiet
-    ) as session:
-        if session.finished_early:
-            return 0
-        return GRPOTrainer(session).fit()
+run = GRPOTrainer.run
+"""``nrl run grpo``."""
 
 
 __all__ = ["GRPOTrainer", "run", "sampling_params"]

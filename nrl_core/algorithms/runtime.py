@@ -411,9 +411,9 @@ class RunSession:
     def _check_warmup_answers(self, train: list) -> None:
         """A warm-up (``grpo.sft_warmup_steps``, ``distill.teacher_warmup_steps``) trains on
         the training samples' answers: a sample without one would be trained to say "None"."""
+        missing = sum(sample.answer is None for sample in train)
         for section, key in (("grpo", "sft_warmup_steps"), ("distill", "teacher_warmup_steps")):
             steps = getattr(getattr(self.config, section, None), key, 0)
-            missing = sum(sample.answer is None for sample in train)
             if steps and missing:
                 raise ConfigError(
                     f"{section}.{key}={steps} trains on the samples' answers, but {missing} of "

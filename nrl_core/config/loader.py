@@ -121,15 +121,19 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return merged
 
 
-def load_config_file(
-    path: str | Path, _chain: tuple[Path, ...] = (), *, recipes: bool = True
-) -> dict[str, Any]:
+def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a config file and what its ``defaults:`` names (one entry or a list; later ones
     win, and the file's own keys win over all of them). An entry is a YAML file (relative to
     the file) or, when no such file exists, the name of an embedded recipe (``grpo``,
-    ``distill``, ...: what ``nrl run <algorithm>`` runs without ``--config``).
+    ``distill``, ...: what ``nrl run <algorithm>`` runs without ``--config``)."""
+    return read_config_layers(path)[0]
 
-    ``recipes=False`` leaves the embedded recipes out: what the user's own files say."""
+
+def read_config_layers(
+    path: str | Path, _chain: tuple[Path, ...] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`load_config_file`'s result, and the same without the embedded recipes (what the
+    user's own files say), from one reading of each file."""
     path = Path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
@@ -137,26 +141,32 @@ def load_config_file(
     data = read_yaml(path)
     defaults = data.pop(DEFAULTS_KEY, None)
     if defaults is None:
-        return data
+        return data, copy.deepcopy(data)
     if isinstance(defaults, str):
         defaults = [defaults]
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
         raise ConfigError(f"{path}: 'defaults' must be a file path or a list of file paths")
     merged: dict[str, Any] = {}
+    written: dict[str, Any] = {}
     for entry in defaults:
-        merged = deep_merge(merged, _load_default(path, entry, (*_chain, path), recipes))
-    return deep_merge(merged, data)
+        everything, own = _load_default(path, entry, (*_chain, path))
+        merged = deep_merge(merged, everything)
+        written = deep_merge(written, own)
+    return deep_merge(merged, data), deep_merge(written, data)
 
 
-def _load_default(path: Path, entry: str, chain: tuple[Path, ...], recipes: bool) -> dict[str, Any]:
-    """One ``defaults:`` entry of ``path``: a file beside it, else an embedded recipe."""
+def _load_default(
+    path: Path, entry: str, chain: tuple[Path, ...]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One ``defaults:`` entry of ``path``, a file beside it, else an embedded recipe, as
+    :func:`read_config_layers` returns it (a recipe is no layer of the user's own)."""
     file = path.parent / entry
     if file.exists():
-        return load_config_file(file, chain, recipes=recipes)
+        return read_config_layers(file, chain)
     from nrl_core.algorithms.recipes import default_recipe, recipe_names
 
     if entry in recipe_names():
-        return default_recipe(entry) if recipes else {}
+        return default_recipe(entry), {}
     raise ConfigError(
         f"{path}: defaults entry {entry!r} is neither a file (no {file}) nor an embedded "
         f"recipe ({', '.join(recipe_names())})"
@@ -365,11 +375,11 @@ class ConfigConverter:
         ``data.dataset=<file>.jsonl`` is read by the registered ``jsonl`` dataset (see
         :func:`nrl_core.datasets._loader`): its options (prompt template, task) are shown too,
         or they would shape every prompt unseen."""
-        from nrl_core.datasets import JSONL_DATASET
+        from nrl_core.datasets import reading_dataset
 
         name = section.selected
-        if section.component_kind == "dataset" and str(name).endswith(".jsonl"):
-            name = JSONL_DATASET
+        if section.component_kind == "dataset":
+            name = reading_dataset(name)
         spec = self.registry.find(section.component_kind, name)
         if spec is not None and name not in section.options:
             section.options[name] = self._structure_options(spec, {})
@@ -539,14 +549,13 @@ def resolve_config(
         ) from None
     registry = registry or Registry()
     data: dict[str, Any] = dict(defaults or {})
+    written: dict[str, Any] = {}
     if config_file is not None:
-        data = deep_merge(data, load_config_file(config_file))
-    data = apply_overrides(data, overrides)
-    written = apply_overrides(
-        load_config_file(config_file, recipes=False) if config_file is not None else {},
-        overrides,
+        from_file, written = read_config_layers(config_file)
+        data = deep_merge(data, from_file)
+    data = drop_unused_recipe_options(
+        apply_overrides(data, overrides), apply_overrides(written, overrides), cls, registry
     )
-    data = drop_unused_recipe_options(data, written, cls, registry)
     config = ConfigConverter(registry).structure(data, cls)
     validate_run_config(config)
     return config
