@@ -279,14 +279,17 @@ def test_a_signal_stops_the_run_once_and_leaves_no_process(tmp_path, signum, cod
 
     def watch() -> None:
         for pid in descendants(proc.pid):
-            if pid not in seen:
-                seen.add(pid)
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                        if b"gcs_server" in cmdline.read():
-                            gcs_servers.add(pid)
-                except OSError:  # gone meanwhile
-                    continue
+            seen.add(pid)
+            if pid in gcs_servers:
+                continue
+            # Read again at every look: a process first seen between its fork and its exec
+            # still shows its parent's command line.
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    if b"gcs_server" in cmdline.read():
+                        gcs_servers.add(pid)
+            except OSError:  # gone meanwhile
+                continue
 
     try:
         deadline = time.monotonic() + 300

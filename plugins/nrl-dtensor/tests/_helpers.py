@@ -91,6 +91,9 @@ class InspectableWorker(DTensorPolicyWorker):
         sharded = all(isinstance(p, DTensor) for p in self.model.parameters())
         return out, counts, sharded
 
+    def is_sharded(self) -> bool:
+        return self.sharded
+
     def num_fsdp_modules(self) -> int:
         from nrl_dtensor.fsdp import fsdp_modules
 
@@ -111,3 +114,11 @@ class InspectableWorker(DTensorPolicyWorker):
         groups = self.model._get_fsdp_state()._fsdp_param_groups
         installed = all(isinstance(g._reduce_scatter_comm, AllReduceScatter) for g in groups)
         return float((expected - got).abs().max()), installed
+
+
+class SmallHostWorker(InspectableWorker):
+    """A worker on a host with too little memory for replicas of the model."""
+
+    @staticmethod
+    def _host_memory_bytes() -> int:
+        return 1 << 20

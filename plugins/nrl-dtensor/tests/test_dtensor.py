@@ -87,9 +87,17 @@ def full_params(group) -> dict[str, torch.Tensor]:
     return merged[0]
 
 
-# `model` is the CPU default; `blocks` (the GPU default) shards each decoder block apart.
-@pytest.mark.parametrize("fsdp_units", ["auto", "blocks"])
-def test_two_ranks_match_one_rank(tiny_path, start_group, fsdp_units):
+# Replicated weights are the CPU default; sharded ones as one FSDP unit (`auto` on CPU) or per
+# decoder block (the GPU default).
+LAYOUTS = {
+    "replicate": DTensorConfig(),
+    "shard-model": DTensorConfig(data_parallel="shard"),
+    "shard-blocks": DTensorConfig(data_parallel="shard", fsdp_units="blocks"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_match_one_rank(tiny_path, start_group, layout):
     config = make_config(tiny_path)
     batch = make_batch(8, seed=1)
     stats = stats_for(batch)
@@ -98,7 +106,8 @@ def test_two_ranks_match_one_rank(tiny_path, start_group, fsdp_units):
     expected = single.train(batch, TokenMeanNLL())
     expected_lp = single.get_logprobs(batch)
 
-    policy = group_policy(start_group, config, DTensorConfig(fsdp_units=fsdp_units))
+    policy = group_policy(start_group, config, LAYOUTS[layout])
+    assert policy.group.run_all("is_sharded") == [layout != "replicate"] * 2
     # A no-grad forward first (validation before training): the weights it gathers must not
     # outlive the update.
     torch.testing.assert_close(policy.get_logprobs(batch), expected_before, rtol=0, atol=1e-5)
@@ -201,21 +210,23 @@ def test_generation_logprobs_match_training_logprobs(tiny_path, start_group):
 
 
 @pytest.mark.parametrize(
-    ("fsdp_units", "once"),
+    ("layout", "once"),
     [
         # The GPU default, before (a gather per layer and decode step) and now (one per call).
-        ("blocks", False),
-        ("blocks", True),
-        # The CPU default (`auto`: one unit): the gathered weights stay for the training step.
-        ("auto", True),
+        ("shard-blocks", False),
+        ("shard-blocks", True),
+        # One FSDP unit (`auto` on CPU): the gathered weights stay for the training step.
+        ("shard-model", True),
+        # The CPU default: replicas have nothing to gather.
+        ("replicate", True),
     ],
 )
-def test_generation_gathers_the_weights_once_per_call(tiny_path, start_group, fsdp_units, once):
+def test_generation_gathers_the_weights_once_per_call(tiny_path, start_group, layout, once):
     """Colocated generation on 2 FSDP ranks all-gathers each FSDP module once per call and runs
     no collective per decode step (before: one all-gather per layer and forward, and an
     all-reduce per step), with the same samples as without a ranks; afterwards the weights are
     sharded again or, on CPU, kept gathered for the next training forward, which trains as a
-    single process does."""
+    single process does. Replicated ranks run no collective at all."""
     from transformers import AutoModelForCausalLM
 
     prompts = [[1, 5, 20, 21, 22], [1, 5, 30], [1, 5, 31, 32, 33, 34, 35]]
@@ -223,14 +234,15 @@ def test_generation_gathers_the_weights_once_per_call(tiny_path, start_group, fs
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
     config = make_config(tiny_path)
     config.generation.options["torch"] = TorchGenerationConfig(gather_weights_once=once)
-    group = start_group(WORKER, (DTensorConfig(fsdp_units=fsdp_units), context(config)))
+    group = start_group(WORKER, (LAYOUTS[layout], context(config)))
     results = group.run_sharded("generate_counting_collectives", shards, params)
     modules = group.run_all("num_fsdp_modules")[0]
-    assert modules == (5 if fsdp_units == "blocks" else 1)  # 4 decoder layers and the root
+    # 4 decoder layers and the root; the root only; none.
+    assert modules == {"shard-blocks": 5, "shard-model": 1, "replicate": 0}[layout]
     for (out, counts, sharded), shard in zip(results, shards, strict=True):
         if once:
             assert counts == {"all_gather": modules, "all_reduce": 0}
-            assert sharded is (fsdp_units == "blocks")
+            assert sharded is (layout == "shard-blocks")
         else:
             # Every forward gathers each layer again (the root keeps its own: not all sharded),
             # and every decode step all-reduces a "done" flag (8 forwards unless all rows stop).
@@ -262,7 +274,8 @@ def test_a_step_without_gradients_is_refused(tiny_path):
 
 
 def test_gloo_reduce_scatter_as_all_reduce_is_the_same_sum(tiny_path, start_group):
-    group = start_group(WORKER, (DTensorConfig(), context(make_config(tiny_path))))
+    options = DTensorConfig(data_parallel="shard")
+    group = start_group(WORKER, (options, context(make_config(tiny_path))))
     for difference, installed in group.run_all("reduce_scatter_both_ways", 1000):
         assert difference == 0.0  # two addends: the same sum in either order
         assert installed
@@ -407,3 +420,52 @@ def test_bfloat16_and_activation_checkpointing(tiny_path, start_group):
         assert len(sizes) == 1 or sum(sizes) <= 1 << 14
         # Master weights stay float32 under the mixed-precision policy.
         assert all(t.dtype == torch.float32 for t in bucket.values())
+
+
+def test_replicas_start_from_rank0s_weights_and_stay_equal(tiny_path, start_group):
+    """Replicated ranks begin with one set of weights although each initialises new ones (LoRA
+    adapters) from its own random stream, and after a step on different data they still hold
+    the same weights: the averaged gradient, not each rank's own."""
+    config = make_config(tiny_path)
+    policy = group_policy(start_group, config, DTensorConfig(lora_rank=4))
+    assert policy.group.run_all("is_sharded") == [False, False]
+    before = full_params(policy.group)  # asserts the two ranks agree
+    random_init = [k for k in before if "lora_A" in k]  # lora_B starts at zero
+    assert random_init and min(before[k].abs().max() for k in random_init) > 0
+    policy.train(make_batch(8, seed=10), TokenMeanNLL())
+    after = full_params(policy.group)
+    assert max((after[k] - before[k]).abs().max() for k in before if "lora_B" in k) > 1e-4
+
+
+def test_auto_shards_what_the_host_cannot_replicate(tiny_path, start_group):
+    config = make_config(tiny_path)
+    group = start_group("_helpers:SmallHostWorker", (DTensorConfig(), context(config)))
+    assert group.run_all("is_sharded") == [True, True]
+    assert group.run_all("num_fsdp_modules") == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [("replicate", "shard-model"), ("shard-model", "replicate")]
+)
+def test_a_checkpoint_resumes_under_the_other_layout(
+    tiny_path, start_group, tmp_path, saved, loaded
+):
+    """A checkpoint is the global weights and optimizer state, whichever way the ranks held
+    them: resuming with replicated weights what sharded ones saved (or the reverse) takes the
+    same next step."""
+    config = make_config(tiny_path)
+    first = group_policy(start_group, config, LAYOUTS[saved], name="saved")
+    first.train(make_batch(8, seed=11), TokenMeanNLL())
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    second = group_policy(start_group, config, LAYOUTS[loaded], name="loaded")
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    batch = make_batch(8, seed=12)
+    torch.testing.assert_close(
+        second.get_logprobs(batch), first.get_logprobs(batch), rtol=0, atol=1e-6
+    )
+    a, b = first.train(batch, TokenMeanNLL()), second.train(batch, TokenMeanNLL())
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    params_a, params_b = full_params(first.group), full_params(second.group)
+    for key in params_a:
+        torch.testing.assert_close(params_b[key], params_a[key], rtol=1e-5, atol=1e-7)

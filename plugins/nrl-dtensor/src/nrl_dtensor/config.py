@@ -20,12 +20,27 @@ class DTensorConfig:
         ),
         validator=ge(1),
     )
+    data_parallel: Literal["auto", "shard", "replicate"] = option(
+        "auto",
+        (
+            "How data-parallel ranks hold the model. `shard`: FSDP2 (ZeRO-3), each rank keeps "
+            "a 1/N shard of the weights, gradients and optimizer state and gathers the weights "
+            "to compute. `replicate`: every rank keeps the whole model and optimizer state, as "
+            "in DDP; one all-reduce averages the gradients per step, and nothing else is "
+            "exchanged (not with tensor_parallel_size > 1 or cpu_offload). `auto`: `replicate` "
+            "on CPU without tensor parallelism or cpu_offload when N copies of the training state (16 bytes "
+            "per parameter with AdamW) take at most half of the host's memory, `shard` "
+            "otherwise (always on GPUs)."
+        ),
+        validator=attrs.validators.in_(("auto", "shard", "replicate")),
+    )
     activation_checkpointing: bool = option(False, "Recompute activations in backward.")
     cpu_offload: bool = option(False, "FSDP2 CPU offload of parameters and gradients.")
     fsdp_units: Literal["auto", "blocks", "model"] = option(
         "auto",
         (
-            "What FSDP2 gathers and reduces as one unit. `blocks`: each decoder block, freed "
+            "What FSDP2 gathers and reduces as one unit (sharded weights only, see "
+            "`data_parallel`). `blocks`: each decoder block, freed "
             "after its forward and gathered again in the backward (least memory; on GPUs FSDP "
             "overlaps a block's communication with the next block's compute). `model`: the "
             "whole model, one all-gather and one reduce-scatter per step (full weights and "
@@ -67,6 +82,18 @@ class DTensorConfig:
             lambda names: bool(names) and all(isinstance(n, str) and n for n in names),
         ),
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.data_parallel == "replicate" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel=replicate does not combine with tensor_parallel_size > 1; use "
+                "data_parallel=shard (or auto)"
+            )
+        if self.data_parallel == "replicate" and self.cpu_offload:
+            raise ValueError(
+                "cpu_offload is FSDP2's offload of sharded weights; use data_parallel=shard "
+                "(or auto) with it"
+            )
 
     def required_modules(self) -> dict[str, tuple[str, str]]:
         """Modules the policy's actors must import for these options: ``{module: (extra of

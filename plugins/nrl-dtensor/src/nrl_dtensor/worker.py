@@ -1,10 +1,13 @@
 """The dtensor policy worker: FSDP2 (+ optional DTensor tensor parallel) training of a Hugging
-Face causal LM, one instance per rank.
+Face causal LM, one instance per rank; or, with ``policy.dtensor.data_parallel`` resolving to
+``replicate`` (the CPU default for models that fit), the whole model on every rank and one
+gradient all-reduce per step.
 
 The core runs the training step (:mod:`nrl_core.training`): it splits micro batches, calls
 :meth:`DTensorPolicyWorker.forward_backward` once per micro batch with a loss closure that is
 already normalised globally and scaled by the data-parallel size (FSDP2 *averages* gradients
-over data-parallel ranks), then :meth:`DTensorPolicyWorker.optimizer_step`.
+over data-parallel ranks, and so does the replicated all-reduce), then
+:meth:`DTensorPolicyWorker.optimizer_step`.
 
 Temperature: logprobs computed here are ``log_softmax(logits / T)`` with ``T`` the generation
 temperature of the run (``generation.temperature``, 1 when absent or greedy), the same
@@ -62,6 +65,9 @@ class DTensorPolicyWorker:
         self.scalar_head = head == "scalar" or (head == "auto" and hasattr(context.config, "rm"))
         self._init_distributed()
         self._init_meshes()
+        self.sharded: bool | None = None
+        """Whether the weights are FSDP2-sharded (``data_parallel``, resolved on the first
+        model built); ``False`` without torch.distributed."""
         torch.manual_seed(context.seed + self.rank)
 
         self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
@@ -109,6 +115,24 @@ class DTensorPolicyWorker:
             # A CPU has no separate stream to overlap a block's collective with compute.
             return "model" if self.device_type == "cpu" else "blocks"
         return self.options.fsdp_units
+
+    def _resolve_sharding(self, model) -> bool:
+        """``policy.dtensor.data_parallel`` for this model: whether to shard it with FSDP2."""
+        mode = self.options.data_parallel
+        if mode != "auto":
+            return mode == "shard"
+        if self.device_type != "cpu" or self.tp_size > 1 or self.options.cpu_offload:
+            return True
+        # AdamW: float32 weights, gradients and two moments, one copy per rank on this host.
+        need = 16 * sum(p.numel() for p in model.parameters()) * self.world_size
+        # Every rank must take the same decision, whatever its host's memory.
+        fits = torch.tensor([int(need <= self._host_memory_bytes() // 2)])
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        return not bool(fits.item())
+
+    @staticmethod
+    def _host_memory_bytes() -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def _init_meshes(self) -> None:
         tp = self.options.tensor_parallel_size
@@ -193,11 +217,26 @@ class DTensorPolicyWorker:
         if not trainable:
             model.requires_grad_(False)
         if not self.distributed:
+            self.sharded = False
             return model.to(self.device).train(trainable)
+        if self.sharded is None:
+            self.sharded = self._resolve_sharding(model)
+        if not self.sharded:
+            model.to(self.device)
+            if trainable:
+                self._broadcast_from_rank0(model)
+            return model.train(trainable)
         if self.tp_size > 1:
             self._apply_tensor_parallel(model)
         self._apply_fsdp(model)
         return model.train(trainable)
+
+    def _broadcast_from_rank0(self, model) -> None:
+        """Give every replica rank 0's weights: freshly initialised ones (a new score head, LoRA
+        adapters) come from each rank's own random stream."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
 
     def _apply_tensor_parallel(self, model) -> None:
         from torch.distributed.tensor.parallel import (
@@ -278,8 +317,8 @@ class DTensorPolicyWorker:
     # -- helpers -------------------------------------------------------------------------------
 
     def _autocast(self):
-        # Only the single-process path needs autocast; FSDP casts through its MixedPrecisionPolicy.
-        if self.distributed or self.dtype == torch.float32:
+        # FSDP casts through its MixedPrecisionPolicy; unsharded float32 weights need autocast.
+        if self.sharded or self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
@@ -375,12 +414,37 @@ class DTensorPolicyWorker:
                 "the training step produced no gradient for the optimizer's parameters; the "
                 "loss must be computed from the model's forward output"
             )
+        if self.distributed and not self.sharded:
+            self._average_replica_gradients()
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def _average_replica_gradients(self) -> None:
+        """Replicated weights: average every gradient over the data-parallel ranks in one
+        all-reduce of all of them, flattened (what FSDP2 does for sharded ones: the sum over
+        ranks divided by their number).
+
+        A parameter without a gradient here counts as zeros, so that every rank sends the same
+        layout, and keeps no gradient when no rank had one (one presence flag per parameter
+        travels in the same buffer)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        pieces = [
+            p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
+        ]
+        presence = torch.tensor([p.grad is not None for p in params], dtype=pieces[0].dtype)
+        flat = torch.cat([*pieces, presence])
+        dist.all_reduce(flat, group=self.dp_mesh.get_group())
+        grads, has_grad = flat[: -len(params)], flat[-len(params) :].tolist()
+        grads.div_(self.dp_size)
+        offset = 0
+        for param, present in zip(params, has_grad, strict=True):
+            size = param.numel()
+            param.grad = grads[offset : offset + size].view_as(param) if present else None
+            offset += size
 
     def _clip_gradients(self) -> float:
         """Clip to ``policy.max_grad_norm`` (0 disables); return the norm before clipping."""
@@ -512,7 +576,7 @@ class DTensorPolicyWorker:
 
         from nrl_core.hf_export import write_hf_folder
 
-        if self.distributed:
+        if self.sharded:
             state = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
@@ -580,7 +644,8 @@ class DTensorPolicyWorker:
                 model=self.model,
                 tokenizer=self.tokenizer,
                 device=self.device,
-                synchronize=self.distributed,
+                # Replicas generate alone; sharded ranks gather weights together.
+                synchronize=bool(self.sharded),
                 seed_offset=self.dp_rank,
                 # Block units are freed after each forward; the root keeps its weights.
                 fsdp_reshard_after_forward=self.fsdp_units == "blocks",
