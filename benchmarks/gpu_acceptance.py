@@ -549,7 +549,8 @@ def stage_dtensor(ctx: StageContext) -> dict[str, Any]:
 
     config = _run_config(ctx, "dtensor")
     context = ComponentContext(config=config, rank=0, world_size=1, seed=config.seed)
-    worker = DTensorPolicyWorker(DTensorConfig(), context)
+    # FSDP2 explicitly: `auto` replicates small models on CPU, and this stage checks FSDP2.
+    worker = DTensorPolicyWorker(DTensorConfig(data_parallel="shard"), context)
     try:
         backend = dist.get_backend()
         want = "nccl" if ctx.on_gpu else "gloo"
