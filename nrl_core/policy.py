@@ -8,7 +8,7 @@ metrics (the per-rank half is :mod:`nrl_core.training`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -150,14 +150,19 @@ class Policy:
             self.group.run_all("onload")
             self.offloaded.clear()
 
-    def get_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
-        """Per-token logprobs ``[B, T]`` of ``batch`` (under the reference weights if asked)."""
+    def _score(self, on_rank: Callable[..., Any], batch: Batch, *args: Any) -> tuple[list, int]:
+        """Run the no-grad pass ``on_rank`` over ``batch``'s data-parallel shards in chunks of
+        ``logprob_batch_size``; each rank's result and the number of real (unpadded) rows."""
         self.onload()
         shards, real = self._shards(batch)
         chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
-        width = batch["input_ids"].shape[1]
         num_chunks = max(len(c) for c in chunks)
-        parts = self.group.run_sharded(logprobs_on_rank, chunks, num_chunks, width, reference)
+        width = batch["input_ids"].shape[1]
+        return self.group.run_sharded(on_rank, chunks, num_chunks, width, *args), real
+
+    def get_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs ``[B, T]`` of ``batch`` (under the reference weights if asked)."""
+        parts, real = self._score(logprobs_on_rank, batch, reference)
         return torch.cat(parts)[:real]
 
     def get_topk_logprobs(
@@ -167,12 +172,7 @@ class Policy:
         its tokens and ``[B, T, k']`` logprobs and ids of the ``k' = min(k, vocabulary)``
         most likely tokens at each position (position ``t``: the distribution of token ``t``).
         Only ``k'`` numbers per position cross Ray, never the vocabulary."""
-        self.onload()
-        shards, real = self._shards(batch)
-        chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
-        width = batch["input_ids"].shape[1]
-        num_chunks = max(len(c) for c in chunks)
-        parts = self.group.run_sharded(topk_on_rank, chunks, num_chunks, width, k)
+        parts, real = self._score(topk_on_rank, batch, k)
         tokens, values, ids = (torch.cat(p)[:real] for p in zip(*parts, strict=True))
         return tokens, values, ids
 

@@ -31,7 +31,7 @@ from nrl_core.algorithms.rollout import (
     rollout,
     start_episodes,
 )
-from nrl_core.algorithms.runtime import RunSession
+from nrl_core.algorithms.runtime import RunSession, train_in_session
 from nrl_core.config.schema import GRPOConfig
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.errors import NrlError
@@ -82,14 +82,9 @@ class GRPOTrainer:
         cls, config: GRPOConfig, registry: Registry, *, verbose: bool = False, quiet: bool = False
     ) -> int:
         """``nrl run <algorithm>``: seed, open the run session, train to the end."""
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
-        with RunSession.open(
-            config, registry, algorithm=cls.algorithm, verbose=verbose, quiet=quiet
-        ) as session:
-            if session.finished_early:
-                return 0
-            return cls(session).fit()
+        return train_in_session(
+            cls, config, registry, algorithm=cls.algorithm, verbose=verbose, quiet=quiet
+        )
 
     def __init__(self, session: RunSession) -> None:
         self.session = session

@@ -103,6 +103,27 @@ def loss_options(config: RunConfig, registry: Registry) -> Any:
     return resolved_clipped_pg_config(options, colocated, steps)
 
 
+def train_in_session(
+    trainer: Callable[[RunSession], Any],
+    config: RunConfig,
+    registry: Registry,
+    *,
+    algorithm: str,
+    verbose: bool = False,
+    quiet: bool = False,
+) -> int:
+    """``nrl run <algorithm>``: seed, open the run session, ``trainer(session).fit()`` to the
+    end (nothing when the run already finished); the exit code."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    with RunSession.open(
+        config, registry, algorithm=algorithm, verbose=verbose, quiet=quiet
+    ) as session:
+        if session.finished_early:
+            return 0
+        return trainer(session).fit()
+
+
 class RunSession:
     """The components of one run. Use :meth:`open` as a context manager."""
 

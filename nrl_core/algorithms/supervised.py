@@ -21,14 +21,13 @@ A subclass says only what differs (see ``sft.py``, ``dpo.py``, ``rm.py``):
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from nrl_core.algorithms.runtime import RunSession
+from nrl_core.algorithms.runtime import RunSession, train_in_session
 from nrl_core.chat_data import encode_conversation
 from nrl_core.config.schema import RunConfig
 from nrl_core.data import Batch, Message, Sample, pad_sequences
@@ -209,14 +208,9 @@ class SupervisedTrainer:
     ) -> int:
         """``nrl run <algorithm>``: check the config, seed, open the session, train."""
         cls.check_config(config)
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
-        with RunSession.open(
-            config, registry, algorithm=cls.algorithm, verbose=verbose, quiet=quiet
-        ) as session:
-            if session.finished_early:
-                return 0
-            return cls(session).fit()
+        return train_in_session(
+            cls, config, registry, algorithm=cls.algorithm, verbose=verbose, quiet=quiet
+        )
 
 
 class PairTrainer(SupervisedTrainer):

@@ -28,9 +28,9 @@ class DTensorConfig:
             "to compute. `replicate`: every rank keeps the whole model and optimizer state, as "
             "in DDP; one all-reduce averages the gradients per step, and nothing else is "
             "exchanged (not with tensor_parallel_size > 1 or cpu_offload). `auto`: `replicate` "
-            "on CPU without tensor parallelism or cpu_offload when N copies of the training state (16 bytes "
-            "per parameter with AdamW) take at most half of the host's memory, `shard` "
-            "otherwise (always on GPUs)."
+            "on CPU without tensor parallelism or cpu_offload when N copies of the training "
+            "state (16 bytes per parameter with AdamW) take at most half of the host's memory, "
+            "`shard` otherwise (always on GPUs)."
         ),
         validator=attrs.validators.in_(("auto", "shard", "replicate")),
     )
@@ -40,8 +40,8 @@ class DTensorConfig:
         "auto",
         (
             "What FSDP2 gathers and reduces as one unit (sharded weights only, see "
-            "`data_parallel`). `blocks`: each decoder block, freed "
-            "after its forward and gathered again in the backward (least memory; on GPUs FSDP "
+            "`data_parallel`). `blocks`: each decoder block, freed after its forward and "
+            "gathered again in the backward (least memory; on GPUs FSDP "
             "overlaps a block's communication with the next block's compute). `model`: the "
             "whole model, one all-gather and one reduce-scatter per step (full weights and "
             "gradients on every rank during a step; the optimizer state stays sharded). "

@@ -440,11 +440,9 @@ class DTensorPolicyWorker:
         dist.all_reduce(flat, group=self.dp_mesh.get_group())
         grads, has_grad = flat[: -len(params)], flat[-len(params) :].tolist()
         grads.div_(self.dp_size)
-        offset = 0
-        for param, present in zip(params, has_grad, strict=True):
-            size = param.numel()
-            param.grad = grads[offset : offset + size].view_as(param) if present else None
-            offset += size
+        pieces = grads.split([p.numel() for p in params])
+        for param, grad, present in zip(params, pieces, has_grad, strict=True):
+            param.grad = grad.view_as(param) if present else None
 
     def _clip_gradients(self) -> float:
         """Clip to ``policy.max_grad_norm`` (0 disables); return the norm before clipping."""
