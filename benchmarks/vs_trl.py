@@ -16,10 +16,12 @@ sum (nrl-math-env's ``arithmetic`` reward); 8 prompts x 4 generations per step, 
 tokens, temperature 1.0, no reference model (beta 0), AdamW at lr 1e-4 (constant), one optimizer
 step per batch of 32, no gradient checkpointing, no mixed precision.
 
-The TRL side runs first, in a subprocess of this interpreter (``--side trl``); its step time is
-the time between consecutive ``on_step_end`` callbacks (step 1 from its ``on_step_begin``). The
-nrl side then runs ``nrl run grpo`` (actors in the driver's interpreter) and reads
-``metrics.jsonl``. Medians are over steps ``warmup+1..steps``. The FLOP floor is
+The TRL side runs in a subprocess of this interpreter (``--side trl``); its step time is the
+time between consecutive ``on_step_end`` callbacks (step 1 from its ``on_step_begin``). The nrl
+side runs ``nrl run grpo`` (actors in the driver's interpreter) and reads ``metrics.jsonl``.
+The sides take turns in ``--rounds`` rounds, in the order TRL, nrl, nrl, TRL, ... (a machine
+whose speed drifts during the run then favours neither), and each side's median is over steps
+``warmup+1..steps`` of all its runs; each round's medians are printed too, to show the spread. The FLOP floor is
 ``2·P·T + 6·P·T`` (generation forward + training forward/backward) at this machine's fp32
 matmul rate (2 threads, the best of a measurement before and one after both sides); a side's
 share of it is ``floor / step_s``. TRL's first steps carry first-call costs: keep ``--warmup``
@@ -246,6 +248,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
     parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -256,6 +259,8 @@ def main() -> None:
         return
     if args.steps <= args.warmup:
         sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.rounds < 1:
+        sys.exit(f"--rounds ({args.rounds}) must be at least 1")
     if bad := [o for o in args.overrides if "=" not in o]:
         sys.exit(f"overrides must be KEY=VALUE: {bad}")
 
@@ -268,20 +273,33 @@ def main() -> None:
         prompt_len = prompt_tokens(model_dir)
         rate_before = matmul_flops_per_s()
         print(f"model: {MODEL} parameters={params:,} prompt_tokens={prompt_len}", flush=True)
-        print(f"trl side: {args.steps} steps ...", flush=True)
-        trl_result = run_trl_side(model_dir, args.steps, tmp)
-        print(f"nrl side: {args.steps} steps, overrides {args.overrides} ...", flush=True)
-        nrl_records = run_nrl_side(model_dir, args.steps, tmp, args.overrides)
+        trl_runs: list[dict] = []
+        nrl_runs: list[list[dict]] = []
+        for round_index in range(args.rounds):
+            order = ("trl", "nrl") if round_index % 2 == 0 else ("nrl", "trl")
+            for side in order:
+                print(f"round {round_index + 1}: {side} side, {args.steps} steps ...", flush=True)
+                out = tmp / f"round{round_index}"
+                if side == "trl":
+                    trl_runs.append(run_trl_side(model_dir, args.steps, out))
+                else:
+                    nrl_runs.append(run_nrl_side(model_dir, args.steps, out, args.overrides))
     # Measured before and after both sides: a busy machine only ever lowers the rate.
     rate = max(rate_before, matmul_flops_per_s())
 
     first = args.warmup + 1  # steps are 1-based on both sides
-    trl_steady = trl_result["step_s"][args.warmup :]
-    nrl_steady = [r for r in nrl_records if r["step"] >= first]
-    if len(trl_steady) != args.steps - args.warmup or len(nrl_steady) != len(trl_steady):
-        sys.exit(f"measured steps differ: trl {len(trl_steady)}, nrl {len(nrl_steady)}")
+    per_round = []
+    for trl_run, nrl_run in zip(trl_runs, nrl_runs, strict=True):
+        trl_part = trl_run["step_s"][args.warmup :]
+        nrl_part = [r for r in nrl_run if r["step"] >= first]
+        if len(trl_part) != args.steps - args.warmup or len(nrl_part) != len(trl_part):
+            sys.exit(f"measured steps differ: trl {len(trl_part)}, nrl {len(nrl_part)}")
+        per_round.append((trl_part, nrl_part))
+    trl_steady = [t for trl_part, _ in per_round for t in trl_part]
+    nrl_steady = [r for _, nrl_part in per_round for r in nrl_part]
     trl_step_s = statistics.median(trl_steady)
     nrl_step_s = statistics.median(r["timing/step_s"] for r in nrl_steady)
+    trl_result, nrl_records = trl_runs[-1], nrl_runs[-1]
 
     print(f"\ntrl {trl_result['versions']} threads={trl_result['torch_threads']}")
     print(
@@ -293,8 +311,20 @@ def main() -> None:
         f"trl per step: completions={set(trl_result['completions_per_step'])} "
         f"optimizer_steps={set(trl_result['optimizer_steps_per_step'])}"
     )
-    print(f"steps measured: {first}..{args.steps} ({len(trl_steady)} per side)")
-    trl_inner = statistics.median(trl_result["begin_to_end_s"][args.warmup :])
+    print(
+        f"steps measured: {first}..{args.steps} of {args.rounds} run(s) per side "
+        f"({len(trl_steady)} per side)"
+    )
+    for index, (trl_part, nrl_part) in enumerate(per_round, start=1):
+        trl_median = statistics.median(trl_part)
+        nrl_median = statistics.median(r["timing/step_s"] for r in nrl_part)
+        print(
+            f"  round {index}: trl {trl_median:.4f} nrl {nrl_median:.4f} "
+            f"ratio {nrl_median / trl_median:.3f}"
+        )
+    trl_inner = statistics.median(
+        t for run in trl_runs for t in run["begin_to_end_s"][args.warmup :]
+    )
     print(f"trl step_s={trl_step_s:.4f} (on_step_begin->on_step_end only: {trl_inner:.4f})")
     print(f"nrl step_s={nrl_step_s:.4f}")
     for key in PHASES:
@@ -314,7 +344,7 @@ def main() -> None:
 
     # FLOP floor: generation forward (2PT) + training forward and backward (6PT), same T.
     bound = BATCH * (prompt_len + MAX_NEW_TOKENS)
-    trl_tokens = statistics.median(trl_result["tokens"][args.warmup :])
+    trl_tokens = statistics.median(t for run in trl_runs for t in run["tokens"][args.warmup :])
     nrl_tokens = statistics.median(
         r["throughput/tokens_per_s"] * r["timing/step_s"] for r in nrl_steady
     )

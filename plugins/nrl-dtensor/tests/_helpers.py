@@ -94,6 +94,10 @@ class InspectableWorker(DTensorPolicyWorker):
     def is_sharded(self) -> bool:
         return self.sharded
 
+    def gradients_through_shared_memory(self) -> bool | None:
+        reduce = self._gradient_all_reduce
+        return None if reduce is None else reduce.shared
+
     def num_fsdp_modules(self) -> int:
         from nrl_dtensor.fsdp import fsdp_modules
 

@@ -112,6 +112,9 @@ def test_two_ranks_match_one_rank(tiny_path, start_group, layout):
     # outlive the update.
     torch.testing.assert_close(policy.get_logprobs(batch), expected_before, rtol=0, atol=1e-5)
     got = policy.train(batch, TokenMeanNLL())
+    # Replicas on one host average their gradients through shared memory.
+    through_shm = [True, True] if layout == "replicate" else [None, None]
+    assert policy.group.run_all("gradients_through_shared_memory") == through_shm
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
     # Additive metrics are summed over micro batches and ranks: each token counted once.

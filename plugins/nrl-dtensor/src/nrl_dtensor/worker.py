@@ -87,6 +87,7 @@ class DTensorPolicyWorker:
 
         self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None
+        self._gradient_all_reduce = None  # replicated weights: built on the first step
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -437,7 +438,13 @@ class DTensorPolicyWorker:
         ]
         presence = torch.tensor([p.grad is not None for p in params], dtype=pieces[0].dtype)
         flat = torch.cat([*pieces, presence])
-        dist.all_reduce(flat, group=self.dp_mesh.get_group())
+        if self._gradient_all_reduce is None:
+            from nrl_core.distributed.host_all_reduce import HostAllReduce
+
+            # Through shared memory between CPU ranks on one host (gloo's TCP loopback takes
+            # twice as long or more: benchmarks/host_all_reduce.py); dist.all_reduce otherwise.
+            self._gradient_all_reduce = HostAllReduce(self.dp_mesh.get_group())
+        self._gradient_all_reduce(flat)
         grads, has_grad = flat[: -len(params)], flat[-len(params) :].tolist()
         grads.div_(self.dp_size)
         pieces = grads.split([p.numel() for p in params])

@@ -1,0 +1,94 @@
+"""HostAllReduce between real gloo ranks (spawned processes): the shared-memory path gives
+gloo's sums on every rank, and every case shared memory cannot serve falls back to gloo on all
+ranks together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nrl_core.distributed.host_all_reduce import HostAllReduce
+
+
+def _sizes_and_dtypes():
+    # Growth (a collective re-mapping) on the third call; odd sizes; an integer dtype.
+    return (
+        [(1000, torch.float32)] * 2
+        + [(5003, torch.float32), (77, torch.int64)]
+        + [(3000, torch.float32)] * 4
+    )
+
+
+def _ranks(rank: int, world: int, store: str, shm_dirs: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        reduce = HostAllReduce(shm_dir=Path(shm_dirs[rank]))
+        results = []
+        for call, (numel, dtype) in enumerate(_sizes_and_dtypes()):
+            g = torch.Generator().manual_seed(1000 * call + rank)
+            x = torch.randn(numel, generator=g).mul(100).to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            got = reduce(x.clone())
+            results.append((got, expected))
+        torch.save({"shared": reduce.shared, "results": results}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, world: int, shm_dirs: list[Path]) -> list[dict]:
+    for d in shm_dirs:
+        if d.name != "missing":
+            d.mkdir(parents=True, exist_ok=True)
+    mp.spawn(
+        _ranks,
+        args=(world, str(tmp_path / "store"), [str(d) for d in shm_dirs], str(tmp_path)),
+        nprocs=world,
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def test_two_ranks_get_gloos_exact_sums_through_shared_memory(tmp_path):
+    shm = tmp_path / "shm"
+    ranks = _run(tmp_path, 2, [shm, shm])
+    assert [r["shared"] for r in ranks] == [True, True]
+    for r in ranks:
+        for got, expected in r["results"]:
+            # a + b is the same bits in either order: gloo's exact result.
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+    # Every buffer file was unlinked once mapped.
+    assert list(shm.iterdir()) == []
+
+
+def test_three_ranks_agree_bit_for_bit(tmp_path):
+    shm = tmp_path / "shm"
+    ranks = _run(tmp_path, 3, [shm] * 3)
+    assert [r["shared"] for r in ranks] == [True] * 3
+    for call in range(len(_sizes_and_dtypes())):
+        got = [r["results"][call][0] for r in ranks]
+        expected = ranks[0]["results"][call][1]
+        # Summation order may differ from gloo's with three ranks, never between ranks.
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+        torch.testing.assert_close(got[0], expected, rtol=1e-6, atol=1e-4)
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["one rank without the directory", "separate hosts"])
+def test_every_rank_falls_back_to_gloo_when_one_cannot_share(tmp_path, case):
+    if case == "one rank without the directory":
+        dirs = [tmp_path / "shm", tmp_path / "missing"]
+    else:
+        # Different /dev/shm per rank, as on two hosts: no rank finds its peer's file.
+        dirs = [tmp_path / "host0", tmp_path / "host1"]
+    ranks = _run(tmp_path, 2, dirs)
+    assert [r["shared"] for r in ranks] == [False, False]
+    for r in ranks:
+        for got, expected in r["results"]:
+            assert torch.equal(got, expected)
+    for d in dirs:
+        assert not d.exists() or list(d.iterdir()) == []
