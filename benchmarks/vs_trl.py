@@ -21,11 +21,12 @@ time between consecutive ``on_step_end`` callbacks (step 1 from its ``on_step_be
 side runs ``nrl run grpo`` (actors in the driver's interpreter) and reads ``metrics.jsonl``.
 The sides take turns in ``--rounds`` rounds, in the order TRL, nrl, nrl, TRL, ... (a machine
 whose speed drifts during the run then favours neither), and each side's median is over steps
-``warmup+1..steps`` of all its runs; each round's medians are printed too, to show the spread. The FLOP floor is
-``2·P·T + 6·P·T`` (generation forward + training forward/backward) at this machine's fp32
-matmul rate (2 threads, the best of a measurement before and one after both sides); a side's
-share of it is ``floor / step_s``. TRL's first steps carry first-call costs: keep ``--warmup``
-at 2 or more. The last line is ``nrl_step_s=<float> trl_step_s=<float> ratio=<nrl/trl>``.
+``warmup+1..steps`` of all its runs; each round's medians are printed too, to show the spread.
+The FLOP floor is ``2·P·T + 6·P·T`` (generation forward + training forward/backward) at this
+machine's fp32 matmul rate (2 threads, the best of a measurement before and one after both
+sides); a side's share of it is ``floor / step_s``. TRL's first steps carry first-call costs:
+keep ``--warmup`` at 2 or more. The last line is
+``nrl_step_s=<float> trl_step_s=<float> ratio=<nrl/trl>``.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ library that PyTorch users install from a package index offers this on CPU (oneC
 bindings ship from Intel's own index, for chosen torch builds), so the core keeps this small one.
 
 How it works: every rank maps one file per rank under ``/dev/shm``; the files are unlinked as
-soon as all ranks have mapped them, so a rank that dies later leaves nothing behind. A call copies the
-rank's tensor into its own buffer; after a barrier, rank ``r`` sums slice ``r`` of every buffer
-into its own; after a second barrier, every rank copies each rank's summed slice into its
-tensor. Each slice is summed by one rank only, so all ranks receive the same bits (with two
-ranks, exactly gloo's result). Two buffers per rank, used in turn, let a call return without a
-third barrier: a rank writes a buffer again only two calls later, after a barrier that every
-rank reaches only once it has finished reading that buffer.
+soon as all ranks have mapped them, so a rank that dies later leaves nothing behind. A call
+copies the rank's tensor into its own buffer; after a barrier, rank ``r`` sums slice ``r`` of
+every buffer into its own; after a second barrier, every rank copies each rank's summed slice
+into its tensor. Each slice is summed by one rank only, so all ranks receive the same bits
+(with two ranks, exactly gloo's result). Two buffers per rank, used in turn, let a call return
+without a third barrier: a rank writes a buffer again only two calls later, after a barrier that
+every rank reaches only once it has finished reading that buffer.
 
 Where shared memory cannot serve (ranks on different hosts, tensors not on the CPU, no or too
 small ``/dev/shm``), :class:`HostAllReduce` uses ``dist.all_reduce``; ranks always agree on the
