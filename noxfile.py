@@ -17,7 +17,7 @@ nox.options.sessions = ["lint", "tests"]
 
 # plugin short name -> (distribution, extras its own tests need)
 PLUGINS = {
-    "dtensor": ("nrl-dtensor", []),
+    "dtensor": ("nrl-dtensor", ["lora"]),  # a replica test starts LoRA adapters
     "megatron": ("nrl-megatron", ["engine"]),
     "vllm": ("nrl-vllm", []),
     "sglang": ("nrl-sglang", []),

@@ -4,6 +4,7 @@ ranks together."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,15 @@ def _sizes_and_dtypes():
     )
 
 
+def _no_gloo_barrier(*args, **kwargs):
+    raise AssertionError("a barrier went through gloo; the ranks wait on their pipes")
+
+
 def _ranks(rank: int, world: int, store: str, shm_dirs: list[str], out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # A gloo barrier is a TCP round trip (1-2 ms on a busy machine): no call may use one.
+    dist.barrier = _no_gloo_barrier
     try:
         reduce = HostAllReduce(shm_dir=Path(shm_dirs[rank]))
         results = []
@@ -36,7 +43,24 @@ def _ranks(rank: int, world: int, store: str, shm_dirs: list[str], out: str) -> 
             dist.all_reduce(expected)
             got = reduce(x.clone())
             results.append((got, expected))
-        torch.save({"shared": reduce.shared, "results": results}, f"{out}/rank{rank}.pt")
+        coalesced = []
+        for call in range(4):
+            g = torch.Generator().manual_seed(7000 + 100 * call + rank)
+            parts = [torch.randn(n, generator=g) for n in (300, 1, 4096 * (call + 1))]
+            parts.append(torch.randn(5, 7, generator=g))  # not flat: taken row by row
+            expected = torch.cat([t.reshape(-1) for t in parts])
+            dist.all_reduce(expected)
+            expected.div_(world)
+            # One rank comes late, so the other waits at the barriers.
+            time.sleep(0.05 if (call + rank) % 2 else 0.0)
+            before = [t.clone() for t in parts]
+            got = reduce.sum_coalesced(parts, divide_by=world)
+            unchanged = all(torch.equal(a, b) for a, b in zip(parts, before, strict=True))
+            coalesced.append((got, expected, unchanged))
+        torch.save(
+            {"shared": reduce.shared, "results": results, "coalesced": coalesced},
+            f"{out}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -61,7 +85,11 @@ def test_two_ranks_get_gloos_exact_sums_through_shared_memory(tmp_path):
         for got, expected in r["results"]:
             # a + b is the same bits in either order: gloo's exact result.
             assert got.dtype == expected.dtype and torch.equal(got, expected)
-    # Every buffer file was unlinked once mapped.
+        # Taken as one tensor and averaged: gloo's bits too (the division is the same one),
+        # with the inputs left as they were.
+        for got, expected, unchanged in r["coalesced"]:
+            assert torch.equal(got, expected) and unchanged
+    # Every buffer file and pipe was unlinked once opened.
     assert list(shm.iterdir()) == []
 
 
@@ -75,6 +103,10 @@ def test_three_ranks_agree_bit_for_bit(tmp_path):
         # Summation order may differ from gloo's with three ranks, never between ranks.
         assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
         torch.testing.assert_close(got[0], expected, rtol=1e-6, atol=1e-4)
+    for call in range(len(ranks[0]["coalesced"])):
+        got = [r["coalesced"][call][0] for r in ranks]
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+        torch.testing.assert_close(got[0], ranks[0]["coalesced"][call][1])
     assert list(shm.iterdir()) == []
 
 
@@ -90,5 +122,7 @@ def test_every_rank_falls_back_to_gloo_when_one_cannot_share(tmp_path, case):
     for r in ranks:
         for got, expected in r["results"]:
             assert torch.equal(got, expected)
+        for got, expected, unchanged in r["coalesced"]:
+            assert torch.equal(got, expected) and unchanged
     for d in dirs:
         assert not d.exists() or list(d.iterdir()) == []

@@ -437,16 +437,16 @@ class DTensorPolicyWorker:
             p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
         ]
         presence = torch.tensor([p.grad is not None for p in params], dtype=pieces[0].dtype)
-        flat = torch.cat([*pieces, presence])
         if self._gradient_all_reduce is None:
             from nrl_core.distributed.host_all_reduce import HostAllReduce
 
             # Through shared memory between CPU ranks on one host (gloo's TCP loopback takes
             # twice as long or more: benchmarks/host_all_reduce.py); dist.all_reduce otherwise.
             self._gradient_all_reduce = HostAllReduce(self.dp_mesh.get_group())
-        self._gradient_all_reduce(flat)
+        # The average; a presence flag averages to a fraction, which is nonzero when any rank
+        # had the gradient.
+        flat = self._gradient_all_reduce.sum_coalesced([*pieces, presence], divide_by=self.dp_size)
         grads, has_grad = flat[: -len(params)], flat[-len(params) :].tolist()
-        grads.div_(self.dp_size)
         pieces = grads.split([p.numel() for p in params])
         for param, grad, present in zip(params, pieces, has_grad, strict=True):
             param.grad = grad.view_as(param) if present else None
