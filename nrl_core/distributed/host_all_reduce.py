@@ -43,6 +43,14 @@ import torch.distributed as dist
 SHM_DIR = Path("/dev/shm")
 
 
+def all_ranks_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a MIN all-reduce of a flag; call it on
+    all ranks together), so that ranks whose local checks differ take one decision."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 class HostAllReduce:
     """Sum all-reduce over ``group``, through shared memory when every rank of the group runs
     on this host (see the module docstring): in place on one tensor (call the object), or
@@ -73,7 +81,8 @@ class HostAllReduce:
         not contiguous CPU tensors go through ``dist.all_reduce``."""
         if self.world_size == 1:
             return tensor
-        if tensor.device.type == "cpu" and tensor.is_contiguous() and self._use_shared(tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and self._use_shared(nbytes):
             flat = tensor.view(-1)
             self._reduce_shared([flat], flat)
             return tensor
@@ -86,9 +95,10 @@ class HostAllReduce:
         ``divide_by`` = the group's size), as a new 1-D tensor; ``tensors`` are left as they
         were. Through shared memory this costs no concatenation of its own: each tensor is
         copied straight into the buffer, and each rank divides only the slice it summed."""
-        if self.world_size > 1:
-            out = tensors[0].new_empty(sum(t.numel() for t in tensors))
-            if out.device.type == "cpu" and self._use_shared(out):
+        if self.world_size > 1 and tensors[0].device.type == "cpu":
+            numel = sum(t.numel() for t in tensors)
+            if self._use_shared(numel * tensors[0].element_size()):
+                out = tensors[0].new_empty(numel)
                 self._reduce_shared([t.reshape(-1) for t in tensors], out, divide_by)
                 return out
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -98,10 +108,9 @@ class HostAllReduce:
             flat.div_(divide_by)
         return flat
 
-    def _use_shared(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` (contiguous, on the CPU) goes through shared memory, setting up
-        or growing the buffers first when needed (all ranks together)."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def _use_shared(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of CPU data go through shared memory, setting up or growing the
+        buffers first when needed (all ranks together)."""
         if self.shared is None or (self.shared and nbytes > self._capacity):
             self.shared = self._map_buffers(nbytes)
         return bool(self.shared)
@@ -109,12 +118,6 @@ class HostAllReduce:
     @property
     def _capacity(self) -> int:
         return self._buffers[0].shape[1] if self._buffers else 0
-
-    def _agree(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank."""
-        flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
 
     def _map_buffers(self, nbytes: int) -> bool:
         """Create this rank's buffer file and pipe, map every rank's buffer and open every
@@ -151,7 +154,7 @@ class HostAllReduce:
             ok = True
         except OSError:
             ok = False
-        ok = self._agree(ok)
+        ok = all_ranks_agree(ok, self.group)
         if ok:
             try:
                 # A peer's file exists here only when the peer shares this host's /dev/shm.
@@ -169,7 +172,8 @@ class HostAllReduce:
                 ok = all(b is not None for b in buffers)
             except (OSError, RuntimeError):
                 ok = False
-            ok = self._agree(ok)  # also: every rank has opened every file before any unlink
+            # Also: every rank has opened every file before any unlink.
+            ok = all_ranks_agree(ok, self.group)
             if ok:
                 self._buffers = [b.view(2, capacity) for b in buffers]
                 self._poll.register(self._own_pipe, select.POLLIN)

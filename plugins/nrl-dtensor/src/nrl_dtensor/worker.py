@@ -126,10 +126,10 @@ class DTensorPolicyWorker:
             return True
         # AdamW: float32 weights, gradients and two moments, one copy per rank on this host.
         need = 16 * sum(p.numel() for p in model.parameters()) * self.world_size
+        from nrl_core.distributed.host_all_reduce import all_ranks_agree
+
         # Every rank must take the same decision, whatever its host's memory.
-        fits = torch.tensor([int(need <= self._host_memory_bytes() // 2)])
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        return not bool(fits.item())
+        return not all_ranks_agree(need <= self._host_memory_bytes() // 2)
 
     @staticmethod
     def _host_memory_bytes() -> int:
