@@ -32,6 +32,7 @@ gloo (or NCCL) group on a free local port: Megatron-Core always needs ``parallel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -64,6 +65,31 @@ from nrl_megatron.convert import (
 
 class MegatronSetupError(NrlError):
     """The megatron policy's options do not fit the model, the cluster or this machine."""
+
+
+@contextlib.contextmanager
+def _adam_step_set_aside(megatron_optimizer) -> Iterator[None]:
+    """Hide torch Adam's per-parameter ``step`` while Megatron-Core loads the distributed
+    optimizer's parameter state, and put it back after.
+
+    Without Apex or Transformer Engine, Megatron-Core 0.16.1 runs torch's Adam:
+    ``load_state_dict`` sets ``state[p]["step"]`` (distrib_optimizer.py:817), but the parameter
+    state file holds only ``param``, ``exp_avg`` and ``exp_avg_sq`` ("step" is handled separately
+    when saving, :1819), and ``_set_main_param_and_optimizer_states`` copies every key the live
+    state has (:939), so the load fails with ``KeyError: 'step'`` (seen on an H100,
+    2026-11-26). The step count itself comes from the optimizer state dict loaded before, but
+    as ONE tensor shared by every parameter (:825); torch's Adam increments each parameter's
+    ``step`` in place, so a shared one would count every parameter's update and skew the bias
+    correction after a resume. Each parameter gets its own copy back."""
+    inner = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    states = [opt.optimizer.state for opt in inner]
+    aside = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
+    try:
+        yield
+    finally:
+        for state, steps in zip(states, aside, strict=True):
+            for param, step in steps.items():
+                state[param]["step"] = step.detach().clone()
 
 
 def _free_port() -> int:
@@ -496,7 +522,8 @@ class MegatronPolicyWorker:
                     "optimizer's moments and main weights); resume from a checkpoint written "
                     "by a GPU run of the megatron policy"
                 )
-            self.megatron_optimizer.load_parameter_state(state_file)
+            with _adam_step_set_aside(self.megatron_optimizer):
+                self.megatron_optimizer.load_parameter_state(state_file)
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
