@@ -306,6 +306,8 @@ class MegatronPolicyWorker:
         if self.tp_size == 1:
             return
         ids = batch["input_ids"]
+        # On the worker's device: Megatron's groups use the default backend, and NCCL has no
+        # backend for CPU tensors ("No backend type associated with device type cpu").
         digest = torch.tensor(
             [
                 ids.shape[0],
@@ -314,6 +316,7 @@ class MegatronPolicyWorker:
                 int((ids.long() * 31 % 1009).sum()),
             ],
             dtype=torch.long,
+            device=self.device,
         )
         gathered = [torch.zeros_like(digest) for _ in range(self.tp_size)]
         dist.all_gather(gathered, digest, group=self.tp_group)
