@@ -256,6 +256,35 @@ def test_resume_keeps_the_optimizer_state_the_distributed_optimizer_keeps_apart(
     assert resumed == uninterrupted
 
 
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_a_checkpoint_before_the_first_optimizer_step_resumes(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """A checkpoint at step 0, when Megatron's distributed optimizer has no state yet (its
+    ``state_dict()`` asserts then, and its parameter state has no moments), saves, and loading
+    it (into a policy that trained since) resumes exactly the first step: the weights, and an
+    optimizer as fresh as it was."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    batch = make_batch(8, seed=6)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    ckpt = str(tmp_path / "step0")
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", ckpt)
+    assert not (tmp_path / "step0" / "distopt_tp0.pt").exists()  # no state to write
+    first = megatron.train(batch, TokenMeanNLL())
+    second = megatron.train(batch, TokenMeanNLL())
+    assert second != first  # the checkpoint has something to restore
+
+    group.run_all(checkpoint_through_parameter_state, "load_checkpoint", ckpt)
+    assert megatron.train(batch, TokenMeanNLL()) == first
+    # Adam's moments restarted too: the step after is the second one again.
+    assert megatron.train(batch, TokenMeanNLL()) == second
+
+
 # -- issue 34 (1): the tensor-parallel batch check on NCCL ----------------------------------------
 
 

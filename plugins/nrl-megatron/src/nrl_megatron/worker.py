@@ -457,19 +457,26 @@ class MegatronPolicyWorker:
         the data-parallel group and writes on its rank 0 (``distrib_optimizer.py:1126``,
         through ``ChainedOptimizer.save_parameter_state``, ``optimizer/optimizer.py:1340``) into
         ``distopt_tp{T}.pt``. Without it a resume would silently restart Adam from zero.
+
+        Before the first optimizer step (a checkpoint at step 0) the optimizer has no state to
+        save, and Megatron's ``state_dict()`` asserts on exactly that (its step count comes
+        from Adam's per-parameter state, ``distrib_optimizer.py:638-640``; the parameter state
+        has no ``exp_avg`` yet): the checkpoint then records ``"optimizer": None``, and loading
+        it gives the optimizer the fresh state it had.
         """
         Path(path).mkdir(parents=True, exist_ok=True)
+        stepped = self._optimizer_has_state()
         torch.save(
             {
                 "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.optimizer.state_dict() if stepped else None,
                 "step": self.step,
                 "rng": self._rng_state(),
                 "layout": {"tp": self.tp_size, "world_size": self.world_size},
             },
             Path(path) / f"rank{self.rank}.pt",
         )
-        if self.megatron_optimizer is not None:
+        if self.megatron_optimizer is not None and stepped:
             # A collective over the data-parallel group (gloo gather); all ranks call it.
             self.megatron_optimizer.save_parameter_state(self._parameter_state_file(path))
         dist.barrier()
@@ -487,7 +494,42 @@ class MegatronPolicyWorker:
                 "resume with the same policy.num_workers and tensor_model_parallel_size"
             )
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is None:
+            self._reset_optimizer_state()  # saved before the first step: a fresh optimizer
+        else:
+            self._load_optimizer_state(path, state["optimizer"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and self.on_gpu:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        dist.barrier()
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The ``torch.optim`` optimizers that hold the per-parameter state: the CPU path's own,
+        or the one each of Megatron's (chained) distributed optimizers wraps (``.optimizer``)."""
+        if self.megatron_optimizer is None:
+            return [self.optimizer]
+        chained = getattr(self.megatron_optimizer, "chained_optimizers", None)
+        return [o.optimizer for o in (chained or [self.megatron_optimizer])]
+
+    def _optimizer_has_state(self) -> bool:
+        """Whether an optimizer step has created per-parameter state (Adam's moments). The same
+        on every rank: all ranks step together."""
+        return any(len(optimizer.state) > 0 for optimizer in self._torch_optimizers())
+
+    def _reset_optimizer_state(self) -> None:
+        """The optimizer as it was before its first step, for the weights just loaded."""
+        for optimizer in self._torch_optimizers():
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group.pop("step", None)  # Transformer Engine's FusedAdam counts steps here
+        if self.megatron_optimizer is not None:
+            # Its float32 main weights are copies of the model's: take the loaded ones.
+            self.megatron_optimizer.reload_model_params()
+
+    def _load_optimizer_state(self, path: str, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
         if self.megatron_optimizer is not None:
             # load_state_dict() above allocated placeholder moments (distrib_optimizer.py:690);
             # the parameter state file fills them and the main weights, scattered from
@@ -500,12 +542,6 @@ class MegatronPolicyWorker:
                     "by a GPU run of the megatron policy"
                 )
             self.megatron_optimizer.load_parameter_state(state_file)
-        self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.on_gpu:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        dist.barrier()
 
     # -- colocated engines: hand the GPU memory over -------------------------------------------
 
