@@ -374,17 +374,20 @@ def _run_uv(
         )
 
 
-def find_nvcc(environ: Mapping[str, str] | None = None) -> Path | None:
-    """nvcc where CUDA extension builds (torch's, Transformer Engine's) look for it:
-    ``$CUDA_HOME/bin/nvcc`` when ``CUDA_HOME`` is set, else on ``PATH``, else
-    ``/usr/local/cuda/bin/nvcc``; None if it is not there."""
+def find_cuda_toolkit(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The CUDA toolkit a CUDA extension build uses, found as torch's ``cpp_extension`` finds
+    it (``CUDA_HOME`` or ``CUDA_PATH``, else two levels above ``nvcc`` on ``PATH``, else
+    ``/usr/local/cuda``), if it has both ``bin/nvcc`` and the CUDA headers
+    (``include/cuda_runtime_api.h``); None otherwise. An nvcc alone (a wrapper script on
+    PATH) does not build: torch's headers include the CUDA runtime's."""
     environ = os.environ if environ is None else environ
-    if environ.get("CUDA_HOME"):
-        candidate = Path(environ["CUDA_HOME"]) / "bin" / "nvcc"
-    else:
-        found = shutil.which("nvcc", path=environ.get("PATH", os.defpath))
-        candidate = Path(found) if found else Path("/usr/local/cuda/bin/nvcc")
-    return candidate if candidate.is_file() else None
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc", path=environ.get("PATH", os.defpath))
+        home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    root = Path(home)
+    needed = (root / "bin" / "nvcc", root / "include" / "cuda_runtime_api.h")
+    return root if all(path.is_file() for path in needed) else None
 
 
 def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
@@ -401,7 +404,7 @@ def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
         for package in lock.get("package", [])
         if canonical_name(package["name"]) in CUDA_SOURCE_BUILDS and not package.get("wheels")
     }
-    if not source_only or find_nvcc(env) is not None:
+    if not source_only or find_cuda_toolkit(env) is not None:
         return
     cmd = [uv_binary(), "export", "--frozen", "--no-hashes", "--no-dev", "--no-header",
            "--no-annotate", "--no-emit-workspace", "--package", request.distribution,
@@ -417,18 +420,21 @@ def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
         canonical_name(match[1])
         for match in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", proc.stdout, re.M)
     }
-    where = (
-        f"none in CUDA_HOME={env['CUDA_HOME']}/bin"
-        if env.get("CUDA_HOME")
-        else "none on PATH or in /usr/local/cuda/bin"
-    )
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath))
+    if home:
+        where = f"CUDA_HOME={home} has no bin/nvcc with include/cuda_runtime_api.h"
+    elif nvcc:
+        where = f"the nvcc on PATH ({nvcc}) has no include/cuda_runtime_api.h two levels up"
+    else:
+        where = "there is no nvcc on PATH or in /usr/local/cuda"
     for name in sorted(needed & set(source_only)):
         extras = f"[{','.join(request.extras)}]" if request.extras else ""
         raise BuildToolMissingError(
             f"{request.distribution}{extras} needs {name} {source_only[name]}, which is "
-            f"published as source only and compiles CUDA code: building it needs nvcc ({where}); "
-            "install the CUDA toolkit of the locked torch's CUDA version and put its bin on PATH "
-            "or set CUDA_HOME to it"
+            "published as source only and compiles CUDA code: building it needs the CUDA "
+            f"toolkit (nvcc and its headers), and {where}; install the toolkit of the locked "
+            "torch's CUDA version, or set CUDA_HOME to it"
         )
 
 

@@ -280,12 +280,19 @@ def test_a_venv_that_compiles_cuda_code_without_nvcc_is_refused_in_one_line(
     assert "transformer-engine-torch" in err and "nvcc" in err and "CUDA_HOME" in err
 
 
-def test_nvcc_is_looked_for_where_cuda_extension_builds_look(tmp_path):
+def test_the_cuda_toolkit_is_looked_for_where_torch_extension_builds_look(tmp_path):
+    """As torch's cpp_extension: CUDA_HOME, else two levels above nvcc on PATH; a toolkit
+    needs nvcc and the runtime's headers (an nvcc wrapper on PATH alone does not compile)."""
     toolkit = tmp_path / "cuda"
-    (toolkit / "bin").mkdir(parents=True)
-    (toolkit / "bin" / "nvcc").write_text("")
-    assert actor_env.find_nvcc({"CUDA_HOME": str(toolkit)}) == toolkit / "bin" / "nvcc"
-    assert actor_env.find_nvcc({"CUDA_HOME": str(tmp_path / "none")}) is None
-    on_path = {"PATH": str(toolkit / "bin")}
+    for path in (toolkit / "bin" / "nvcc", toolkit / "include" / "cuda_runtime_api.h"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
     (toolkit / "bin" / "nvcc").chmod(0o755)
-    assert actor_env.find_nvcc(on_path) == toolkit / "bin" / "nvcc"
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(toolkit)}) == toolkit
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(tmp_path / "none")}) is None
+    assert actor_env.find_cuda_toolkit({"PATH": str(toolkit / "bin")}) == toolkit
+    wrapper = tmp_path / "local" / "bin" / "nvcc"  # e.g. /usr/local/bin/nvcc -> exec ...
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\n")
+    wrapper.chmod(0o755)
+    assert actor_env.find_cuda_toolkit({"PATH": str(wrapper.parent)}) is None
