@@ -61,6 +61,9 @@ BUILD_TIMEOUT_S = 3600.0
 CUDA_SOURCE_BUILDS = frozenset({"transformer-engine-torch"})
 """Locked packages published as source only whose build compiles CUDA code, so needs nvcc
 (Transformer Engine's torch extension, nrl-megatron[te]); :func:`check_source_builds`."""
+CUDA_HEADERS = ("cuda_runtime_api.h", "cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+"""The toolkit headers every torch CUDA extension compiles against (torch 2.14's
+``ATen/cuda/CUDAContextLight.h`` includes them)."""
 ACTOR_KINDS = frozenset({"policy", "generation", "environment", "agent"})
 """The component kinds whose actors run with their plugin's venv (:func:`actor_python`), built
 with the extras they register. The others run in the driver (datasets, clusters) or inside
@@ -377,16 +380,15 @@ def _run_uv(
 def find_cuda_toolkit(environ: Mapping[str, str] | None = None) -> Path | None:
     """The CUDA toolkit a CUDA extension build uses, found as torch's ``cpp_extension`` finds
     it (``CUDA_HOME`` or ``CUDA_PATH``, else two levels above ``nvcc`` on ``PATH``, else
-    ``/usr/local/cuda``), if it has both ``bin/nvcc`` and the CUDA headers
-    (``include/cuda_runtime_api.h``); None otherwise. An nvcc alone (a wrapper script on
-    PATH) does not build: torch's headers include the CUDA runtime's."""
+    ``/usr/local/cuda``), if it has ``bin/nvcc`` and the :data:`CUDA_HEADERS`; None otherwise.
+    An nvcc alone (a wrapper script on PATH, a compiler-only install) does not build."""
     environ = os.environ if environ is None else environ
     home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     if not home:
         nvcc = shutil.which("nvcc", path=environ.get("PATH", os.defpath))
         home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
     root = Path(home)
-    needed = (root / "bin" / "nvcc", root / "include" / "cuda_runtime_api.h")
+    needed = [root / "bin" / "nvcc", *(root / "include" / h for h in CUDA_HEADERS)]
     return root if all(path.is_file() for path in needed) else None
 
 
@@ -422,10 +424,11 @@ def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
     }
     home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
     nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath))
+    headers = ",".join(CUDA_HEADERS)
     if home:
-        where = f"CUDA_HOME={home} has no bin/nvcc with include/cuda_runtime_api.h"
+        where = f"CUDA_HOME={home} lacks bin/nvcc or include/{{{headers}}}"
     elif nvcc:
-        where = f"the nvcc on PATH ({nvcc}) has no include/cuda_runtime_api.h two levels up"
+        where = f"the nvcc on PATH ({nvcc}) has no include/{{{headers}}} two levels up"
     else:
         where = "there is no nvcc on PATH or in /usr/local/cuda"
     for name in sorted(needed & set(source_only)):
@@ -433,8 +436,8 @@ def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
         raise BuildToolMissingError(
             f"{request.distribution}{extras} needs {name} {source_only[name]}, which is "
             "published as source only and compiles CUDA code: building it needs the CUDA "
-            f"toolkit (nvcc and its headers), and {where}; install the toolkit of the locked "
-            "torch's CUDA version, or set CUDA_HOME to it"
+            f"toolkit (nvcc and the CUDA library headers), and {where}; install the full toolkit of "
+            "the locked torch's CUDA version, or set CUDA_HOME to it"
         )
 
 

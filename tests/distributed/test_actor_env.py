@@ -284,7 +284,10 @@ def test_the_cuda_toolkit_is_looked_for_where_torch_extension_builds_look(tmp_pa
     """As torch's cpp_extension: CUDA_HOME, else two levels above nvcc on PATH; a toolkit
     needs nvcc and the runtime's headers (an nvcc wrapper on PATH alone does not compile)."""
     toolkit = tmp_path / "cuda"
-    for path in (toolkit / "bin" / "nvcc", toolkit / "include" / "cuda_runtime_api.h"):
+    for path in (
+        toolkit / "bin" / "nvcc",
+        *(toolkit / "include" / h for h in actor_env.CUDA_HEADERS),
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
     (toolkit / "bin" / "nvcc").chmod(0o755)
@@ -296,3 +299,5 @@ def test_the_cuda_toolkit_is_looked_for_where_torch_extension_builds_look(tmp_pa
     wrapper.write_text("#!/bin/sh\n")
     wrapper.chmod(0o755)
     assert actor_env.find_cuda_toolkit({"PATH": str(wrapper.parent)}) is None
+    (toolkit / "include" / "cusparse.h").unlink()  # a compiler-only install
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(toolkit)}) is None
