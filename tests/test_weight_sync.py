@@ -255,7 +255,7 @@ def test_cuda_ipc_handles_come_only_from_policy_ranks_that_feed_an_engine(coloca
         return flat, bucket_layout(bucket)
 
     class Engine:  # a Ray actor handle's `call.remote`
-        class call:  # noqa: N801
+        class call:
             @staticmethod
             def remote(method, args, kwargs):
                 received.append((method, args))
