@@ -141,7 +141,17 @@ class GenerationEngines:
             dtype=self.dtype,
             nccl_per_tensor=self.nccl_per_tensor,
             timeout_s=self.group.timeout_s,
+            ipc_ranks=self.ipc_ranks(),
         )
+
+    def ipc_ranks(self) -> frozenset[int] | None:
+        """The policy ranks that share CUDA IPC handles: those whose GPU hosts an engine.
+        Colocated engine ``e`` takes bundle ``e`` of the policy's placement group, which is
+        policy rank ``e``'s GPU (one bundle per rank, :meth:`WorkerGroup.start`); separate
+        engines sit on no policy GPU. None for the other transports."""
+        if self.transport != "cuda_ipc":
+            return None
+        return frozenset(range(self.num_engines)) if self.colocated else frozenset()
 
     def refit(self, policy: Any) -> float:
         """Push ``policy``'s current weights (a :class:`nrl_core.policy.Policy` whose workers

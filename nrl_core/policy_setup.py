@@ -81,11 +81,13 @@ class LazyReference:
         self._model = None
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Any) -> None:
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Any = None) -> None:
     """Move every tensor of a ``torch.optim`` optimizer's state (Adam's moments, step counts
-    kept as tensors) to ``device``: what a policy worker's ``offload(["optimizer"])`` and
-    ``onload()`` do for engines colocated on its GPU."""
-    for state in optimizer.state.values():
+    kept as tensors) to ``device``, or with ``device=None`` each parameter's state to that
+    parameter's device: what a policy worker's ``offload(["optimizer"])`` and ``onload()`` do
+    for engines colocated on its GPU."""
+    for param, state in optimizer.state.items():
+        target = param.device if device is None else device
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
+                state[key] = value.to(target, non_blocking=True)

@@ -685,6 +685,10 @@ class WeightSender:
         nccl_per_tensor: broadcast each tensor on its own instead of the packed bucket (SGLang's
             ``update_weights_from_distributed`` receives that way).
         timeout_s: bound on each engine's answer per bucket.
+        ipc_ranks: for ``cuda_ipc``, the policy ranks whose GPU hosts an engine (None: every
+            rank). Only they share a CUDA IPC handle: a handle no engine opens keeps its block
+            alive in torch's IPC bookkeeping, so each refit would strand a full copy of the
+            weights on every other GPU until it runs out of memory.
     """
 
     receivers: list[Any]
@@ -694,6 +698,7 @@ class WeightSender:
     nccl_group: str = "nrl-refit"
     nccl_per_tensor: bool = False
     timeout_s: float = 600.0
+    ipc_ranks: frozenset[int] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -751,7 +756,8 @@ class WeightSender:
                 if lead:
                     total += self._send_shm(bucket)
             elif self.transport == "cuda_ipc":
-                total += self._send_ipc(bucket, lead, gather_object)
+                share = self.ipc_ranks is None or rank in self.ipc_ranks
+                total += self._send_ipc(bucket, lead, gather_object, share)
             elif lead:
                 total += self._send_nccl(bucket)
             count += 1
@@ -780,10 +786,22 @@ class WeightSender:
             shm.unlink()
         return meta.payload_bytes
 
-    def _send_ipc(self, bucket: dict[str, torch.Tensor], lead: bool, gather_object) -> int:
+    def _send_ipc(
+        self, bucket: dict[str, torch.Tensor], lead: bool, gather_object, share: bool = True
+    ) -> int:
         import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
+        if not share:
+            # No engine on this rank's GPU: no packed copy, no handle; it still takes part in
+            # the exchange and the barrier (collectives of every policy rank).
+            meta = bucket_layout(bucket)
+            handles = gather_object({}) if gather_object is not None else [{}]
+            if lead:
+                self._receive_ipc(meta, handles)
+            if gather_object is not None:
+                gather_object(None)
+            return meta.payload_bytes
         flat, meta = pack_bucket(bucket)
         if flat.device.type != "cuda":
             raise WeightSyncError("the cuda_ipc transport needs the policy's weights on a GPU")
@@ -796,15 +814,19 @@ class WeightSender:
         mine = {gpu: args}
         handles = gather_object(mine) if gather_object is not None else [mine]
         if lead:
-            merged: dict[str, tuple] = {}
-            for part in handles:
-                merged.update(part)
-            self._wait(self._call_all("receive_bucket", meta, CudaIpcHandle(merged)))
+            self._receive_ipc(meta, handles)
         if gather_object is not None:
             gather_object(None)  # a barrier: no rank frees its buffer while engines read it
         torch.cuda.synchronize(flat.device)
         del flat
         return meta.payload_bytes
+
+    def _receive_ipc(self, meta: BucketMeta, handles: list[dict[str, tuple]]) -> None:
+        """Every engine loads the bucket from the copy on its own GPU (all ranks' handles)."""
+        merged: dict[str, tuple] = {}
+        for part in handles:
+            merged.update(part)
+        self._wait(self._call_all("receive_bucket", meta, CudaIpcHandle(merged)))
 
     def _send_nccl(self, bucket: dict[str, torch.Tensor]) -> int:
         pg = _NCCL_GROUPS.get(self.nccl_group)

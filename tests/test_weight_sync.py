@@ -228,3 +228,74 @@ def test_shm_transport_between_two_ray_actors(ray_cluster, tiny_model_path, tiny
     finally:
         source.shutdown()
         sink.shutdown()
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize("colocated", [True, False])
+def test_cuda_ipc_handles_come_only_from_policy_ranks_that_feed_an_engine(colocated, monkeypatch):
+    """With fewer colocated engines than policy ranks (here 1 engine, 2 ranks), only rank 0's
+    GPU hosts an engine: rank 1 must share no CUDA IPC handle (no engine would open it, and
+    torch keeps the block of an unopened handle alive: a full copy of the weights stranded on
+    that GPU per refit) and pack no copy; rank 0's handle still reaches the engine. Separate
+    engines (an explicit ``refit_transport=cuda_ipc``) sit on no policy GPU: no rank shares.
+    The GPU steps (``pack_bucket`` onto the GPU, the device UUID, ``reduce_tensor``) are
+    stand-ins; the sender the driver builds and its exchange between ranks are the real ones."""
+    from types import SimpleNamespace
+
+    import torch.multiprocessing.reductions as reductions
+
+    from nrl_core import weight_sync
+    from nrl_core.generation import GenerationEngines
+
+    shared, packed, received = [], [], []
+
+    def fake_pack(bucket):
+        packed.append(sorted(bucket))
+        flat = SimpleNamespace(device=torch.device("cuda", 0))
+        return flat, bucket_layout(bucket)
+
+    class Engine:  # a Ray actor handle's `call.remote`
+        class call:
+            @staticmethod
+            def remote(method, args, kwargs):
+                received.append((method, args))
+                return None
+
+    monkeypatch.setattr(weight_sync, "pack_bucket", fake_pack)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: shared.append(t) or (None, "args"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(uuid="g"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    monkeypatch.setattr(WeightSender, "_wait", lambda self, refs: refs)
+    group = SimpleNamespace(num_workers=1, actors=[Engine()], timeout_s=5.0)
+    engines = GenerationEngines(group, transport="cuda_ipc", colocated=colocated)
+    sender = engines.sender()
+    bucket = {"w": torch.zeros(4)}
+
+    def exchange(rank: int):
+        """The all-gather between the two policy ranks, seen from ``rank``: the other rank
+        contributes what the same sender decides for it."""
+        other_shares = colocated and rank == 1  # the other rank is 0
+        other = {"gpu-of-rank-0": "args"} if other_shares else {}
+        sent = []
+
+        def gather(obj):
+            sent.append(obj)
+            return [obj, other] if rank == 0 else [other, obj]
+
+        return gather, sent
+
+    gather, sent = exchange(1)
+    sender.send([bucket], rank=1, gather_object=gather)
+    assert shared == [] and packed == []  # no handle, no packed copy on rank 1's GPU
+    assert sent == [{}, None]  # it still took part in the exchange and the barrier
+
+    gather, sent = exchange(0)
+    sender.send([bucket], rank=0, gather_object=gather)
+    loads = [args for method, args in received if method == "receive_bucket"]
+    assert len(loads) == 1
+    handle = loads[0][1]
+    if colocated:
+        assert len(shared) == 1 and packed == [["w"]]
+        assert handle.by_gpu == {"g": "args"}  # rank 0's copy, for the engine on its GPU
+    else:
+        assert shared == [] and packed == [] and handle.by_gpu == {}

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import attrs
 
-from nrl_core.distributed.errors import ActorEnvError, ImageMismatchError
+from nrl_core.distributed.errors import ActorEnvError, BuildToolMissingError, ImageMismatchError
 
 Mode = Literal["workspace", "installed"]
 
@@ -58,6 +58,12 @@ CONSTRAINTS_FILE = "nrl-constraints.txt"
 """Written inside an installed-mode venv built beside a checkout: the lock's versions of
 nrl-core's dependencies that ``uv pip install`` was held to."""
 BUILD_TIMEOUT_S = 3600.0
+CUDA_SOURCE_BUILDS = frozenset({"transformer-engine-torch"})
+"""Locked packages published as source only whose build compiles CUDA code, so needs nvcc
+(Transformer Engine's torch extension, nrl-megatron[te]); :func:`check_source_builds`."""
+CUDA_HEADERS = ("cuda_runtime_api.h", "cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+"""The toolkit headers every torch CUDA extension compiles against (torch 2.14's
+``ATen/cuda/CUDAContextLight.h`` includes them)."""
 ACTOR_KINDS = frozenset({"policy", "generation", "environment", "agent"})
 """The component kinds whose actors run with their plugin's venv (:func:`actor_python`), built
 with the extras they register. The others run in the driver (datasets, clusters) or inside
@@ -371,6 +377,70 @@ def _run_uv(
         )
 
 
+def find_cuda_toolkit(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The CUDA toolkit a CUDA extension build uses, found as torch's ``cpp_extension`` finds
+    it (``CUDA_HOME`` or ``CUDA_PATH``, else two levels above ``nvcc`` on ``PATH``, else
+    ``/usr/local/cuda``), if it has ``bin/nvcc`` and the :data:`CUDA_HEADERS`; None otherwise.
+    An nvcc alone (a wrapper script on PATH, a compiler-only install) does not build."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc", path=environ.get("PATH", os.defpath))
+        home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    root = Path(home)
+    needed = [root / "bin" / "nvcc", *(root / "include" / h for h in CUDA_HEADERS)]
+    return root if all(path.is_file() for path in needed) else None
+
+
+def check_source_builds(request: VenvRequest, env: Mapping[str, str]) -> None:
+    """Before building a workspace venv: refuse in one line (what is missing, how to get it)
+    a venv that must compile one of :data:`CUDA_SOURCE_BUILDS` where there is no nvcc, instead
+    of downloading gigabytes of wheels for uv to fail in a compiler's output."""
+    if request.mode != "workspace" or not request.workspace:
+        return
+    import tomllib
+
+    lock = tomllib.loads((Path(request.workspace) / "uv.lock").read_text())
+    source_only = {
+        canonical_name(package["name"]): package["version"]
+        for package in lock.get("package", [])
+        if canonical_name(package["name"]) in CUDA_SOURCE_BUILDS and not package.get("wheels")
+    }
+    if not source_only or find_cuda_toolkit(env) is not None:
+        return
+    cmd = [uv_binary(), "export", "--frozen", "--no-hashes", "--no-dev", "--no-header",
+           "--no-annotate", "--no-emit-workspace", "--package", request.distribution,
+           "--project", str(request.workspace)]  # fmt: skip
+    for extra in request.extras:
+        cmd += ["--extra", extra]
+    proc = subprocess.run(
+        cmd, cwd=request.workspace, env=dict(env), capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        return  # `uv sync` runs next and reports what is wrong with the lock
+    needed = {
+        canonical_name(match[1])
+        for match in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", proc.stdout, re.M)
+    }
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath))
+    headers = ",".join(CUDA_HEADERS)
+    if home:
+        where = f"CUDA_HOME={home} lacks bin/nvcc or include/{{{headers}}}"
+    elif nvcc:
+        where = f"the nvcc on PATH ({nvcc}) has no include/{{{headers}}} two levels up"
+    else:
+        where = "there is no nvcc on PATH or in /usr/local/cuda"
+    for name in sorted(needed & set(source_only)):
+        extras = f"[{','.join(request.extras)}]" if request.extras else ""
+        raise BuildToolMissingError(
+            f"{request.distribution}{extras} needs {name} {source_only[name]}, which is "
+            "published as source only and compiles CUDA code: building it needs the CUDA "
+            f"toolkit (nvcc and the CUDA library headers), and {where}; install the full toolkit of "
+            "the locked torch's CUDA version, or set CUDA_HOME to it"
+        )
+
+
 def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False) -> VenvInfo:
     """Build ``request`` under ``venv_root`` unless a ready one is there; safe across processes."""
     from filelock import FileLock
@@ -387,6 +457,7 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
         uv = uv_binary()
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         env["UV_NO_PROGRESS"] = "1"
+        check_source_builds(request, env)
         base = getattr(sys, "_base_executable", None) or sys.executable
         _run_uv([uv, "venv", "--quiet", "--python", base, str(venv)], request, env)
         python = venv / "bin" / "python"

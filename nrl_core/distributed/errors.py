@@ -79,6 +79,12 @@ class ActorEnvError(NrlError):
     """An actor virtualenv could not be built, or is broken."""
 
 
+class BuildToolMissingError(ActorEnvError):
+    """An actor virtualenv needs a tool this machine lacks to build a package (nvcc)."""
+
+    exit_code = 2
+
+
 class ImageMismatchError(NrlError):
     """The container image was built from a different pyproject.toml/uv.lock than the checkout."""
 

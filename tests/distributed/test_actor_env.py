@@ -256,3 +256,48 @@ def test_dataset_extras_get_no_actor_venv():
     host = PluginHost.discover(selection=[])
     host.add(Plugin(), "mathlike", distribution="nrl-math-env", version="0.1.0")
     assert _targets(["mathlike"], False, host=host) == [("mathlike", "nrl-math-env", ("verify",))]
+
+
+def test_a_venv_that_compiles_cuda_code_without_nvcc_is_refused_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """`nrl venvs build 'megatron[te]'` needs transformer-engine-torch, published as an sdist
+    only (a CUDA extension): without nvcc it says so in one line, exit 2, before uv downloads
+    anything (uv would otherwise fetch torch and TE's core library, then fail in the compiler's
+    output)."""
+    from nrl_core.cli import main
+
+    def run_uv(cmd, *_args, **_kwargs):
+        raise AssertionError(f"the build started: {cmd}")
+
+    monkeypatch.setattr(actor_env, "_run_uv", run_uv)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda-toolkit"))
+    monkeypatch.setenv("NRL_VENV_DIR", str(tmp_path / "venvs"))
+    code = main(["venvs", "build", "megatron[te]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2  # and uv never ran: no venv, no download
+    assert err.count("\n") == 0 and err.startswith("error: nrl-megatron[engine,te] needs ")
+    assert "transformer-engine-torch" in err and "nvcc" in err and "CUDA_HOME" in err
+
+
+def test_the_cuda_toolkit_is_looked_for_where_torch_extension_builds_look(tmp_path):
+    """As torch's cpp_extension: CUDA_HOME, else two levels above nvcc on PATH; a toolkit
+    needs nvcc and the runtime's headers (an nvcc wrapper on PATH alone does not compile)."""
+    toolkit = tmp_path / "cuda"
+    for path in (
+        toolkit / "bin" / "nvcc",
+        *(toolkit / "include" / h for h in actor_env.CUDA_HEADERS),
+    ):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(toolkit)}) == toolkit
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(tmp_path / "none")}) is None
+    assert actor_env.find_cuda_toolkit({"PATH": str(toolkit / "bin")}) == toolkit
+    wrapper = tmp_path / "local" / "bin" / "nvcc"  # e.g. /usr/local/bin/nvcc -> exec ...
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\n")
+    wrapper.chmod(0o755)
+    assert actor_env.find_cuda_toolkit({"PATH": str(wrapper.parent)}) is None
+    (toolkit / "include" / "cusparse.h").unlink()  # a compiler-only install
+    assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(toolkit)}) is None

@@ -199,28 +199,46 @@ class ParameterStateOptimizer:
     CPU worker's torch optimizer (the real one needs CUDA): ``state_dict()`` holds the
     parameter groups but no per-parameter state (Adam's moments, main weights;
     ``optimizer/distrib_optimizer.py:628-634``), ``load_state_dict`` leaves fresh state behind
-    (``:690``), and only ``save_parameter_state`` / ``load_parameter_state`` carry that state."""
+    (``:690``), and only ``save_parameter_state`` / ``load_parameter_state`` carry that state.
+
+    Before the first step both fail as Megatron's do: ``state_dict()`` takes the step count
+    from Adam's per-parameter state and asserts there is exactly one (``:638-640``, torch's Adam
+    without Apex or Transformer Engine), and ``save_parameter_state`` reads each parameter's
+    ``exp_avg`` (``get_parameter_state_dp_zero`` through
+    ``_get_main_param_and_optimizer_states``, ``:883-908``), which does not exist yet.
+    ``optimizer`` is the wrapped torch optimizer, as Megatron names it."""
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
-        self.inner = inner
+        self.optimizer = inner
 
     @property
     def param_groups(self) -> list:
-        return self.inner.param_groups
+        return self.optimizer.param_groups
 
     def state_dict(self) -> dict:
-        return {"param_groups": self.inner.state_dict()["param_groups"]}
+        steps = {float(s["step"]) for s in self.optimizer.state.values()}
+        assert len(steps) == 1  # as distrib_optimizer.py:640
+        return {"param_groups": self.optimizer.state_dict()["param_groups"]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
+        self.optimizer.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
 
     def save_parameter_state(self, filename: str) -> None:
-        torch.save(self.inner.state_dict()["state"], filename)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                tensors = {"param": param, **self.optimizer.state.get(param, {})}
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    tensors[key]  # KeyError before the first step, as Megatron's
+        torch.save(self.optimizer.state_dict()["state"], filename)
 
     def load_parameter_state(self, filename: str) -> None:
-        state = self.inner.state_dict()
+        state = self.optimizer.state_dict()
         state["state"] = torch.load(filename, weights_only=True)
-        self.inner.load_state_dict(state)
+        self.optimizer.load_state_dict(state)
+
+    def reload_model_params(self) -> None:
+        """Megatron copies the model's weights into its float32 main weights; the CPU
+        optimizer steps the model's own parameters, so there is nothing to copy."""
 
 
 def checkpoint_through_parameter_state(worker, action: str, path: str) -> None:

@@ -254,3 +254,66 @@ def test_resume_keeps_the_optimizer_state_the_distributed_optimizer_keeps_apart(
     group.run_all(checkpoint_through_parameter_state, "load_checkpoint", ckpt)
     resumed = megatron.train(batch, TokenMeanNLL())
     assert resumed == uninterrupted
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_a_checkpoint_before_the_first_optimizer_step_resumes(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """A checkpoint at step 0, when Megatron's distributed optimizer has no state yet (its
+    ``state_dict()`` asserts then, and its parameter state has no moments), saves, and loading
+    it (into a policy that trained since) resumes exactly the first step: the weights, and an
+    optimizer as fresh as it was."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    batch = make_batch(8, seed=6)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    ckpt = str(tmp_path / "step0")
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", ckpt)
+    assert not (tmp_path / "step0" / "distopt_tp0.pt").exists()  # no state to write
+    first = megatron.train(batch, TokenMeanNLL())
+    second = megatron.train(batch, TokenMeanNLL())
+    assert second != first  # the checkpoint has something to restore
+
+    group.run_all(checkpoint_through_parameter_state, "load_checkpoint", ckpt)
+    assert megatron.train(batch, TokenMeanNLL()) == first
+    # Adam's moments restarted too: the step after is the second one again.
+    assert megatron.train(batch, TokenMeanNLL()) == second
+
+
+# -- issue 34 (1): the tensor-parallel batch check on NCCL ----------------------------------------
+
+
+@pytest.mark.gpu_sim
+def test_tp_batch_digest_is_gathered_on_the_worker_device(monkeypatch):
+    """Megatron's tensor-parallel group uses the default backend, NCCL on GPUs, which refuses
+    CPU tensors; the digest ``_check_tp_peers_agree`` gathers on every ``forward_backward`` and
+    ``compute_logprobs`` must be on the worker's device. The ``meta`` device stands in for the
+    GPU (nothing else but the CPU exists here); the fake all-gather refuses any other device as
+    NCCL would, then stops the check (meta tensors hold no values to compare)."""
+    from types import SimpleNamespace
+
+    from nrl_megatron import worker as megatron_worker
+
+    class Gathered(Exception):
+        pass
+
+    worker = SimpleNamespace(tp_size=2, tp_group=object(), device=torch.device("meta"))
+    seen = []
+
+    def nccl_like_all_gather(outputs, tensor, group=None):
+        assert group is worker.tp_group
+        for t in (tensor, *outputs):
+            if t.device != worker.device:
+                raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append((tensor.dtype, tuple(tensor.shape), len(outputs)))
+        raise Gathered
+
+    monkeypatch.setattr(megatron_worker.dist, "all_gather", nccl_like_all_gather)
+    with pytest.raises(Gathered):
+        megatron_worker.MegatronPolicyWorker._check_tp_peers_agree(worker, make_batch(4))
+    assert seen == [(torch.long, (4,), 2)]

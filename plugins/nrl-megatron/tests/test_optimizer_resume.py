@@ -11,8 +11,6 @@ torch's own ``Adam`` and check :func:`nrl_megatron.worker._adam_step_set_aside` 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -74,8 +72,6 @@ def test_the_step_set_aside_loads_and_the_next_step_equals_the_uninterrupted_one
         state.pop("step")
     clones, resumed = _fresh_like(params)
     saved = {id(c): saved[i] for i, c in enumerate(clones)}
-    megatron_like = types.SimpleNamespace(optimizer=resumed)  # one DistributedOptimizer
-
     # Megatron's load_state_dict runs first and sets the shared step; the parameter state is
     # loaded inside the context.
     step = torch.tensor(1.0)
@@ -85,7 +81,7 @@ def test_the_step_set_aside_loads_and_the_next_step_equals_the_uninterrupted_one
             "exp_avg_sq": torch.empty_like(p),
             "step": step,
         }
-    with _adam_step_set_aside(megatron_like):
+    with _adam_step_set_aside([resumed]):  # the torch Adam a DistributedOptimizer wraps
         assert all("step" not in resumed.state[p] for p in clones)
         for p in clones:
             dst = {"param": p.data, **resumed.state[p]}

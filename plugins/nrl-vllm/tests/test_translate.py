@@ -117,6 +117,29 @@ def test_engine_kwargs_from_config():
         VllmConfig(sleep_level=3)
 
 
+def test_a_colocated_engine_sleeps_at_level_2_by_default():
+    """Level 1 keeps a pinned host copy of every weight across each sleep, which the refit
+    that always follows a wake-up overwrites; by default the engine drops them (level 2)."""
+    from nrl_vllm.worker import VllmGenerationWorker
+
+    class Engine:
+        calls: list = []
+
+        def sleep(self, **kwargs):
+            self.calls.append(("sleep", kwargs))
+
+    worker = object.__new__(VllmGenerationWorker)  # __init__ starts a real vllm.LLM
+    worker.options, worker.engine, worker._loop, worker.sleeping = (
+        VllmConfig(),
+        Engine(),
+        None,
+        False,
+    )
+    assert worker.options.colocated
+    worker.sleep()
+    assert Engine.calls == [("sleep", {"level": 2})]
+
+
 @pytest.mark.gpu_sim
 def test_tensor_parallel_engines_start_their_workers_as_processes():
     """An engine actor holds one ``{GPU: tp}`` bundle. Unset, vLLM 0.32 would pick its Ray

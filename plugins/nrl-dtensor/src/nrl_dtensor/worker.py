@@ -104,10 +104,19 @@ class DTensorPolicyWorker:
         else:
             self.device = torch.device("cpu")
         if self.distributed and not dist.is_initialized():
-            # One code path for both: NCCL on GPUs, gloo on CPU.
-            dist.init_process_group("nccl" if self.device_type == "cuda" else "gloo")
+            dist.init_process_group(self._backend())
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+
+    def _backend(self) -> str:
+        """The process group's backend: NCCL on GPUs, gloo on CPU; with ``cpu_offload`` on GPUs
+        both, by device. FSDP2 keeps offloaded shards as pinned CPU tensors, and gradient
+        clipping (``full_tensor()`` of the norm) and ``state_dict_buckets`` (``full_tensor()``
+        of each shard) run collectives on them, which NCCL refuses ("No backend type
+        associated with device type cpu")."""
+        if self.device_type != "cuda":
+            return "gloo"
+        return "cpu:gloo,cuda:nccl" if self.options.cpu_offload else "nccl"
 
     @property
     def fsdp_units(self) -> str:
@@ -436,7 +445,10 @@ class DTensorPolicyWorker:
         pieces = [
             p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
         ]
-        presence = torch.tensor([p.grad is not None for p in params], dtype=pieces[0].dtype)
+        # Beside the gradients (on the GPU with NCCL): one buffer, one device.
+        presence = torch.tensor(
+            [p.grad is not None for p in params], dtype=pieces[0].dtype, device=pieces[0].device
+        )
         if self._gradient_all_reduce is None:
             from nrl_core.distributed.host_all_reduce import HostAllReduce
 
@@ -557,13 +569,14 @@ class DTensorPolicyWorker:
 
     def onload(self) -> None:
         """Bring back to the GPU what :meth:`offload` moved (moving what is already there is a
-        no-op)."""
+        no-op). The optimizer state goes where its parameters are: the GPU, or the host with
+        ``cpu_offload`` (fused AdamW refuses state on another device than its parameter)."""
         if self.device_type != "cuda":
             return
         if not self.options.cpu_offload:
             for model in self._models():
                 model.to(self.device)
-        move_optimizer_state(self.optimizer, self.device)
+        move_optimizer_state(self.optimizer)
         torch.cuda.synchronize(self.device)
 
     def _models(self) -> list:

@@ -68,7 +68,7 @@ class MegatronSetupError(NrlError):
 
 
 @contextlib.contextmanager
-def _adam_step_set_aside(megatron_optimizer) -> Iterator[None]:
+def _adam_step_set_aside(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
     """Hide torch Adam's per-parameter ``step`` while Megatron-Core loads the distributed
     optimizer's parameter state, and put it back after.
 
@@ -81,8 +81,7 @@ def _adam_step_set_aside(megatron_optimizer) -> Iterator[None]:
     as ONE tensor shared by every parameter (:825); torch's Adam increments each parameter's
     ``step`` in place, so a shared one would count every parameter's update and skew the bias
     correction after a resume. Each parameter gets its own copy back."""
-    inner = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
-    states = [opt.optimizer.state for opt in inner]
+    states = [optimizer.state for optimizer in optimizers]
     aside = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
     try:
         yield
@@ -332,6 +331,8 @@ class MegatronPolicyWorker:
         if self.tp_size == 1:
             return
         ids = batch["input_ids"]
+        # On the worker's device: Megatron's groups use the default backend, and NCCL has no
+        # backend for CPU tensors ("No backend type associated with device type cpu").
         digest = torch.tensor(
             [
                 ids.shape[0],
@@ -340,6 +341,7 @@ class MegatronPolicyWorker:
                 int((ids.long() * 31 % 1009).sum()),
             ],
             dtype=torch.long,
+            device=self.device,
         )
         gathered = [torch.zeros_like(digest) for _ in range(self.tp_size)]
         dist.all_gather(gathered, digest, group=self.tp_group)
@@ -480,19 +482,26 @@ class MegatronPolicyWorker:
         the data-parallel group and writes on its rank 0 (``distrib_optimizer.py:1126``,
         through ``ChainedOptimizer.save_parameter_state``, ``optimizer/optimizer.py:1340``) into
         ``distopt_tp{T}.pt``. Without it a resume would silently restart Adam from zero.
+
+        Before the first optimizer step (a checkpoint at step 0) the optimizer has no state to
+        save, and Megatron's ``state_dict()`` asserts on exactly that (its step count comes
+        from Adam's per-parameter state, ``distrib_optimizer.py:638-640``; the parameter state
+        has no ``exp_avg`` yet): the checkpoint then records ``"optimizer": None``, and loading
+        it gives the optimizer the fresh state it had.
         """
         Path(path).mkdir(parents=True, exist_ok=True)
+        stepped = self._optimizer_has_state()
         torch.save(
             {
                 "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.optimizer.state_dict() if stepped else None,
                 "step": self.step,
                 "rng": self._rng_state(),
                 "layout": {"tp": self.tp_size, "world_size": self.world_size},
             },
             Path(path) / f"rank{self.rank}.pt",
         )
-        if self.megatron_optimizer is not None:
+        if self.megatron_optimizer is not None and stepped:
             # A collective over the data-parallel group (gloo gather); all ranks call it.
             self.megatron_optimizer.save_parameter_state(self._parameter_state_file(path))
         dist.barrier()
@@ -510,7 +519,42 @@ class MegatronPolicyWorker:
                 "resume with the same policy.num_workers and tensor_model_parallel_size"
             )
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is None:
+            self._reset_optimizer_state()  # saved before the first step: a fresh optimizer
+        else:
+            self._load_optimizer_state(path, state["optimizer"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and self.on_gpu:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        dist.barrier()
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The ``torch.optim`` optimizers that hold the per-parameter state: the CPU path's own,
+        or the one each of Megatron's (chained) distributed optimizers wraps (``.optimizer``)."""
+        if self.megatron_optimizer is None:
+            return [self.optimizer]
+        chained = getattr(self.megatron_optimizer, "chained_optimizers", None)
+        return [o.optimizer for o in (chained or [self.megatron_optimizer])]
+
+    def _optimizer_has_state(self) -> bool:
+        """Whether an optimizer step has created per-parameter state (Adam's moments). The same
+        on every rank: all ranks step together."""
+        return any(len(optimizer.state) > 0 for optimizer in self._torch_optimizers())
+
+    def _reset_optimizer_state(self) -> None:
+        """The optimizer as it was before its first step, for the weights just loaded."""
+        for optimizer in self._torch_optimizers():
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group.pop("step", None)  # Transformer Engine's FusedAdam counts steps here
+        if self.megatron_optimizer is not None:
+            # Its float32 main weights are copies of the model's: take the loaded ones.
+            self.megatron_optimizer.reload_model_params()
+
+    def _load_optimizer_state(self, path: str, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
         if self.megatron_optimizer is not None:
             # load_state_dict() above allocated placeholder moments (distrib_optimizer.py:690);
             # the parameter state file fills them and the main weights, scattered from
@@ -522,14 +566,8 @@ class MegatronPolicyWorker:
                     "optimizer's moments and main weights); resume from a checkpoint written "
                     "by a GPU run of the megatron policy"
                 )
-            with _adam_step_set_aside(self.megatron_optimizer):
+            with _adam_step_set_aside(self._torch_optimizers()):
                 self.megatron_optimizer.load_parameter_state(state_file)
-        self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.on_gpu:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        dist.barrier()
 
     # -- colocated engines: hand the GPU memory over -------------------------------------------
 

@@ -186,14 +186,18 @@ class SglangGenerationWorker:
     def _tp_gpu_uuids(self) -> list[str]:
         """The UUID of each tensor-parallel rank's GPU: rank ``r`` runs on visible GPU ``r``
         (``base_gpu_id + r * gpu_id_step`` with the defaults 0 and 1,
-        sglang/srt/entrypoints/engine.py:935-938)."""
+        sglang/srt/entrypoints/engine.py:935-938). Read through NVML, not torch: a CUDA context
+        in this actor would hold ~0.5 GB of each GPU that SGLang's ``mem_fraction_static``
+        never counted (see :func:`visible_gpu_uuids`)."""
         if self._gpu_uuids is None:
-            import torch
-
-            self._gpu_uuids = [
-                str(torch.cuda.get_device_properties(r).uuid)
-                for r in range(self.options.tensor_parallel_size)
-            ]
+            visible = visible_gpu_uuids()
+            size = self.options.tensor_parallel_size
+            if len(visible) < size:
+                raise WeightSyncError(
+                    f"the SGLang engine sees {len(visible)} GPU(s) for tensor_parallel_size="
+                    f"{size}; give its actor {size} GPUs"
+                )
+            self._gpu_uuids = visible[:size]
         return self._gpu_uuids
 
     def finish_weight_update(self) -> None:
@@ -247,3 +251,52 @@ class SglangGenerationWorker:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def visible_gpu_uuids() -> list[str]:
+    """The UUIDs of this process's visible GPUs in CUDA's numbering, as torch writes them
+    (``str(torch.cuda.get_device_properties(i).uuid)``: hex without NVML's ``GPU-`` prefix),
+    without creating a CUDA context: NVML through ``pynvml`` (nvidia-ml-py, an SGLang
+    dependency) lists every GPU of the machine, and ``CUDA_VISIBLE_DEVICES`` (indices or
+    ``GPU-`` UUIDs, as Ray and users set it) picks and orders the visible ones.
+
+    NVML numbers GPUs by PCI bus, CUDA fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``;
+    the two agree on machines of one GPU model, the machines colocated refit runs on."""
+    try:
+        import pynvml
+    except ImportError:
+        raise WeightSyncError(
+            "the cuda_ipc transport reads GPU UUIDs through NVML (`pynvml`, from "
+            "nvidia-ml-py, an SGLang dependency), which this engine's interpreter lacks; "
+            "rebuild its venv (nrl venvs build sglang --force)"
+        ) from None
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        machine = []
+        for index in range(count):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            machine.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+    finally:
+        pynvml.nvmlShutdown()
+    setting = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if setting is None:
+        chosen = machine
+    else:
+        chosen = []
+        for entry in (e.strip() for e in setting.split(",")):
+            if not entry:
+                continue
+            if entry.isdigit() and int(entry) < count:
+                chosen.append(machine[int(entry)])
+                continue
+            # CUDA accepts any unique prefix of a GPU's UUID.
+            matches = [u for u in machine if entry.startswith("GPU-") and u.startswith(entry)]
+            if len(matches) != 1:
+                raise WeightSyncError(
+                    f"CUDA_VISIBLE_DEVICES={setting!r}: {entry!r} names no single GPU of this "
+                    "machine (MIG instances are not supported by the cuda_ipc transport); use "
+                    "generation.sglang.refit_transport=nccl"
+                )
+            chosen.append(matches[0])
+    return [u.removeprefix("GPU-") for u in chosen]

@@ -39,7 +39,14 @@ class VllmConfig:
         validator=one_of("auto", *LOGPROBS_MODES),
     )
     sleep_level: int = option(
-        1, "vLLM sleep level between phases when colocated (1 or 2).", validator=one_of(1, 2)
+        2,
+        "vLLM sleep level between phases when colocated (1 or 2). 2 (default): weights and KV "
+        "cache are dropped, and every wake-up is followed by a refit, which the core always "
+        "runs before generating. 1 also keeps a copy of every weight in pinned host memory "
+        "(vllm device_allocator/cumem.py: copied out at each sleep, back at each wake) only "
+        "for the refit to overwrite it: host memory and two copies per step for nothing. "
+        "Ignored on CPU (vLLM has no sleep mode there).",
+        validator=one_of(1, 2),
     )
     refit_transport: str = option(
         "auto",
