@@ -188,8 +188,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import importlib
 
     from nrl_core.errors import NotImplementedYet
+    from nrl_core.preflight import preflight
 
     config, registry = _resolve(args)
+    # Before the algorithm's module imports torch (seconds): a wrong path or model name is
+    # reported at once. The run's session checks again (milliseconds): a config can also be
+    # built in code.
+    preflight(config, registry)
     try:
         module = importlib.import_module(f"nrl_core.algorithms.{args.algorithm}")
     except ModuleNotFoundError as exc:
