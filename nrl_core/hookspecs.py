@@ -7,10 +7,16 @@ but never its engine. A plugin implements only the hooks it needs::
 
     from nrl_core import hookimpl
 
+
     @hookimpl
     def nrl_register_generations(register):
-        register("vllm", "nrl_vllm.worker:VllmGenerationWorker", extras=["engine"],
-                 config="nrl_vllm.config:VllmConfig", description="vLLM engine")
+        register(
+            "vllm",
+            "nrl_vllm.worker:VllmGenerationWorker",
+            extras=["engine"],
+            config="nrl_vllm.config:VllmConfig",
+            description="vLLM engine",
+        )
 
 Implementations may omit arguments (pluggy passes only those they name), so hooks can gain
 arguments later without breaking existing plugins.
