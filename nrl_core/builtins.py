@@ -25,6 +25,13 @@ def nrl_register_environments(register):
         description="reward 1 when the response's last line equals the answer (core, single turn)",
     )
     register(
+        "reward_fn",
+        "nrl_core.reward_fn:RewardFunctionEnvironment",
+        config="nrl_core.reward_fn:RewardFnConfig",
+        description="reward = your Python function, env.reward_fn.path=FILE.py:FUNCTION "
+        "(score(prompt, completion, **row) -> float); no plugin needed",
+    )
+    register(
         "reward_model",
         "nrl_core.reward_model:RewardModelEnvironment",
         config="nrl_core.reward_model:RewardModelEnvConfig",

@@ -58,6 +58,9 @@ if any(arg.endswith(os.path.join("dashboard", "agent.py")) for arg in sys.argv):
 """
 
 
+_BUSY = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
+
+
 def _run_driver(tmp_path: Path, *, attempts=3, keep=False, slow_agent=None, hogs=0):
     """Run a driver that starts and stops a local head; (its stdout+stderr, TMPDIR root)."""
     root = Path(tempfile.mkdtemp(prefix="nrl-s-", dir="/tmp"))  # short: Ray's socket paths
@@ -75,9 +78,9 @@ def _run_driver(tmp_path: Path, *, attempts=3, keep=False, slow_agent=None, hogs
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER.format(attempts=attempts, keep=keep))
     busy = [
-        # Bounded: each exits on its own after 5 minutes if this test dies without killing it.
+        # Bounded: each stops on its own after 5 minutes if this test dies without killing it.
         subprocess.Popen(
-            ["timeout", "300", sys.executable, "-c", "while True: pass"],
+            [sys.executable, "-c", _BUSY],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
