@@ -121,5 +121,6 @@ def nrl_register_datasets(register: Register) -> None:
     The target is a callable honouring :class:`nrl_core.interfaces.DatasetLoader`: given its
     options and a split it returns the samples (prompt messages, the reference answer and
     the task name that routes each sample to its environment). Options come from
-    ``data.<name>``.
+    ``data.<name>``. A dataset whose ``extras`` serve only some of its sources says which with
+    ``extras_for="..."`` (``nrl doctor`` then calls it usable without them).
     """

@@ -179,6 +179,15 @@ def check_component(spec: ComponentSpec, *, import_target: bool = False) -> Comp
             f"[yellow]no[/yellow]: missing {escape(', '.join(missing))} — runs in its actor "
             f"venv (`nrl venvs build {escape(spec.plugin)}`)",
         )
+    serves = spec.metadata.get("extras_for")
+    if missing and serves:
+        # The extras serve some sources only (a dataset reads JSONL files without `datasets`).
+        return ComponentCheck(
+            escape(needs),
+            False,
+            f"yes; {escape(str(serves))} need {escape(', '.join(missing))}: "
+            f"{escape(f'pip install {needs!r}')}",
+        )
     if missing:
         return ComponentCheck(
             escape(needs),
