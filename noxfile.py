@@ -35,6 +35,9 @@ def _sync(session: nox.Session, *args: str) -> None:
         "sync",
         "--locked",
         "--inexact",
+        # Once, at install: the sessions' processes may not write bytecode
+        # (PYTHONDONTWRITEBYTECODE) and the project no longer compiles on every sync.
+        "--compile-bytecode",
         *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )

@@ -5,7 +5,13 @@ Used two ways:
 - as a MkDocs hook (``hooks: [docs/gen_reference.py]`` in ``mkdocs.yml``): the placeholders
   ``<!-- nrl:hook-reference -->`` and ``<!-- nrl:config-reference -->`` in the pages are
   replaced by the generated Markdown at build time, so the site can never drift from the code;
-- as a script: ``python docs/gen_reference.py hooks|config`` prints the Markdown.
+- as a script: ``python docs/gen_reference.py hooks|config`` prints the Markdown, and
+  ``python docs/gen_reference.py --write`` writes it into the pages, between each placeholder
+  and :data:`END_MARK`, so that the pages read in the repository are complete too
+  (``tests/docs/test_reference.py`` fails when they are stale).
+
+The configuration reference itself is :func:`nrl_core.config.reference.config_reference`
+(``nrl config show --docs`` and ``nrl run ALGO --help`` read the same facts).
 
 The hook reference comes from the hook specifications (``nrl_core.hookspecs``: signature and
 docstring) and the ``Register`` protocol; the configuration reference from the attrs classes of
@@ -18,25 +24,27 @@ it states exactly what the loader accepts.
 from __future__ import annotations
 
 import inspect
-import json
 import re
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
+
+from nrl_core.config.reference import (  # noqa: F401  (the generator's API, used by tests)
+    SECTION_OF_KIND,
+    config_rows,
+    valid_values,
+)
+from nrl_core.config.reference import config_reference as _config_reference
+from nrl_core.config.reference import field_default as _default  # noqa: F401
 
 HOOK_PLACEHOLDER = "<!-- nrl:hook-reference -->"
 CONFIG_PLACEHOLDER = "<!-- nrl:config-reference -->"
-
-# Config section of each component kind (``env.math``, ``data.arithmetic``...).
-SECTION_OF_KIND = {
-    "policy": "policy",
-    "generation": "generation",
-    "environment": "env",
-    "agent": "agent",
-    "loss": "loss",
-    "cluster": "cluster",
-    "dataset": "data",
-}
+END_MARK = "<!-- nrl:end of generated reference -->"
+"""Closes a generated block: the pages in the repository hold the generated text between a
+placeholder and this line (``--write``), and the MkDocs hook regenerates it at build time."""
+DOCS = Path(__file__).resolve().parent
+PAGES = {"hooks.md": HOOK_PLACEHOLDER, "configuration.md": CONFIG_PLACEHOLDER}
 
 
 def _markdown_doc(doc: str | None) -> str:
@@ -156,115 +164,13 @@ def _selector(kind: str) -> str:
 # Configuration
 
 
-def _default(field: Any) -> Any:
-    import attrs
-
-    default = field.default
-    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        default = default.factory()
-    return default
-
-
-def _show(value: Any) -> str:
-    import attrs
-
-    if attrs.has(type(value)):
-        return "(section)"
-    try:
-        text = json.dumps(value)
-    except TypeError:
-        text = repr(value)
-    return f"`{text}`".replace("|", "\\|")
-
-
-def _type_name(field: Any) -> str:
-    t = field.type
-    name = t if isinstance(t, str) else getattr(t, "__name__", repr(t))
-    return f"`{name}`".replace("|", "\\|")
-
-
-def valid_values(cls: type, field: Any) -> str:
-    """What ``field`` of ``cls`` accepts, in words: its validator's range, a registered
-    component for a section's selector, ``true``/``false`` for flags; empty when anything of
-    its type goes."""
-    from nrl_core.config.schema import ComponentSection, describe_validator
-
-    if isinstance(cls, type) and issubclass(cls, ComponentSection) and field.name == cls.selector:
-        text = f"a registered {cls.component_kind}"
-        if cls.component_kind == "dataset":
-            text += " or a `.jsonl` path"
-        return text
-    text = describe_validator(field.validator)
-    if text is None and field.type in (bool, "bool"):
-        text = "`true` or `false`"
-    return (text or "").replace("|", "\\|")
-
-
-def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str, str]]:
-    """``(key, type, default, valid, doc)`` of every field of ``cls``, sub-sections flattened."""
-    import attrs
-
-    rows = []
-    for field in attrs.fields(cls):
-        if field.name == "options" and prefix.split(".")[-1] in SECTION_OF_KIND.values():
-            continue  # documented below, per registered component
-        key = f"{prefix}.{field.name}" if prefix else field.name
-        default = _default(field)
-        doc = (field.metadata.get("doc") or "").replace("\n", " ").replace("|", "\\|")
-        if attrs.has(type(default)):
-            rows.append((key, _type_name(field), "(section)", "", doc))
-            rows += config_rows(type(default), key)
-        else:
-            rows.append((key, _type_name(field), _show(default), valid_values(cls, field), doc))
-    return rows
-
-
-def _table(rows: list[tuple[str, str, str, str, str]]) -> list[str]:
-    out = ["| key | type | default | valid | description |", "|---|---|---|---|---|"]
-    out += [f"| `{k}` | {t} | {d} | {v} | {doc} |" for k, t, d, v, doc in rows]
-    return out
-
-
 def config_reference(registry: Any = None) -> str:
     """The configuration reference page body (``registry``: default, every installed plugin)."""
-    from nrl_core.config.schema import ALGORITHM_CONFIGS
-
     if registry is None:
         from nrl_core.plugins import PluginHost
 
         registry = PluginHost.discover().registry()
-    out = [
-        "Every key below can be set in a YAML config or overridden on the command line "
-        "(`nrl run grpo policy.optimizer.lr=1e-5`); `nrl config show ALGO` prints the resolved "
-        "values. Generated from the attrs classes of `nrl_core.config.schema` and the config "
-        "classes that the installed plugins register.",
-        "",
-    ]
-    for algorithm, cls in ALGORITHM_CONFIGS.items():
-        out += [f"## `nrl run {algorithm}` ({cls.__name__})", ""]
-        out += [*_table(config_rows(cls, "")), ""]
-    out += [
-        "## Component options",
-        "",
-        "Each registered component reads its options from the sub-section named after it in "
-        "its kind's section: `policy.dtensor.*`, `env.math.*`, `data.arithmetic.*`.",
-        "",
-    ]
-    for spec in sorted(registry, key=lambda s: (s.kind, s.name)):
-        config_class = spec.load_config_class()
-        if config_class is None:
-            continue
-        section = f"{SECTION_OF_KIND[spec.kind]}.{spec.name}"
-        out += [f"### `{section}`", ""]
-        out += [
-            f"{spec.kind} `{spec.name}` of plugin `{spec.plugin}`"
-            f" ({spec.distribution or 'in-process'}): {spec.description}".rstrip(": "),
-            "",
-            f"Class `{config_class.__module__}.{config_class.__qualname__}`.",
-            "",
-        ]
-        out += [*_table(config_rows(config_class, section)), ""]
-    return "\n".join(out)
+    return _config_reference(registry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,17 +197,49 @@ def on_files(files: Any, config: Any, **_: Any) -> Any:
     return files
 
 
+def fill(markdown: str, placeholder: str, body: str) -> str:
+    """``markdown`` with the block that starts at ``placeholder`` (and runs to
+    :data:`END_MARK`, or is empty) holding ``body``."""
+    head, found, rest = markdown.partition(placeholder)
+    if not found:
+        return markdown
+    _, ended, tail = rest.partition(END_MARK)
+    if not ended:
+        tail = rest
+    return f"{head}{placeholder}\n\n{body.strip()}\n\n{END_MARK}\n{tail.lstrip()}".rstrip() + "\n"
+
+
+def generated(placeholder: str) -> str:
+    """The generated text of one placeholder."""
+    return hook_reference() if placeholder == HOOK_PLACEHOLDER else config_reference()
+
+
 def on_page_markdown(markdown: str, page: Any = None, **_: Any) -> str:
-    """MkDocs event: fill the placeholders of the reference pages."""
-    if HOOK_PLACEHOLDER in markdown:
-        markdown = markdown.replace(HOOK_PLACEHOLDER, hook_reference())
-    if CONFIG_PLACEHOLDER in markdown:
-        markdown = markdown.replace(CONFIG_PLACEHOLDER, config_reference())
+    """MkDocs event: fill the reference pages' generated blocks afresh."""
+    for placeholder in (HOOK_PLACEHOLDER, CONFIG_PLACEHOLDER):
+        if placeholder in markdown:
+            markdown = fill(markdown, placeholder, generated(placeholder))
     return markdown
+
+
+def write_pages() -> list[str]:
+    """Regenerate the blocks of the pages in docs/; returns the pages that changed."""
+    changed = []
+    for name, placeholder in PAGES.items():
+        path = DOCS / name
+        old = path.read_text()
+        new = fill(old, placeholder, generated(placeholder))
+        if new != old:
+            path.write_text(new)
+            changed.append(name)
+    return changed
 
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else ""
-    if which not in ("hooks", "config"):
-        sys.exit("usage: python docs/gen_reference.py hooks|config")
-    print(hook_reference() if which == "hooks" else config_reference())
+    if which == "--write":
+        print("\n".join(f"wrote docs/{name}" for name in write_pages()) or "up to date")
+    elif which in ("hooks", "config"):
+        print(hook_reference() if which == "hooks" else config_reference())
+    else:
+        sys.exit("usage: python docs/gen_reference.py hooks|config|--write")

@@ -25,6 +25,13 @@ def nrl_register_environments(register):
         description="reward 1 when the response's last line equals the answer (core, single turn)",
     )
     register(
+        "reward_fn",
+        "nrl_core.reward_fn:RewardFunctionEnvironment",
+        config="nrl_core.reward_fn:RewardFnConfig",
+        description="reward = your Python function, env.reward_fn.path=FILE.py:FUNCTION "
+        "(score(prompt, completion, **row) -> float); no plugin needed",
+    )
+    register(
         "reward_model",
         "nrl_core.reward_model:RewardModelEnvironment",
         config="nrl_core.reward_model:RewardModelEnvConfig",
@@ -48,21 +55,24 @@ def nrl_register_datasets(register):
         "chat",
         "nrl_core.chat_data:ChatDataset",
         config="nrl_core.chat_data:ChatDataConfig",
-        extras=["hf"],  # Hugging Face datasets (JSONL files need nothing)
+        extras=["hf"],
+        extras_for="Hugging Face hub and saved datasets (JSONL files need nothing)",
         description="conversations (JSONL messages or a Hugging Face dataset) for SFT",
     )
     register(
         "preference",
         "nrl_core.chat_data:PreferenceDataset",
         config="nrl_core.chat_data:PreferenceDataConfig",
-        extras=["hf"],  # Hugging Face datasets (JSONL files need nothing)
+        extras=["hf"],
+        extras_for="Hugging Face hub and saved datasets (JSONL files need nothing)",
         description="prompt / chosen / rejected pairs (JSONL or Hugging Face) for DPO and RMs",
     )
     register(
         "prompts",
         "nrl_core.prompt_data:PromptDataset",
         config="nrl_core.prompt_data:PromptDataConfig",
-        extras=["hf"],  # Hugging Face datasets (JSONL files need nothing)
+        extras=["hf"],
+        extras_for="Hugging Face hub and saved datasets (JSONL files need nothing)",
         description="your own GRPO prompts (JSONL or Hugging Face): a prompt field, an answer, "
         "every other field handed to the environment",
     )

@@ -13,10 +13,14 @@ Sequences are right-padded; ``lengths`` holds each sequence's valid length.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
-import torch
+
+if TYPE_CHECKING:
+    # Imported where tensors are made: samples and messages are read by commands that never
+    # touch a tensor (`nrl config show`, `nrl doctor`), and torch takes seconds to import.
+    import torch
 
 
 class Message(TypedDict, total=False):
@@ -89,6 +93,8 @@ class Batch:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """The rows at ``indices``, in that order."""
+        import torch
+
         index = torch.as_tensor(indices, dtype=torch.long)
         return Batch(
             {k: v.index_select(0, index) for k, v in self.tensors.items()},
@@ -138,6 +144,8 @@ class Batch:
         width ``T``."""
         if not batches:
             return Batch()
+        import torch
+
         pad_values = pad_values or {}
         keys = list(batches[0].tensors)
         tensors = {}
@@ -166,9 +174,13 @@ class Batch:
 def pad_sequences(
     sequences: Sequence[Sequence[int]] | Sequence[Sequence[float]],
     pad_value: float = 0,
-    dtype: torch.dtype = torch.long,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Right-pad variable-length sequences into one ``[B, max_len]`` tensor."""
+    """Right-pad variable-length sequences into one ``[B, max_len]`` tensor (``dtype``:
+    ``torch.long`` unless given)."""
+    import torch
+
+    dtype = torch.long if dtype is None else dtype
     width = max((len(s) for s in sequences), default=0)
     out = torch.full((len(sequences), width), pad_value, dtype=dtype)
     for i, seq in enumerate(sequences):

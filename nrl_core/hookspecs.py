@@ -7,10 +7,16 @@ but never its engine. A plugin implements only the hooks it needs::
 
     from nrl_core import hookimpl
 
+
     @hookimpl
     def nrl_register_generations(register):
-        register("vllm", "nrl_vllm.worker:VllmGenerationWorker", extras=["engine"],
-                 config="nrl_vllm.config:VllmConfig", description="vLLM engine")
+        register(
+            "vllm",
+            "nrl_vllm.worker:VllmGenerationWorker",
+            extras=["engine"],
+            config="nrl_vllm.config:VllmConfig",
+            description="vLLM engine",
+        )
 
 Implementations may omit arguments (pluggy passes only those they name), so hooks can gain
 arguments later without breaking existing plugins.
@@ -115,5 +121,6 @@ def nrl_register_datasets(register: Register) -> None:
     The target is a callable honouring :class:`nrl_core.interfaces.DatasetLoader`: given its
     options and a split it returns the samples (prompt messages, the reference answer and
     the task name that routes each sample to its environment). Options come from
-    ``data.<name>``.
+    ``data.<name>``. A dataset whose ``extras`` serve only some of its sources says which with
+    ``extras_for="..."`` (``nrl doctor`` then calls it usable without them).
     """

@@ -16,7 +16,9 @@ What is checked (each in well under a second; no model or data is loaded here):
 * an ``actor_env`` that names an interpreter names an executable one, and the Python modules
   the selected components' options need are in their actor environment
   (:func:`check_component_requirements`, e.g. ``peft`` for LoRA);
-* the files and folders the options name (a dataset's ``path``, ``data.val_dataset``...) exist;
+* the files and folders the options name (a dataset's ``path``, ``data.val_dataset``...) exist,
+  and options classes with a ``preflight(key)`` method check their own
+  (:func:`check_component_options`: ``env.reward_fn.path``'s file and function);
 * ``logger.log_dir`` (and ``checkpointing.checkpoint_dir``, ``eval.output``) can be written;
 * a ``checkpointing.resume`` path exists (the checkpoint itself is verified when the run looks
   for its resume point, still before anything starts).
@@ -97,6 +99,7 @@ def preflight(config: Any, registry: Registry) -> None:
             )
     check_actor_envs(config)
     check_component_requirements(config, registry)
+    check_component_options(config)
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
@@ -333,13 +336,31 @@ def _named_files(config: Any) -> list[tuple[str, str]]:
         if not isinstance(section, ComponentSection):
             continue
         options = section.options_for()
-        if options is None or not attrs.has(type(options)):
+        if options is None or not attrs.has(type(options)) or _checks_itself(options):
             continue
         for name in ("path", "validation_path"):
             value = getattr(options, name, None)
             if isinstance(value, str) and value:
                 found.append((f"{field.name}.{section.selected}.{name}", value))
     return found
+
+
+def _checks_itself(options: Any) -> bool:
+    return callable(getattr(options, "preflight", None))
+
+
+def check_component_options(config: Any) -> None:
+    """Options classes that check their own inputs: a selected component's options object with
+    a ``preflight(key)`` method (``key``: its section, e.g. ``env.reward_fn``) is asked here,
+    and raises ``ConfigError`` (a file it names, such as ``env.reward_fn.path``, is then not
+    checked as a plain path: the option's value is its own)."""
+    for field in attrs.fields(type(config)):
+        section = getattr(config, field.name)
+        if not isinstance(section, ComponentSection):
+            continue
+        options = section.options_for()
+        if options is not None and _checks_itself(options):
+            options.preflight(f"{field.name}.{section.selected}")
 
 
 def check_named_files(config: Any) -> None:

@@ -16,6 +16,7 @@ also processes the ``.pth`` files there, which editable installs need.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import shutil
@@ -90,7 +91,13 @@ def test_cli_new_plugin(tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     project = tmp_path / "nrl-count-vowels"
-    assert f"created {project}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"created {project}" in out
+    # Issue 39: a bare `pip install` in a uv venv (which has no pip) ran the system's pip. The
+    # dev venv (made by uv) has none: uv's command; a venv with pip: that venv's pip.
+    has_pip = importlib.util.find_spec("pip") is not None
+    installer = "python -m pip install" if has_pip else "uv pip install"
+    assert f"next: {installer} -e '{project}[test]'" in out
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     assert meta["description"] == "Counts vowels." and meta["authors"][0]["name"] == "A. Author"
     # A second run refuses to overwrite unless --force.

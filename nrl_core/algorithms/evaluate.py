@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from nrl_core.algorithms.grpo import sampling_params
+from nrl_core.algorithms.recipes import resolve_eval_config
 from nrl_core.algorithms.rollout import Episode, rollout, start_episodes
 from nrl_core.algorithms.runtime import RunSession
 from nrl_core.checkpoint import POLICY_CHECKPOINT
@@ -139,23 +140,6 @@ def with_checkpoint_policy(config: EvalConfig, step: Path, registry: Registry) -
         options=dict(saved.policy.options),
     )
     return attrs.evolve(config, policy=policy)
-
-
-def resolve_eval_config(
-    config_file: str | Path | None,
-    overrides: Sequence[str],
-    registry: Registry,
-) -> EvalConfig:
-    """The eval config: class defaults < the embedded recipe (only without ``config_file``) <
-    ``config_file`` (with its ``defaults:`` chain) < ``overrides``, as ``nrl run`` resolves."""
-    from nrl_core.algorithms.recipes import default_recipe
-    from nrl_core.config.loader import ConfigConverter, apply_overrides, load_config_file
-
-    data: dict[str, Any] = {} if config_file else default_recipe(ALGORITHM)
-    if config_file:
-        data = load_config_file(config_file)
-    data = apply_overrides(data, overrides)
-    return ConfigConverter(registry).structure(data, EvalConfig)
 
 
 def output_path(config: EvalConfig) -> Path:

@@ -43,6 +43,20 @@ def _plugin_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _RunHelp(argparse.Action):
+    """``nrl run [ALGO] --help``: with ALGO (parsed before ``--help``), its config sections and
+    how to see every option (read from the config schema: attrs only, no plugin, no torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        algorithm = getattr(namespace, "algorithm", None)
+        if algorithm in ALGORITHMS:
+            from nrl_core.config.reference import run_help
+
+            parser.epilog = run_help(algorithm)
+        parser.print_help()
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nrl",
@@ -63,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train: nrl run {grpo,sft,dpo,rm,distill} [--config FILE] [KEY=VALUE...]",
         description="Run a training algorithm.",
+        epilog="`nrl run ALGO --help` lists ALGO's config sections; `nrl config show --docs "
+        "ALGO` describes every option.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    run.add_argument(
+        "-h", "--help", action=_RunHelp, nargs=0, help="show this help (with ALGO: its sections)"
     )
     run.add_argument(
         "algorithm", choices=ALGORITHMS, metavar="ALGO", help=f"one of {', '.join(ALGORITHMS)}"
@@ -87,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the fully resolved config as YAML")
     show.add_argument("algorithm", choices=ALGORITHMS, metavar="ALGO")
     show.add_argument("--config", metavar="FILE")
+    show.add_argument(
+        "--docs",
+        action="store_true",
+        help="each option with its description, type, valid range and default (as comments)",
+    )
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     _plugin_option(show)
     show.set_defaults(handler=_cmd_config_show)
@@ -177,10 +203,15 @@ def _resolve(args: argparse.Namespace):
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    from nrl_core.config.loader import dump_config
-
     config, registry = _resolve(args)
-    sys.stdout.write(dump_config(config, registry))
+    if args.docs:
+        from nrl_core.config.reference import documented_yaml
+
+        sys.stdout.write(documented_yaml(config, registry))
+    else:
+        from nrl_core.config.loader import dump_config
+
+        sys.stdout.write(dump_config(config, registry))
     return 0
 
 
@@ -188,8 +219,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import importlib
 
     from nrl_core.errors import NotImplementedYet
+    from nrl_core.preflight import preflight
 
     config, registry = _resolve(args)
+    # Before the algorithm's module imports torch (seconds): a wrong path or model name is
+    # reported at once. The run's session checks again (milliseconds): a config can also be
+    # built in code.
+    preflight(config, registry)
     try:
         module = importlib.import_module(f"nrl_core.algorithms.{args.algorithm}")
     except ModuleNotFoundError as exc:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 import platform
+import shutil
+import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import attrs
 from packaging.requirements import Requirement
@@ -54,6 +60,78 @@ def missing_requirements(requirements: list[Requirement]) -> list[str]:
     return missing
 
 
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """The names a module binds at its top level (also inside top-level ``if``/``try``), or
+    ``None`` when they cannot be known without running it (``import *``, a module
+    ``__getattr__``, names set through ``globals()``)."""
+    names: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            body.extend(node.body)
+            body.extend(getattr(node, "orelse", []))
+            body.extend(getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                body.extend(handler.body)
+    if "__getattr__" in names or "globals" in {
+        n.func.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }:
+        return None
+    return names
+
+
+def target_problem(spec: ComponentSpec) -> str | bool | None:
+    """Whether ``spec``'s ``module:attr`` target exists, found without running its module (a
+    policy's module imports torch, an engine's its engine: seconds each, and ``nrl doctor``
+    answers in well under one): the module is found on the path, parses, and binds ``attr`` at
+    its top level.
+
+    Returns ``None`` when it does, the reason (in :func:`~nrl_core.registry.resolve_target`'s
+    words) when it does not, and ``False`` when only importing can tell (not Python source,
+    ``import *``, a module ``__getattr__``); ``nrl doctor -v`` imports every target.
+    """
+    if not isinstance(spec.target, str):
+        return None
+    what = f"{spec.kind} {spec.name!r} (plugin {spec.plugin})"
+    module_name, sep, attr_path = spec.target.partition(":")
+    if not sep or not module_name or not attr_path:
+        return False  # resolve_target words this one
+    try:
+        # Imports the parent packages (plugins keep their __init__ light), not the module.
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        return f"cannot import {what} {spec.target!r}: {exc}"
+    if found is None:
+        return f"cannot import {what} {spec.target!r}: No module named {module_name!r}"
+    if not found.origin or not found.origin.endswith(".py"):
+        return False
+    try:
+        tree = ast.parse(Path(found.origin).read_bytes(), found.origin)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"cannot import {what} {spec.target!r}: {exc}"
+    names = _top_level_names(tree)
+    if names is None:
+        return False
+    first = attr_path.split(".")[0]
+    if first not in names:
+        return f"cannot load {what} {spec.target!r}: module {module_name!r} has no {first!r}"
+    return None if "." not in attr_path else False
+
+
 @attrs.frozen
 class ComponentCheck:
     """What ``nrl doctor`` found about one component."""
@@ -67,10 +145,11 @@ class ComponentCheck:
     """``yes``, or what is missing and how to install it (rich markup)."""
 
 
-def check_component(spec: ComponentSpec) -> ComponentCheck:
+def check_component(spec: ComponentSpec, *, import_target: bool = False) -> ComponentCheck:
     """Whether ``spec`` can run: the requirements its declared extras add (``Requires-Dist``
     with ``extra == ...`` markers of its distribution) are installed where it runs, and its
-    target imports here.
+    target exists (:func:`target_problem`; with ``import_target``, or when only importing can
+    tell, it is imported here).
 
     A component imports optional libraries lazily (a dataset imports ``datasets`` only when it
     reads the hub), so importing its target proves nothing about them: the extras are what
@@ -100,6 +179,15 @@ def check_component(spec: ComponentSpec) -> ComponentCheck:
             f"[yellow]no[/yellow]: missing {escape(', '.join(missing))} — runs in its actor "
             f"venv (`nrl venvs build {escape(spec.plugin)}`)",
         )
+    serves = spec.metadata.get("extras_for")
+    if missing and serves:
+        # The extras serve some sources only (a dataset reads JSONL files without `datasets`).
+        return ComponentCheck(
+            escape(needs),
+            False,
+            f"yes; {escape(str(serves))} need {escape(', '.join(missing))}: "
+            f"{escape(f'pip install {needs!r}')}",
+        )
     if missing:
         return ComponentCheck(
             escape(needs),
@@ -107,15 +195,97 @@ def check_component(spec: ComponentSpec) -> ComponentCheck:
             f"[yellow]no[/yellow]: missing {escape(', '.join(missing))}; it runs in this "
             f"interpreter: {escape(f'pip install {needs!r}')}",
         )
-    try:
-        spec.load()
-    except Exception as exc:  # a broken target of any kind is what this command reports
-        return ComponentCheck(escape(needs), True, f"[red]no[/red]: {escape(str(exc))}")
+    problem = False if import_target else target_problem(spec)
+    if problem is False:
+        try:
+            spec.load()
+        except Exception as exc:  # a broken target of any kind is what this command reports
+            problem = str(exc)
+        else:
+            problem = None
+    if problem is not None:
+        return ComponentCheck(escape(needs), True, f"[red]no[/red]: {escape(problem)}")
     return ComponentCheck(escape(needs), False, "yes")
+
+
+def _nvidia_gpus() -> list[str] | None:
+    """The NVIDIA GPUs the driver lists (names), without importing torch; ``None`` when no
+    driver is found. ``CUDA_VISIBLE_DEVICES`` is not applied (``nrl doctor -v`` asks torch)."""
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        names = []
+        for info in sorted(proc.glob("*/information")):
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
+                 if ln.startswith("Model:")),
+                "NVIDIA GPU",
+            )  # fmt: skip
+            names.append(model)
+        return names
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def _torch_cuda_build() -> str:
+    """The CUDA version torch was built for (``torch.version.cuda``, read from its
+    ``torch/version.py`` without importing torch), ``CPU``, or why it is unknown."""
+    try:
+        version_py = Path(str(metadata.distribution("torch").locate_file("torch/version.py")))
+        tree = ast.parse(version_py.read_text())
+    except (metadata.PackageNotFoundError, OSError, SyntaxError) as exc:
+        return f"unknown ({exc})"
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign | ast.AnnAssign)
+            and isinstance(target := getattr(node, "target", None) or node.targets[0], ast.Name)
+            and target.id == "cuda"
+            and isinstance(node.value, ast.Constant)
+        ):
+            return str(node.value.value or "CPU")
+    return "unknown"
+
+
+def _cuda_row(verbose: bool) -> str:
+    """The CUDA line: what torch was built for and the GPUs visible. Without ``verbose`` it is
+    read from torch's metadata and the driver (torch's own import takes seconds); with it,
+    torch is imported and asked."""
+    if verbose:
+        try:
+            import torch
+        except ImportError as exc:
+            return f"torch does not import: {exc}"
+        if torch.cuda.is_available():
+            names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+            gpus = f"{torch.cuda.device_count()} visible ({', '.join(sorted(names))})"
+        else:
+            gpus = "none visible (CPU only: gloo; GPU-only engines cannot run here)"
+        return f"torch built for {torch.version.cuda or 'CPU'}; GPUs: {gpus}"
+    build = _torch_cuda_build()
+    gpus = _nvidia_gpus()
+    if not gpus:
+        seen = "none visible (CPU only: gloo; GPU-only engines cannot run here)"
+    else:
+        seen = f"{len(gpus)} on this node ({', '.join(sorted(set(gpus)))})"
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            seen += f"; CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
+    return f"torch built for {build}; GPUs: {seen} (`nrl doctor -v` asks torch)"
 
 
 def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None = None) -> int:
     """Print the versions, the GPUs and, per component, whether it can run from here.
+
+    Nothing heavy is imported (no torch, no engine): targets are checked by
+    :func:`target_problem`. ``verbose`` imports torch and every component's target instead
+    (seconds; what a run would do).
 
     Returns 1 when a plugin failed to load or a component's target does not import, else 0
     (a missing extra is shown with its install command but is no failure: only the runs that
@@ -126,17 +296,7 @@ def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None =
     versions.add_row("python", f"{platform.python_version()} ({sys.executable})")
     for dist in ("nrl-core", "torch", "ray", "transformers", "uv"):
         versions.add_row(dist, _version(dist))
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-            gpus = f"{torch.cuda.device_count()} visible ({', '.join(sorted(names))})"
-        else:
-            gpus = "none visible (CPU only: gloo; GPU-only engines cannot run here)"
-        versions.add_row("CUDA", f"torch built for {torch.version.cuda or 'CPU'}; GPUs: {gpus}")
-    except ImportError as exc:
-        versions.add_row("CUDA", f"torch does not import: {exc}")
+    versions.add_row("CUDA", _cuda_row(verbose))
     console.print(versions)
 
     plugins = Table(title="plugins", box=None, pad_edge=False, header_style="bold")
@@ -157,7 +317,7 @@ def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None =
             continue
         plugins.add_row(f"[bold]{escape(info.name)}[/bold] ({escape(dist)})", "", "")
         for spec in info.components:
-            check = check_component(spec)
+            check = check_component(spec, import_target=verbose)
             failed |= check.broken
             plugins.add_row(f"  {spec.kind} {spec.name}", check.needs, check.detail)
     console.print(plugins)

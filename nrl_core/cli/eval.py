@@ -66,7 +66,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _warn_broken(host, args)
     registry = host.registry()
 
-    from nrl_core.algorithms.evaluate import evaluate, resolve_eval_config
+    from nrl_core.algorithms.recipes import resolve_eval_config
 
     config = resolve_eval_config(args.config, args.overrides, registry)
     if args.show_config:
@@ -74,6 +74,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         sys.stdout.write(dump_config(config, registry))
         return 0
+    # Only now: the evaluation's module imports torch (seconds), and config errors above are
+    # reported without it.
+    from nrl_core.algorithms.evaluate import evaluate
+
     record = evaluate(config, registry, verbose=args.verbose, quiet=args.quiet)
     if not args.quiet:
         print(f"wrote {record['path']}")

@@ -120,5 +120,14 @@ def _handle(args: argparse.Namespace) -> int:
     )
     print(f"created {project}")
     # The `test` extra brings pytest: a bare `pip install -e` would leave it out.
-    print(f"next: pip install -e '{project}[test]'  &&  cd {project}  &&  python -m pytest")
+    print(f"next: {install_command()} -e '{project}[test]'  &&  cd {project}  &&  python -m pytest")
     return 0
+
+
+def install_command() -> str:
+    """What installs into this interpreter's environment: ``python -m pip install`` where pip
+    is in it, else ``uv pip install`` (a uv venv has no pip, and a bare ``pip`` on the PATH
+    would then be the system's, installing somewhere else)."""
+    import importlib.util
+
+    return "python -m pip install" if importlib.util.find_spec("pip") else "uv pip install"

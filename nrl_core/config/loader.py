@@ -481,8 +481,9 @@ def _format_errors(exc: BaseException, path: str):
             yield from _format_errors(sub, sub_path)
     elif isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        nested = _nested_keys(exc.cl) if attrs.has(exc.cl) else []
         for key in sorted(exc.extra_fields):
-            yield _unknown_key_message(path, key, known, None)
+            yield _unknown_key_message(path, key, known, None, nested)
     elif isinstance(exc, _UnknownKey):
         yield _unknown_key_message(path, exc.key, exc.known, exc.kind)
     elif isinstance(exc, FieldValueError):  # a field's validator (nrl_core.config.schema.Valid)
@@ -515,13 +516,41 @@ def _is_in_validator_error(exc: BaseException) -> bool:
     )
 
 
-def _unknown_key_message(path: str, key: str, known: list[str], kind: str | None) -> str:
+def _nested_keys(cls: type, prefix: str = "", depth: int = 3) -> list[str]:
+    """The dotted keys of every option below ``cls``'s own (``grpo.max_num_steps``,
+    ``policy.optimizer.lr``): where a key given without its section is found."""
+    found = []
+    for field in attrs.fields(cls):
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        if not attrs.has(type(default)) or depth == 0:
+            continue
+        section = f"{prefix}{field.metadata.get('key', field.name)}"
+        for sub in attrs.fields(type(default)):
+            if sub.name == "options" and isinstance(default, ComponentSection):
+                continue
+            found.append(f"{section}.{sub.metadata.get('key', sub.name)}")
+        found += _nested_keys(type(default), f"{section}.", depth - 1)
+    return found
+
+
+def _unknown_key_message(
+    path: str, key: str, known: list[str], kind: str | None, nested: Sequence[str] = ()
+) -> str:
     full = f"{path}.{key}" if path else key
     message = f"unknown key {full}"
     close = difflib.get_close_matches(key, known, n=1)
+    # A section's key given without its section (`max_num_steps=5`): name the full key.
+    leaves = {n.rsplit(".", 1)[-1] for n in nested}
+    near = key if key in leaves else next(iter(difflib.get_close_matches(key, leaves, n=1)), None)
+    inside = [n for n in nested if n.rsplit(".", 1)[-1] == near]
     if close:
         alt = f"{path}.{close[0]}" if path else close[0]
         message += f"; did you mean {alt}?"
+    elif inside:
+        alts = [f"{path}.{n}" if path else n for n in inside[:3]]
+        message += f"; did you mean {' or '.join(alts)}?"
     elif kind:
         message += f" (not an option here, and no {kind} named {key!r} is registered)"
     return message

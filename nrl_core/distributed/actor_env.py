@@ -474,9 +474,10 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
             ]
             for extra in request.extras:
                 cmd += ["--extra", extra]
-            _run_uv(
-                cmd, request, env | {"UV_PROJECT_ENVIRONMENT": str(venv)}, cwd=request.workspace
-            )
+            # Compile bytecode once, at build (as the project setting used to): actor processes
+            # may not write it (PYTHONDONTWRITEBYTECODE) and a ready venv is never synced again.
+            sync_env = env | {"UV_PROJECT_ENVIRONMENT": str(venv), "UV_COMPILE_BYTECODE": "1"}
+            _run_uv(cmd, request, sync_env, cwd=request.workspace)
         elif request.workspace:
             _install_beside_workspace(uv, venv, request, env)
         else:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,14 @@ from nrl_core.interfaces import ClusterResources
 # Ray puts unix sockets under its temp dir and a socket path may not exceed 107 bytes, so the
 # real temp dir stays short under /tmp and the run directory gets a symlink to it.
 TEMP_DIR_PREFIX = "nrl-ray-"
+START_ATTEMPTS = 3
+"""Start-ups of the local Ray head tried before a run gives up (see :func:`start_timeout_s`)."""
+START_TIMEOUT_ENV = "NRL_RAY_START_TIMEOUT_S"
+"""Environment variable that sets the time limit of one start-up attempt, in seconds."""
+BASE_START_TIMEOUT_S = 60.0
+"""One start-up's limit on an idle machine. A local head starts in 3-8 s idle on 2 cores and in
+35-60 s beside 10 busy processes (load average 13-28); see :func:`start_timeout_s`."""
+MAX_START_TIMEOUT_S = 600.0
 QUIET_WORKER_ENV: Mapping[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """Set for the workers of a local cluster whose output goes to the run log: Hugging Face's
 progress bars ("Loading weights") would only fill it with carriage returns. A value already
@@ -118,6 +127,98 @@ def ray_resources() -> ClusterResources:
         cpus_per_node=[float(n["Resources"].get("CPU", 0)) for n in nodes],
         gpus_per_node=[float(n["Resources"].get("GPU", 0)) for n in nodes],
     )
+
+
+def start_timeout_s(load: float | None = None, cpus: int | None = None) -> float:
+    """How long one start-up of the local Ray head may take: :data:`BASE_START_TIMEOUT_S` on an
+    idle machine, times the load per CPU on a busy one (a start-up is a dozen processes - GCS,
+    raylet, its agents, the log monitor - that all compete for the CPUs), at most
+    :data:`MAX_START_TIMEOUT_S`; ``$NRL_RAY_START_TIMEOUT_S`` sets it outright.
+
+    Ray's own wait for its raylet is a fixed 30 s (``ray/_private/node.py``, not configurable
+    in Ray 2.60): :meth:`LocalCluster.start` lets the raylet take this long instead, and stops
+    waiting at once when the raylet has died (see :func:`raylet_failure`).
+    """
+    configured = os.environ.get(START_TIMEOUT_ENV)
+    if configured:
+        try:
+            value = float(configured)
+        except ValueError:
+            raise ClusterError(
+                f"{START_TIMEOUT_ENV}={configured!r} is not a number of seconds"
+            ) from None
+        if value <= 0:
+            raise ClusterError(f"{START_TIMEOUT_ENV} must be > 0, got {configured}")
+        return value
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    cpus = cpus or os.cpu_count() or 1
+    return min(MAX_START_TIMEOUT_S, BASE_START_TIMEOUT_S * max(1.0, load / cpus))
+
+
+_RAYLET_FATAL = ("Check failed", "An unexpected system state has occurred")
+
+
+def raylet_failure(temp_dir: str | os.PathLike) -> str | None:
+    """Why the raylet of the newest session under ``temp_dir`` died at start-up (its fatal
+    log line, shortened), or None while it has not. On a busy machine this is usually
+    ``Timed out waiting for file .../metrics_agent_port_...``: the raylet gives its agents a
+    fixed ~15 s to start (Ray 2.60; ``RAY_raylet_start_wait_time_s`` does not change it,
+    measured)."""
+    log = Path(temp_dir) / "session_latest" / "logs" / "raylet.out"
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, log.stat().st_size - 65536))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in tail.splitlines():
+        if any(marker in line for marker in _RAYLET_FATAL):
+            reason = line.split("Check failed:", 1)[-1].split("]", 1)[-1].strip()
+            if "Timed out waiting for file" in reason:
+                name = Path(reason.rsplit(" ", 1)[-1]).name.rsplit("_", 1)[0]
+                return f"Ray's raylet gave up waiting for its agents ({name} file)"
+            return f"Ray's raylet died at start-up: {reason[:200]}"
+    return None
+
+
+class _RayletDied(Exception):
+    """The raylet died during start-up (raised through Ray's wait loop, which only catches
+    RuntimeError)."""
+
+
+@contextlib.contextmanager
+def _patient_raylet_wait(temp_dir: Path, deadline: float):
+    """Within ``ray.init``: let the raylet register until ``deadline`` (``time.monotonic``)
+    rather than Ray's fixed 30 s, and stop at once when it died.
+
+    Ray polls ``ray._private.services.get_node`` until the node is registered; the wrapper
+    polls on its own until the deadline and raises :class:`_RayletDied` as soon as the
+    raylet's log shows it died. Restored on exit."""
+    from ray._private import services
+
+    original = services.get_node
+
+    def get_node(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                failure = raylet_failure(temp_dir)
+                if failure is not None:
+                    raise _RayletDied(failure) from None
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
 
 
 def _cluster_config(context: Any) -> Any:
@@ -242,19 +343,69 @@ class LocalCluster:
             signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)
         }
         atexit.register(self.shutdown)
-        self._started = True
-        try:
-            ray.init(**kwargs)
-        except Exception as exc:
-            self.failed = True
-            self._shutdown(keep_temp=True, say=False)  # the logs say why Ray did not start
-            raise ClusterError(
-                f"could not start a local Ray head: {exc}; see the logs in {self.temp_dir}"
-            ) from exc
+        self._start_with_retries(ray, kwargs)
         # After ray.init, which installs its own SIGTERM handler that skips our clean-up.
         self._install_signal_handlers()
         self._link_logs()
         return ray_resources()
+
+    def _start_with_retries(self, ray: Any, kwargs: dict[str, Any]) -> None:
+        """``ray.init`` up to :data:`START_ATTEMPTS` times, each within
+        :func:`start_timeout_s`; between attempts the failed one's processes are stopped. When
+        none starts: one line saying why and what to try, and Ray's temp folder is removed
+        unless :attr:`keep_temp_on_failure` (``-v``)."""
+        failures: list[str] = []
+        started = time.monotonic()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            limit = start_timeout_s()
+            self._started = True
+            try:
+                with _patient_raylet_wait(self.temp_dir, time.monotonic() + limit):
+                    ray.init(**kwargs)
+                return
+            except Exception as exc:
+                reason = raylet_failure(self.temp_dir) or _one_line(exc)
+                failures.append(reason)
+                self._stop_attempt(ray)  # before the next one starts, or the clean-up
+                if not _worth_retrying(exc) or attempt == START_ATTEMPTS:
+                    break
+                print(
+                    f"warning: the local Ray head did not start ({reason}; limit {limit:.0f} s"
+                    f"{_load_note()}); trying again ({attempt + 1}/{START_ATTEMPTS})",
+                    file=sys.stderr,
+                )
+        self.failed = True
+        keep = self.keep_temp_on_failure
+        if self._output is not None:
+            self._output.remove()
+            self._output = None
+        self._shutdown(keep_temp=keep, say=False)
+        where = f"Ray's logs are in {self.temp_dir}" if keep else "rerun with -v to keep Ray's logs"
+        # A raylet that gave up on its agents had a fixed limit: more time would not help.
+        longer = "" if "raylet" in failures[-1] else f"{START_TIMEOUT_ENV}=600 for longer, or "
+        raise ClusterError(
+            f"could not start a local Ray head ({len(failures)} attempt"
+            f"{'s' if len(failures) > 1 else ''} in {time.monotonic() - started:.0f} s"
+            f"{_load_note()}): {failures[-1]}. Try: run it when the machine is less busy, "
+            f"{longer}start Ray once yourself (`ray start --head`, retried until it starts) "
+            f"and run with cluster.backend=ray; {where}"
+        )
+
+    def _stop_attempt(self, ray: Any) -> None:
+        """Stop what a failed ``ray.init`` left running (its GCS, raylet, agents), found by
+        their command lines naming :attr:`temp_dir`; the temp folder and the run-log output
+        stay for the next attempt."""
+        from nrl_core.distributed.reaper import kill, session_processes
+
+        self._started = False
+        processes: dict[int, int] = {}
+        with contextlib.suppress(OSError):  # no /proc: nothing to find
+            watcher = self._reaper.pid if self._reaper is not None else None
+            processes = session_processes(os.getpid(), str(self.temp_dir), watcher)
+        with contextlib.suppress(Exception):  # a half-started Ray may fail to stop cleanly
+            if ray.is_initialized():
+                ray.shutdown()
+        kill(processes, grace_s=2)
 
     def shutdown(self, *, keep_temp: bool | None = None) -> None:
         """Stop the Ray head this object started, then remove its temp folder and the run
@@ -387,6 +538,25 @@ class LocalCluster:
             link.symlink_to(self.temp_dir, target_is_directory=True)
         except OSError:
             pass  # a missing log link must not stop a run; the logs stay in temp_dir
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """A start-up that timed out or whose raylet died may start next time; a bad argument or
+    a missing binary will not."""
+    return not isinstance(exc, TypeError | ValueError | FileNotFoundError | PermissionError)
+
+
+def _load_note() -> str:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    return f"; load average {load:.0f} on {os.cpu_count() or 1} CPUs"
 
 
 def _enable_token_auth_if_available() -> None:

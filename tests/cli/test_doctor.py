@@ -46,6 +46,13 @@ class HubPlugin:
         register("fake_ok", "nrl_core.chat_data:ChatDataset", extras=["ok"])
         register("fake_typo", "nrl_core.chat_data:NoSuchDataset")
 
+        register(
+            "fake_files",
+            "nrl_core.chat_data:ChatDataset",
+            extras=["hf"],
+            extras_for="hub datasets (JSONL files need nothing)",
+        )
+
     @hookimpl
     def nrl_register_environments(self, register):
         register("fake_env", "nrl_core.environments:ExactMatchEnvironment", extras=["hf"])
@@ -71,6 +78,14 @@ def test_a_dataset_missing_its_extra_is_reported_with_the_install_command(fake_d
     # It runs in the driver: installing the extra here is the fix, not an actor venv.
     assert f"pip install '{DIST}[hf]'" in check.detail.replace("\\[", "[")
     assert "venv" not in check.detail
+
+
+def test_a_dataset_whose_extra_serves_some_sources_is_usable_without_it(fake_distribution):
+    """Issue 39: doctor said the `prompts` dataset needs `datasets` even for a JSONL file."""
+    check = check_component(_spec(_host(fake_distribution), "dataset", "fake_files"))
+    assert not check.broken
+    assert check.detail.startswith("yes; hub datasets (JSONL files need nothing) need ")
+    assert f"{MISSING}>=1 (not installed)" in check.detail
 
 
 def test_an_actor_component_missing_its_extra_points_at_its_venv(fake_distribution):

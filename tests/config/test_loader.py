@@ -125,6 +125,10 @@ def test_overrides_beat_the_file_which_beats_the_recipe(tmp_path, registry):
             ["policy.megatron.tensor_model_parallel_size=two"],
             "policy.megatron.tensor_model_parallel_size: expected int, got str 'two'",
         ),
+        # A section's key without its section (issue 39: `max_num_steps=5` got no hint).
+        (["max_num_steps=5"], "unknown key max_num_steps; did you mean grpo.max_num_steps?"),
+        (["lr=1e-5"], "unknown key lr; did you mean policy.optimizer.lr?"),
+        (["max_num_stps=5"], "unknown key max_num_stps; did you mean grpo.max_num_steps?"),
         (["justakey"], "override 'justakey' must look like key.path=value"),
         (["seed.sub=1"], "seed: expected int, got a section"),
         (["seed=1", "seed.sub=1"], "seed is a value, not a section"),

@@ -31,10 +31,48 @@ TUTORIAL = REPO / "docs" / "tutorial.md"
 PROJECT = "nrl-reverse-words"
 
 
+# A ```bash block, or a file the reader writes: a block right after a line ending in
+# "`NAME.ext`:" (the page says "write ... `my_reward.py`:" before showing the file).
+_BLOCK = re.compile(r"(?:`([\w.-]+\.\w+)`:\n\n```\w*\n(.*?)```)|(?:```bash\n(.*?)```)", re.S)
+
+
+def tutorial_steps(text: str | None = None) -> list[tuple[str, str]]:
+    """The page's steps in order: ``("write NAME", text)`` for a file the reader writes,
+    ``("run", line)`` for each shell command."""
+    steps: list[tuple[str, str]] = []
+    for name, content, bash in _BLOCK.findall(text if text is not None else TUTORIAL.read_text()):
+        if name:
+            steps.append((f"write {name}", content))
+        else:
+            steps += [("run", line) for line in bash.strip().splitlines() if line.strip()]
+    return steps
+
+
+def as_shell(steps: list[tuple[str, str]]) -> list[str]:
+    """The steps as shell commands: a file the reader writes becomes a quoted here-document."""
+    commands = []
+    for kind, text in steps:
+        if kind == "run":
+            commands.append(text)
+        else:
+            assert "NRL_EOF" not in text
+            commands.append(f"cat > {kind.split(' ', 1)[1]} <<'NRL_EOF'\n{text}NRL_EOF")
+    return commands
+
+
 def tutorial_commands() -> list[str]:
-    """The tutorial's shell commands, in page order."""
-    blocks = re.findall(r"```bash\n(.*?)```", TUTORIAL.read_text(), re.S)
-    return [line for block in blocks for line in block.strip().splitlines() if line.strip()]
+    """The tutorial's shell commands (and the files it has the reader write), in page order."""
+    return as_shell(tutorial_steps())
+
+
+REWARD_FN_SECTION = "## A reward function in one file (no plugin needed)"
+
+
+def reward_fn_steps() -> list[tuple[str, str]]:
+    """The steps of the tutorial's no-plugin section."""
+    text = TUTORIAL.read_text()
+    section = text.split(REWARD_FN_SECTION, 1)[1].split("\n## ", 1)[0]
+    return tutorial_steps(section)
 
 
 def test_tutorial_has_the_steps_it_promises():
@@ -45,6 +83,31 @@ def test_tutorial_has_the_steps_it_promises():
     assert any(c.startswith(f'uv pip install -e "./{PROJECT}[test]"') for c in commands)
     assert any("pytest" in c for c in commands)
     assert any(" nrl run grpo --config examples/reverse_words_cpu.yaml" in c for c in commands)
+
+
+def test_the_no_plugin_path_needs_under_15_lines():
+    """Issue 39: a custom reward took a packaged plugin (53 lines); TRL's takes 13."""
+    steps = reward_fn_steps()
+    assert [kind for kind, _ in steps] == ["write my_reward.py", "write prompts.jsonl", "run"]
+    written = sum(len(text.strip().splitlines()) for _, text in steps)
+    assert written < 15, f"{written} lines"
+    assert "env.name=reward_fn env.reward_fn.path=my_reward.py:score" in steps[-1][1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_no_plugin_path_reaches_a_grpo_step_as_written(tmp_path):
+    """The section's files and command, as written, in an empty folder with this checkout's
+    nrl (the full tutorial test runs them again in the tutorial's own fresh venv)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NRL_ACTOR_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    output = _run("\n".join(as_shell(reward_fn_steps())), tmp_path, env, timeout=1200)
+    records = [
+        json.loads(line) for line in (tmp_path / "runs/grpo-arithmetic/metrics.jsonl").open()
+    ]
+    steps = [r for r in records if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1], output[-3000:]
+    assert steps[0].get("train/env_errors", 0) == 0, steps[0]
 
 
 def _clean_env(tmp_path: Path) -> dict[str, str]:

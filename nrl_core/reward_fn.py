@@ -1,0 +1,231 @@
+"""A reward function in one file: the ``reward_fn`` environment (no plugin needed).
+
+``env.name=reward_fn env.reward_fn.path=my_reward.py:score`` scores each response with a plain
+Python function, as TRL's reward functions do::
+
+    def score(prompt, completion, **row):
+        return 1.0 if completion.strip() == str(row["answer"]) else 0.0
+
+* ``prompt``: the text of the prompt's last user message (the whole prompt for a one-message
+  prompt, which is what the ``prompts`` dataset makes of a text field);
+* ``completion``: the model's response text;
+* ``row``: the sample's other fields: ``answer``, ``task``, and every other column of a
+  ``prompts`` JSONL row under its own name. Take ``**row`` so that new fields never break it.
+
+It returns the reward: an ``int`` or ``float`` (``bool`` too), finite. A function that raises
+for a sample, or returns NaN or infinity, gives that sample reward 0 and is counted in
+``train/env_errors`` (like any environment); one that returns anything else (``None``, a
+string) fails the run in one line naming the file and function, since no sample can be scored.
+
+The function runs in the environment actors (single turn; ``env.step_timeout_s`` bounds each
+batch), imported there from its file: the file is the user's own code, named on their command
+line. The driver only reads it (:meth:`RewardFnConfig.preflight`): a missing file, a syntax
+error or a missing function is a ``ConfigError`` (exit 2) before Ray starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from nrl_core.config.schema import Valid, option
+from nrl_core.errors import ConfigError, NrlError
+from nrl_core.interfaces import EnvStep
+
+NAME = "reward_fn"
+"""The environment's registered name (``env.name: reward_fn``; options under ``env.reward_fn``)."""
+
+
+def _looks_like_reference(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    file, sep, function = value.rpartition(":")
+    return bool(sep) and file.endswith(".py") and function.isidentifier()
+
+
+REFERENCE = Valid("`FILE.py:FUNCTION`", _looks_like_reference, allow_none=True)
+
+
+@attrs.define
+class RewardFnConfig:
+    """Options of the ``reward_fn`` environment (``env.reward_fn``)."""
+
+    path: str | None = option(
+        None,
+        "The reward function, as `FILE.py:FUNCTION` (a path relative to the folder `nrl run` "
+        "starts in, or absolute): `FUNCTION(prompt, completion, **row)` returns a float.",
+        validator=REFERENCE,
+    )
+
+    def preflight(self, key: str) -> None:
+        """Driver-side check before anything starts, without running the file: it exists,
+        parses, and defines the function at its top level. ``key`` is this section's config
+        key (``env.reward_fn``)."""
+        if self.path is None:
+            raise ConfigError(
+                f"{key}.path is not set; name your reward function as {key}.path=FILE.py:FUNCTION"
+            )
+        file, function = split_reference(self.path)
+        where = f"{key}.path={self.path}"
+        if not file.is_file():
+            raise ConfigError(f"{where}: {file} does not exist; check the path")
+        try:
+            tree = ast.parse(file.read_bytes(), str(file))
+        except SyntaxError as exc:
+            raise ConfigError(
+                f"{where}: {file}:{exc.lineno}: syntax error: {exc.msg}; fix the file"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{where}: cannot read {file}: {exc}") from None
+        defined = _top_level_functions(tree)
+        if function not in defined and not _binds_name(tree, function):
+            known = f" (it defines {', '.join(sorted(defined))})" if defined else ""
+            raise ConfigError(f"{where}: {file} defines no function {function!r}{known}")
+
+
+def split_reference(reference: str) -> tuple[Path, str]:
+    """``("my_reward.py", "score")`` of ``"my_reward.py:score"``, the file made absolute
+    (against the current folder: the driver's and, on a local cluster, its actors')."""
+    file, _, function = reference.rpartition(":")
+    return Path(file).expanduser().absolute(), function
+
+
+def _top_level_functions(tree: ast.Module) -> set[str]:
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+
+
+def _binds_name(tree: ast.Module, name: str) -> bool:
+    """Whether the module binds ``name`` otherwise (``score = make_scorer()``, an import)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        elif isinstance(node, ast.Import | ast.ImportFrom) and any(
+            (a.asname or a.name.split(".")[0]) == name for a in node.names
+        ):
+            return True
+    return False
+
+
+def load_reward_function(reference: str) -> Callable[..., Any]:
+    """Import ``FILE.py`` (as a module of its own, its folder first on ``sys.path`` so that it
+    can import its neighbours) and return its ``FUNCTION``; a ``ConfigError`` naming the file
+    when that fails."""
+    file, function = split_reference(reference)
+    name = f"nrl_reward_fn_{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"env.reward_fn.path={reference}: {file} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(file.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: importing {file.name} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: {file.name} has no function {function!r}"
+        )
+    return fn
+
+
+def prompt_text(conversation: Sequence[dict]) -> str:
+    """The prompt's last user message before the response (empty when there is none)."""
+    for message in reversed(conversation[:-1]):
+        if message.get("role") == "user":
+            return str(message.get("content") or "")
+    return ""
+
+
+class RewardFunctionEnvironment:
+    """Scores each response with the function :attr:`RewardFnConfig.path` names; single turn.
+    Registered as ``reward_fn`` (see the module docstring for the function's contract)."""
+
+    def __init__(self, options: RewardFnConfig | None = None, context: Any = None) -> None:
+        options = options or RewardFnConfig()
+        if options.path is None:
+            raise ConfigError(
+                "env.reward_fn.path is not set; name your reward function as "
+                "env.reward_fn.path=FILE.py:FUNCTION"
+            )
+        self.reference = options.path
+        self.fn = load_reward_function(options.path)
+        self.name = f"{split_reference(options.path)[0].name}:{self.fn.__name__}"
+        self.fields = _accepted_fields(self.fn, options.path)
+        self.context = context
+
+    def step(
+        self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
+    ) -> list[EnvStep]:
+        steps = []
+        for conversation, meta in zip(conversations, metadata, strict=True):
+            completion = str(conversation[-1].get("content") or "")
+            row = meta if self.fields is None else {k: meta[k] for k in self.fields if k in meta}
+            reward = self.fn(prompt_text(conversation), completion, **row)
+            steps.append(EnvStep(reward=self._checked(reward), terminated=True))
+        return steps
+
+    def _checked(self, reward: Any) -> float:
+        # bool is an int: True/False are rewards 1/0, as in TRL.
+        if not isinstance(reward, int | float) or isinstance(reward, complex):
+            raise RewardFunctionError(
+                f"reward function {self.name} returned {type(reward).__name__} "
+                f"{_short(reward)}; it must return a float (env.reward_fn.path={self.reference})"
+            )
+        value = float(reward)
+        if not math.isfinite(value):
+            # One sample's fault, not the function's: that sample gets 0 and is counted.
+            raise ValueError(f"reward function {self.name} returned {value}")
+        return value
+
+
+def _accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
+    """The row fields ``fn`` takes by name, or ``None`` when it takes ``**row`` (all of them):
+    a function written as ``score(prompt, completion, answer)`` gets only ``answer``. A
+    function that cannot take a prompt and a completion is a ``ConfigError``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None  # a builtin or C function: call it with everything
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: {fn.__name__}{inspect.signature(fn)} must take "
+            "(prompt, completion, **row)"
+        )
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY])
+
+
+class RewardFunctionError(NrlError):
+    """The reward function returns something that is not a number: no sample can be scored
+    (exit code 2: the user fixes their function)."""
+
+    exit_code = 2
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
