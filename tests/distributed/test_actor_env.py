@@ -211,7 +211,7 @@ def test_venvs_build_with_extras_builds_the_venv_a_lora_run_uses():
 
     spec = PluginHost.discover(["dtensor"]).registry().get("policy", "dtensor")
     for name, lora_rank, extras in (("dtensor[lora]", 4, ("lora",)), ("dtensor", 0, ())):
-        [(plugin, dist, built)] = _targets([name], False)
+        [(plugin, dist, built, _cpu)] = _targets([name], False)
         assert (plugin, dist, built) == ("dtensor", "nrl-dtensor", extras)
         run_extras = actor_env.component_extras(spec, DTensorConfig(lora_rank=lora_rank))
         assert run_extras == extras
@@ -255,4 +255,6 @@ def test_dataset_extras_get_no_actor_venv():
 
     host = PluginHost.discover(selection=[])
     host.add(Plugin(), "mathlike", distribution="nrl-math-env", version="0.1.0")
-    assert _targets(["mathlike"], False, host=host) == [("mathlike", "nrl-math-env", ("verify",))]
+    assert _targets(["mathlike"], False, host=host) == [
+        ("mathlike", "nrl-math-env", ("verify",), None)
+    ]
