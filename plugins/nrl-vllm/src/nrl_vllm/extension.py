@@ -62,11 +62,18 @@ class NrlWeightReceiver:
         and shards for tensor parallelism). ``meta`` is ``BucketMeta.to_wire()``'s form.
         Returns the payload bytes loaded."""
         model = self.model_runner.model  # type: ignore[attr-defined]
+
+        def load(weights: list) -> Any:
+            # The layerwise reload keeps the weights of a layer until its last one arrives,
+            # which may be in a later bucket: they must outlive this bucket's memory (shared
+            # memory unmapped, or a CUDA IPC buffer released, when this call returns).
+            return model.load_weights((name, tensor.clone()) for name, tensor in weights)
+
         with _vllm_config(self):
             return receive_into(
                 BucketMeta.from_wire(meta),
                 handle_from_wire(handle),
-                model.load_weights,
+                load,
                 device=self.device,  # type: ignore[attr-defined]
             )
 
