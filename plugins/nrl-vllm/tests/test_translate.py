@@ -140,6 +140,39 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
     assert Engine.calls == [("sleep", {"level": 2})]
 
 
+def test_engine_kwargs_on_cpu_are_what_vllm_cpu_accepts():
+    """vLLM's CPU build: float32 (the CPU policy's dtype, sent uncast), eager (no inductor
+    compile), no sleep mode (vllm/config/model.py refuses it off CUDA/ROCm/XPU), an explicit
+    KV cache instead of a fraction of host memory. GPU settings are left as they were."""
+    options = VllmConfig(dtype="bfloat16", enforce_eager=False, cpu_kv_cache_mb=64)
+    gpu = engine_kwargs(options, "m", seed=0)
+    cpu = engine_kwargs(options, "m", seed=0, on_cpu=True)
+    assert (gpu["dtype"], gpu["enforce_eager"], gpu["enable_sleep_mode"]) == (
+        "bfloat16",
+        False,
+        True,
+    )
+    assert "kv_cache_memory_bytes" not in gpu and gpu["gpu_memory_utilization"] == 0.6
+    assert (cpu["dtype"], cpu["enforce_eager"], cpu["enable_sleep_mode"]) == (
+        "float32",
+        True,
+        False,
+    )
+    assert cpu["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in cpu
+    assert {k: v for k, v in cpu.items() if k not in _CPU_KEYS} == {
+        k: v for k, v in gpu.items() if k not in _CPU_KEYS
+    }
+
+
+_CPU_KEYS = {
+    "dtype",
+    "enforce_eager",
+    "enable_sleep_mode",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+}
+
+
 @pytest.mark.gpu_sim
 def test_tensor_parallel_engines_start_their_workers_as_processes():
     """An engine actor holds one ``{GPU: tp}`` bundle. Unset, vLLM 0.32 would pick its Ray

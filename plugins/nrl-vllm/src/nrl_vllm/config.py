@@ -15,19 +15,33 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 class VllmConfig:
     tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
     num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
-    colocated: bool = option(True, "Share GPUs with the policy (sleep/wake between phases).")
+    colocated: bool = option(
+        True,
+        "Share GPUs with the policy (sleep/wake between phases). On CPU engines are separate "
+        "actors either way, and vLLM has no sleep mode there.",
+    )
     gpu_memory_utilization: float = option(
         0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
     )
-    enforce_eager: bool = option(False, "Disable CUDA graphs.")
+    enforce_eager: bool = option(
+        False, "Disable CUDA graphs (GPUs; CPU engines always run eager: no torch.compile)."
+    )
     async_engine: bool = option(False, "Use vLLM's async engine.")
     refit_bucket_mb: int = option(
         512, "Size bound of each weight bucket during refit.", validator=ge(1)
     )
     dtype: str = option(
         "bfloat16",
-        "Engine weight and activation dtype (refit casts to it).",
+        "Engine weight and activation dtype on GPUs (refit casts to it). CPU engines run "
+        "float32, the dtype CPU policies train in and send.",
         validator=one_of(*ENGINE_DTYPES),
+    )
+    cpu_kv_cache_mb: int = option(
+        256,
+        "CPU engines only: KV cache size in MiB (vLLM's kv_cache_memory_bytes; on CPU "
+        "gpu_memory_utilization would be a fraction of host memory). VLLM_CPU_KVCACHE_SPACE "
+        "(GiB) wins when set.",
+        validator=ge(1),
     )
     max_model_len: int | None = option(
         None, "Context length (default: the model's).", validator=optional(ge(1))

@@ -18,13 +18,43 @@ attribute); never imported by the driver.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from nrl_core.weight_sync import BucketMeta, handle_from_wire, init_nccl_group, receive_into
 
 
 class NrlWeightReceiver:
-    """Mixed into vLLM's GPU worker class: receives nrl buckets and loads them."""
+    """Mixed into vLLM's worker class (GPU or CPU): receives nrl buckets and loads them.
+
+    A refit is ``nrl_begin_weight_update``, one ``nrl_receive_bucket`` per bucket, then
+    ``nrl_finish_weight_update``: vLLM 0.32's layerwise reload
+    (``vllm/model_executor/model_loader/reload/layerwise.py``), the way its own weight-transfer
+    engines load new weights (``vllm/distributed/weight_transfer/m2n_engine.py``
+    ``start_weight_update`` / ``finish_weight_update``). After the first load vLLM may have
+    replaced a layer's parameters by processed kernel tensors without ``weight_loader`` (the
+    CPU backend repacks every linear weight: a plain ``model.load_weights`` then fails with
+    "'Parameter' object has no attribute 'weight_loader'"); the reload puts the layers back
+    in their checkpoint form, buffers each layer's weights until it is complete, processes it
+    and copies the result into the kernel tensors' own storage (so colocated GPU engines keep
+    their sleep-mode memory pool).
+    """
+
+    def nrl_begin_weight_update(self) -> None:
+        """Put the model's layers in reload mode (checkpoint-format parameters)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(self.model_runner.model)  # type: ignore[attr-defined]
+
+    def nrl_finish_weight_update(self) -> None:
+        """Process the layers that were not complete during loading and leave reload mode."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(self.model_runner.model, self.model_config)  # type: ignore[attr-defined]
 
     def nrl_receive_bucket(self, meta: dict[str, Any], handle: dict[str, Any]) -> int:
         """Open the bucket that ``handle`` (``handle_to_wire``'s form) names, on this worker's
@@ -32,12 +62,20 @@ class NrlWeightReceiver:
         and shards for tensor parallelism). ``meta`` is ``BucketMeta.to_wire()``'s form.
         Returns the payload bytes loaded."""
         model = self.model_runner.model  # type: ignore[attr-defined]
-        return receive_into(
-            BucketMeta.from_wire(meta),
-            handle_from_wire(handle),
-            model.load_weights,
-            device=self.device,  # type: ignore[attr-defined]
-        )
+
+        def load(weights: list) -> Any:
+            # The layerwise reload keeps the weights of a layer until its last one arrives,
+            # which may be in a later bucket: they must outlive this bucket's memory (shared
+            # memory unmapped, or a CUDA IPC buffer released, when this call returns).
+            return model.load_weights((name, tensor.clone()) for name, tensor in weights)
+
+        with _vllm_config(self):
+            return receive_into(
+                BucketMeta.from_wire(meta),
+                handle_from_wire(handle),
+                load,
+                device=self.device,  # type: ignore[attr-defined]
+            )
 
     def nrl_init_nccl_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
@@ -50,3 +88,14 @@ class NrlWeightReceiver:
         """Sum of every parameter (float64), for tests that check a refit arrived."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
+
+
+def _vllm_config(worker: Any) -> Any:
+    """vLLM's current-config context for a layer processed as its last weight arrives (a real
+    worker has ``vllm_config``; the CPU tests' stand-in model has none)."""
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(config)

