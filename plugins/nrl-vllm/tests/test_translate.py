@@ -135,6 +135,7 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
         None,
         False,
     )
+    worker.on_cpu = False  # the GPU engine: vLLM has no sleep mode on CPU
     assert worker.options.colocated
     worker.sleep()
     assert Engine.calls == [("sleep", {"level": 2})]
