@@ -135,3 +135,45 @@ def test_sigterm_mid_run_stops_the_engine(tmp_path):
     assert "Traceback" not in out, out[-3000:]
     assert _wait_gone(tag) == []
     assert _nrl_segments() <= segments
+
+
+def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
+    """``nrl serve generation.backend=vllm``: the engine loaded with the policy's weights
+    answers a chat completion (token ids and logprobs), and SIGTERM leaves no engine process."""
+    import re
+    import urllib.request
+
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "nrl_core.cli", "serve", "--port", "0"]
+    command += ["generation.backend=vllm", "generation.actor_env=venv", "cluster.num_cpus=2"]
+    # Into a file: the engine logs more than a pipe holds while nobody reads it.
+    out = tmp_path / "out.txt"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(tag)
+        )
+    try:
+        url, deadline = None, time.monotonic() + 900
+        while url is None and proc.poll() is None and time.monotonic() < deadline:
+            found = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+/v1)", out.read_text())
+            if found is None:
+                time.sleep(1)
+            else:
+                url = found.group(1)
+        assert url, out.read_text()[-3000:]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "1+1="}]}
+        request = urllib.request.Request(
+            f"{url}/chat/completions",
+            data=json.dumps(body | {"max_tokens": 4}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            message = json.loads(response.read())["choices"][0]["message"]
+        ids, logprobs = message["generation_token_ids"], message["generation_log_probs"]
+        assert 1 <= len(ids) <= 4 and len(logprobs) == len(ids)
+        assert all(lp <= 0 for lp in logprobs)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code in (0, 128 + signal.SIGTERM)
+    assert _wait_gone(tag) == []
