@@ -100,6 +100,30 @@ def test_grpo_three_steps_refit_every_step_and_clean_exit(tmp_path):
     assert _nrl_segments() <= segments
 
 
+def test_async_grpo_with_two_engines(tmp_path):
+    """Asynchronous GRPO on two data-parallel vLLM engines: both start (two engine cores),
+    both are refit every step, the trajectories are at most one step old, and the first
+    step's (age 0) logprobs are the trainer's."""
+    import re
+
+    tag = uuid.uuid4().hex
+    overrides = ["generation.vllm.colocated=false", "generation.vllm.num_engines=2"]
+    overrides += ["grpo.async.enabled=true", "grpo.max_num_steps=3", "-q"]
+    result = subprocess.run(
+        _command(tmp_path, *overrides), capture_output=True, text=True, timeout=1500, env=_env(tag)
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (tmp_path / "run" / "nrl.log").read_text()
+    assert len(set(re.findall(r"\(EngineCore pid=(\d+)\)", log))) == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [r for r in rows if r.get("step", 0) >= 1 and "train/gen_logprob_error" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["refit/bytes"] > 0 and r["async/trajectory_age_max"] <= 1 for r in steps)
+    assert steps[0]["async/trajectory_age_max"] == 0
+    assert steps[0]["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP)
+    assert _wait_gone(tag) == []
+
+
 def test_sigterm_mid_run_stops_the_engine(tmp_path):
     """SIGTERM while the run trains: exit 143 without a traceback, and no EngineCore or vLLM
     worker process, nor a refit segment, is left behind."""
