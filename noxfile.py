@@ -111,6 +111,8 @@ def _plugin_session(distribution: str, extras: list[str]):
             # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the
             # arithmetic environment; both plugins are pure Python on top of nrl-core.
             session.install("--no-deps", "-e", "plugins/nrl-dtensor", "-e", "plugins/nrl-math-env")
+            # test_refit_wire.py round-trips refit messages through vLLM's msgpack (a dev tool).
+            session.install("msgspec>=0.19")
             env["NRL_VLLM_CPU_TESTS"] = "1"
         session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
 

@@ -100,30 +100,37 @@ def test_grpo_three_steps_refit_every_step_and_clean_exit(tmp_path):
     assert _nrl_segments() <= segments
 
 
-def test_sigterm_mid_run_stops_the_engine(tmp_path):
-    """SIGTERM while the run trains: exit 143 without a traceback, and no EngineCore or vLLM
-    worker process, nor a refit segment, is left behind."""
+def test_async_grpo_on_two_engines_then_sigterm(tmp_path):
+    """Asynchronous GRPO on two data-parallel vLLM engines (one run, so one engine start-up
+    for both checks): both engines start (two engine cores) and are refit every step, the
+    trajectories are at most one step old, step 1 (age 0) has the trainer's logprobs. Then
+    SIGTERM mid-run: exit 143 without a traceback, and no EngineCore or vLLM worker process,
+    nor a refit segment, is left behind."""
+    import re
+
     tag = uuid.uuid4().hex
     segments = _nrl_segments()
+    overrides = ["generation.vllm.colocated=false", "generation.vllm.num_engines=2"]
+    overrides += ["grpo.async.enabled=true", "grpo.max_num_steps=200", "grpo.val_period=0"]
     log = (tmp_path / "out.txt").open("w+")
     proc = subprocess.Popen(
-        _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0", "-q"),
+        _command(tmp_path, *overrides, "-q"),
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
         env=_env(tag),
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
+    steps: list[dict] = []
     try:
         deadline = time.monotonic() + 1200
-        while proc.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline and len(steps) < 3:
             rows = metrics.read_text().splitlines() if metrics.is_file() else []
-            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
-                break  # GRPO steps (engine generating, refits) are under way
+            steps = [json.loads(r) for r in rows if '"train/gen_logprob_error"' in r]
             time.sleep(1)
         assert proc.poll() is None, log.read()[-3000:]
-        engine = [p for p in _tagged_processes(tag) if "VLLM::" in p]
-        assert engine, _tagged_processes(tag)  # the processes the signal must stop
+        engines = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
+        assert len(engines) == 2, _tagged_processes(tag)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
     finally:
@@ -131,7 +138,57 @@ def test_sigterm_mid_run_stops_the_engine(tmp_path):
             proc.kill()
     log.seek(0)
     out = log.read()
+    assert [r["step"] for r in steps[:3]] == [1, 2, 3]
+    assert all(r["refit/bytes"] > 0 and r["async/trajectory_age_max"] <= 1 for r in steps)
+    assert steps[0]["async/trajectory_age_max"] == 0
+    assert steps[0]["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP)
+    engine_cores = re.findall(
+        r"\(EngineCore pid=(\d+)\)", (tmp_path / "run" / "nrl.log").read_text()
+    )
+    assert len(set(engine_cores)) == 2
     assert proc.returncode == 143, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert _wait_gone(tag) == []
     assert _nrl_segments() <= segments
+
+
+def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
+    """``nrl serve generation.backend=vllm``: the engine loaded with the policy's weights
+    answers a chat completion (token ids and logprobs), and SIGTERM leaves no engine process."""
+    import re
+    import urllib.request
+
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "nrl_core.cli", "serve", "--port", "0"]
+    command += ["generation.backend=vllm", "generation.actor_env=venv", "cluster.num_cpus=2"]
+    # Into a file: the engine logs more than a pipe holds while nobody reads it.
+    out = tmp_path / "out.txt"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(tag)
+        )
+    try:
+        url, deadline = None, time.monotonic() + 900
+        while url is None and proc.poll() is None and time.monotonic() < deadline:
+            found = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+/v1)", out.read_text())
+            if found is None:
+                time.sleep(1)
+            else:
+                url = found.group(1)
+        assert url, out.read_text()[-3000:]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "1+1="}]}
+        request = urllib.request.Request(
+            f"{url}/chat/completions",
+            data=json.dumps(body | {"max_tokens": 4}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            message = json.loads(response.read())["choices"][0]["message"]
+        ids, logprobs = message["generation_token_ids"], message["generation_log_probs"]
+        assert 1 <= len(ids) <= 4 and len(logprobs) == len(ids)
+        assert all(lp <= 0 for lp in logprobs)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code in (0, 128 + signal.SIGTERM)
+    assert _wait_gone(tag) == []
