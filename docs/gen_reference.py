@@ -219,6 +219,8 @@ def on_page_markdown(markdown: str, page: Any = None, **_: Any) -> str:
     for placeholder in (HOOK_PLACEHOLDER, CONFIG_PLACEHOLDER):
         if placeholder in markdown:
             markdown = fill(markdown, placeholder, generated(placeholder))
+            # The markers only delimit the block in the repository's copy of the page.
+            markdown = markdown.replace(placeholder, "").replace(END_MARK, "")
     return markdown
 
 

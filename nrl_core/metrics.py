@@ -112,10 +112,12 @@ class MetricsLogger:
         ids = self._saved_ids() if resume_step is not None else {}
         run_config = run_config or {}
         self._sinks: list[Any] = []
+        # W&B last: its run cannot be taken back (issue 39: MLflow refusing its file store left
+        # the W&B run started just before it behind), MLflow's can (deleted by discard()).
         starts = (
             ("tensorboard", lambda: _TensorBoard(run_dir, run_config, resume_step)),
-            ("wandb", lambda: _WandB(config, run_dir, run_config, ids.get("wandb"))),
             ("mlflow", lambda: _MLflow(config, run_dir, run_config, ids.get("mlflow"))),
+            ("wandb", lambda: _WandB(config, run_dir, run_config, ids.get("wandb"))),
         )
         for name, start in starts:
             if not getattr(config, name):
@@ -123,7 +125,7 @@ class MetricsLogger:
             try:
                 self._sinks.append(start())
             except Exception as exc:
-                self.close()  # the sinks already started
+                self._discard()  # the sinks already started: no run of a run that never was
                 if isinstance(exc, ConfigError):
                     raise
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -178,6 +180,13 @@ class MetricsLogger:
         """Finish the sinks' runs (W&B, MLflow) and flush TensorBoard."""
         while self._sinks:
             self._sinks.pop().close()
+
+    def _discard(self) -> None:
+        """Undo the sinks started so far (a later one failed): a run they created is deleted
+        where the sink can (``discard``), else finished."""
+        while self._sinks:
+            sink = self._sinks.pop()
+            getattr(sink, "discard", sink.close)()
 
 
 def _clean_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -494,6 +503,8 @@ class _MLflow:
         from mlflow.entities import Param
 
         self.client = mlflow.MlflowClient(tracking_uri=config.mlflow_tracking_uri)
+        self.created = False
+        """Whether this sink created its run (not one it continues): :meth:`discard` deletes it."""
         logged: dict[str, str] = {}
         run = self._existing(run_id) if run_id else None
         if run is not None:
@@ -517,6 +528,7 @@ class _MLflow:
             self.id = self.client.create_run(
                 experiment_id, run_name=config.run_name, tags={"nrl.run_dir": str(run_dir)}
             ).info.run_id
+            self.created = True
         # Params cannot change once logged: a resumed run adds only the keys it lacks (a
         # changed value shows in the config.yaml artifact, which is replaced).
         params = [
@@ -569,3 +581,11 @@ class _MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.id)
+
+    def discard(self) -> None:
+        """The run did not start after all: delete the MLflow run this sink created (one it
+        continues is only marked finished)."""
+        if self.created:
+            self.client.delete_run(self.id)
+        else:
+            self.close()

@@ -365,6 +365,38 @@ def test_a_sink_that_cannot_start_is_one_config_error_line(tmp_path, mlflow_stor
     assert "nosuch://tracking" in message and "\n" not in message
 
 
+def test_mlflow_refusing_to_start_leaves_no_wandb_run(tmp_path, wandb_offline, mlflow_store):
+    """Issue 39: MLflow refusing its store left behind the W&B run started just before."""
+    config = LoggerConfig(wandb=True, mlflow=True, mlflow_tracking_uri="nosuch://tracking")
+    with pytest.raises(ConfigError, match=r"logger\.mlflow=true: could not start logging"):
+        MetricsLogger(tmp_path / "run", config, run_config=RUN_CONFIG)
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
+def test_wandb_refusing_to_start_deletes_the_mlflow_run_it_followed(
+    tmp_path, wandb_offline, mlflow_store, monkeypatch
+):
+    import mlflow
+
+    # A W&B that refuses its settings (as it refuses a mode it does not know); teardown() makes
+    # it read the environment again (an earlier test's W&B keeps its settings otherwise).
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "no-such-mode")
+    wandb.teardown()
+    config = LoggerConfig(wandb=True, mlflow=True, mlflow_tracking_uri=mlflow_store)
+    try:
+        with pytest.raises(ConfigError, match=r"logger\.wandb=true: could not start logging"):
+            MetricsLogger(tmp_path / "run", config, run_config=RUN_CONFIG)
+    finally:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        wandb.teardown()  # the next test's W&B reads its own environment
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    experiment = client.get_experiment_by_name("nrl")
+    runs = client.search_runs([experiment.experiment_id]) if experiment is not None else []
+    assert runs == []  # the run MLflow had created is deleted
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

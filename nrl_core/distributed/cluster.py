@@ -34,11 +34,14 @@ from nrl_core.interfaces import ClusterResources
 # real temp dir stays short under /tmp and the run directory gets a symlink to it.
 TEMP_DIR_PREFIX = "nrl-ray-"
 START_ATTEMPTS = 3
-"""Start-ups of the local Ray head tried before a run gives up (see :func:`start_timeout_s`)."""
+"""Start-ups of the local Ray head always tried before a run gives up; more while the time
+limit (:func:`start_timeout_s`) lasts, up to :data:`MAX_START_ATTEMPTS`."""
+MAX_START_ATTEMPTS = 20
+"""At most this many start-ups (one takes 30-60 s on a busy 2-core machine)."""
 START_TIMEOUT_ENV = "NRL_RAY_START_TIMEOUT_S"
-"""Environment variable that sets the time limit of one start-up attempt, in seconds."""
+"""Environment variable that sets the start-up's time limit, in seconds."""
 BASE_START_TIMEOUT_S = 60.0
-"""One start-up's limit on an idle machine. A local head starts in 3-8 s idle on 2 cores and in
+"""The start-up's limit on an idle machine. A local head starts in 3-8 s idle on 2 cores and in
 35-60 s beside 10 busy processes (load average 13-28); see :func:`start_timeout_s`."""
 MAX_START_TIMEOUT_S = 600.0
 QUIET_WORKER_ENV: Mapping[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -130,10 +133,11 @@ def ray_resources() -> ClusterResources:
 
 
 def start_timeout_s(load: float | None = None, cpus: int | None = None) -> float:
-    """How long one start-up of the local Ray head may take: :data:`BASE_START_TIMEOUT_S` on an
-    idle machine, times the load per CPU on a busy one (a start-up is a dozen processes - GCS,
-    raylet, its agents, the log monitor - that all compete for the CPUs), at most
-    :data:`MAX_START_TIMEOUT_S`; ``$NRL_RAY_START_TIMEOUT_S`` sets it outright.
+    """How long starting the local Ray head may take, all attempts together:
+    :data:`BASE_START_TIMEOUT_S` on an idle machine, times the load per CPU on a busy one (a
+    start-up is a dozen processes - GCS, raylet, its agents, the log monitor - that all
+    compete for the CPUs), at most :data:`MAX_START_TIMEOUT_S`; ``$NRL_RAY_START_TIMEOUT_S``
+    sets it outright.
 
     Ray's own wait for its raylet is a fixed 30 s (``ray/_private/node.py``, not configurable
     in Ray 2.60): :meth:`LocalCluster.start` lets the raylet take this long instead, and stops
@@ -350,28 +354,36 @@ class LocalCluster:
         return ray_resources()
 
     def _start_with_retries(self, ray: Any, kwargs: dict[str, Any]) -> None:
-        """``ray.init`` up to :data:`START_ATTEMPTS` times, each within
-        :func:`start_timeout_s`; between attempts the failed one's processes are stopped. When
-        none starts: one line saying why and what to try, and Ray's temp folder is removed
-        unless :attr:`keep_temp_on_failure` (``-v``)."""
+        """``ray.init`` until it works: at least :data:`START_ATTEMPTS` times, and again while
+        the start-up's limit (:func:`start_timeout_s`, which grows with the load) lasts, up to
+        :data:`MAX_START_ATTEMPTS`; between attempts the failed one's processes are stopped.
+        When none starts: one line saying why and what to try, and Ray's temp folder is
+        removed unless :attr:`keep_temp_on_failure` (``-v``)."""
         failures: list[str] = []
         started = time.monotonic()
-        for attempt in range(1, START_ATTEMPTS + 1):
-            limit = start_timeout_s()
+        deadline = started + start_timeout_s()
+        attempt = 0
+        while True:
+            attempt += 1
             self._started = True
             try:
-                with _patient_raylet_wait(self.temp_dir, time.monotonic() + limit):
+                # The raylet may take until the deadline, at least BASE_START_TIMEOUT_S.
+                wait_until = max(deadline, time.monotonic() + BASE_START_TIMEOUT_S)
+                with _patient_raylet_wait(self.temp_dir, wait_until):
                     ray.init(**kwargs)
                 return
             except Exception as exc:
                 reason = raylet_failure(self.temp_dir) or _one_line(exc)
                 failures.append(reason)
                 self._stop_attempt(ray)  # before the next one starts, or the clean-up
-                if not _worth_retrying(exc) or attempt == START_ATTEMPTS:
+                more = attempt < START_ATTEMPTS or time.monotonic() < deadline
+                if not _worth_retrying(exc) or not more or attempt >= MAX_START_ATTEMPTS:
                     break
+                left = max(0.0, deadline - time.monotonic())
                 print(
-                    f"warning: the local Ray head did not start ({reason}; limit {limit:.0f} s"
-                    f"{_load_note()}); trying again ({attempt + 1}/{START_ATTEMPTS})",
+                    f"warning: the local Ray head did not start ({reason}{_load_note()}); "
+                    f"trying again (attempt {attempt + 1}, {left:.0f} s of the start-up's "
+                    "limit left)",
                     file=sys.stderr,
                 )
         self.failed = True
@@ -381,14 +393,13 @@ class LocalCluster:
             self._output = None
         self._shutdown(keep_temp=keep, say=False)
         where = f"Ray's logs are in {self.temp_dir}" if keep else "rerun with -v to keep Ray's logs"
-        # A raylet that gave up on its agents had a fixed limit: more time would not help.
-        longer = "" if "raylet" in failures[-1] else f"{START_TIMEOUT_ENV}=600 for longer, or "
+        longer = f"{START_TIMEOUT_ENV}={max(1200, round(2 * start_timeout_s()))} to keep trying"
         raise ClusterError(
             f"could not start a local Ray head ({len(failures)} attempt"
             f"{'s' if len(failures) > 1 else ''} in {time.monotonic() - started:.0f} s"
             f"{_load_note()}): {failures[-1]}. Try: run it when the machine is less busy, "
-            f"{longer}start Ray once yourself (`ray start --head`, retried until it starts) "
-            f"and run with cluster.backend=ray; {where}"
+            f"{longer} longer, or start Ray once yourself (`ray start --head`, retried until "
+            f"it starts) and run with cluster.backend=ray; {where}"
         )
 
     def _stop_attempt(self, ray: Any) -> None:

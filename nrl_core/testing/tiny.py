@@ -12,6 +12,7 @@ renders ``system``/``user``/``assistant`` turns and supports ``add_generation_pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -135,9 +136,26 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    with _no_progress_bars():
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Transformers' progress bars off (``Writing model shards``, issue 39: in the driver of
+    `nrl run`, where the tiny model is built, it reached the console that third-party output
+    must not); as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _cache_key(kwargs: dict) -> str:
@@ -232,6 +250,7 @@ def memorize(
         raise RuntimeError(f"the tiny model did not memorize {len(examples)} examples")
     model.eval()
     target = Path(target)
-    model.save_pretrained(target)
+    with _no_progress_bars():
+        model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
