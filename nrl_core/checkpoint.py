@@ -305,9 +305,59 @@ def saved_algorithm(config_path: Path) -> tuple[str, dict[str, Any]]:
     return algorithms[0], raw
 
 
+RUNTIME_SECTIONS = ("cluster", "logger", "checkpointing", "server")
+"""Sections of a saved config that say how and where a run ran, not what model it trained:
+never taken from a checkpoint (this machine's defaults apply instead)."""
+RUNTIME_KEYS = ("actor_env",)
+"""Keys, at any depth of a saved config, that name something to execute (an interpreter, a
+venv): never taken from a checkpoint."""
+
+
+def _strip_runtime(data: Any, path: str, dropped: list[str]) -> Any:
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        name = f"{path}.{key}" if path else str(key)
+        if key in RUNTIME_KEYS:
+            if value not in (None, ""):
+                dropped.append(f"{name}={value}")
+            continue
+        if not path and key in RUNTIME_SECTIONS:
+            if isinstance(value, dict) and value.get("actor_env") not in (None, ""):
+                dropped.append(f"{name}.actor_env={value['actor_env']}")
+            continue
+        kept[key] = _strip_runtime(value, name, dropped)
+    return kept
+
+
+def checkpoint_config_data(step: Path) -> tuple[str, dict[str, Any], list[str]]:
+    """``(algorithm, mapping, dropped)`` of the config saved in checkpoint ``step``, read as
+    data: without its ``defaults:`` (a saved config names no other file), without any
+    :data:`RUNTIME_KEYS` (``actor_env`` of every section) and without the
+    :data:`RUNTIME_SECTIONS`. ``dropped`` lists the executable settings it carried
+    (``policy.actor_env=/path``), for a notice.
+
+    A checkpoint is data that anyone may hand over; what runs (which interpreter, which venv,
+    which cluster) is chosen by whoever runs nrl, never by a file inside the checkpoint."""
+    from nrl_core.config.loader import DEFAULTS_KEY
+
+    path = step / CHECKPOINT_CONFIG
+    algorithm, raw = saved_algorithm(path)
+    if DEFAULTS_KEY in raw:
+        raise ConfigError(
+            f"{path} names `{DEFAULTS_KEY}:` (other files); a checkpoint's config is the "
+            "resolved run config and reads nothing else: pass the run's config with --config"
+        )
+    dropped: list[str] = []
+    return algorithm, _strip_runtime(raw, "", dropped), dropped
+
+
 def saved_config(step: Path, registry: Any, config_file: str | None = None) -> tuple[str, Any]:
     """``(algorithm, config)`` of the run that wrote ``step``, from the config saved in it
-    (or ``config_file``)."""
+    (read as data, see :func:`checkpoint_config_data`: where and with what interpreter
+    anything runs is left at this machine's defaults) or from ``config_file`` (the user's
+    own file, taken whole)."""
     from nrl_core.config.loader import resolve_config
 
     path = Path(config_file) if config_file else step / CHECKPOINT_CONFIG
@@ -317,8 +367,11 @@ def saved_config(step: Path, registry: Any, config_file: str | None = None) -> t
             "self-describing); pass the run's config with --config (the run directory's "
             "config.yaml)"
         )
-    algorithm, _ = saved_algorithm(path)
-    return algorithm, resolve_config(algorithm, path, (), registry)
+    if config_file:
+        algorithm, _ = saved_algorithm(path)
+        return algorithm, resolve_config(algorithm, path, (), registry)
+    algorithm, data, _ = checkpoint_config_data(step)
+    return algorithm, resolve_config(algorithm, None, (), registry, defaults=data)
 
 
 def check_same_run(step: Path, algorithm: str, model_name: str, resume: str = "auto") -> None:

@@ -134,3 +134,49 @@ def test_replacing_a_step_keeps_the_old_one_when_the_new_write_fails(tmp_path):
 def test_keep_last_prunes_the_oldest(tmp_path):
     manager = saved(tmp_path, 1, 2, 3, keep_last=2)
     assert [p.name for p in manager.complete()] == ["step_2", "step_3"]
+
+
+def test_a_saved_config_is_data_and_names_no_interpreter_cluster_or_other_file(tmp_path):
+    """Issue 40: what runs is never chosen by a checkpoint. Every `actor_env` of its saved
+    config, and its cluster, logger and checkpointing sections, are dropped (this machine's
+    defaults apply); a `defaults:` entry (another file to read) is refused in one line."""
+    from nrl_core.algorithms.evaluate import resolve_eval_config, with_checkpoint_policy
+    from nrl_core.checkpoint import saved_config
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    overrides = [
+        "policy.actor_env=/ckpt/python",
+        "generation.actor_env=/ckpt/python",
+        "env.actor_env=/ckpt/python",
+        "cluster.actor_env=/ckpt/python",
+        "cluster.backend=ray",
+        "cluster.address=10.0.0.1:6379",
+        "logger.log_dir=/elsewhere",
+    ]
+    planted = dump_config(resolve_config("grpo", None, overrides, registry), registry)
+    manager = CheckpointManager(tmp_path / "ckpt")
+
+    def write(folder: Path) -> None:
+        writer(b"weights", planted)(folder)
+        (folder / "policy" / ".metadata").write_bytes(b"")  # a dtensor checkpoint's marker
+
+    step = manager.save(4, write, {})
+
+    algorithm, config = saved_config(step, registry)
+    assert algorithm == "grpo"
+    for section in ("policy", "generation", "env", "agent", "data", "cluster"):
+        assert getattr(config, section).actor_env is None, section
+    assert (config.cluster.backend, config.cluster.address) == ("local", None)
+    assert config.logger.log_dir != "/elsewhere"
+    assert config.policy.model_name == resolve_config("grpo").policy.model_name  # the model: kept
+
+    # nrl eval takes only the model from it (already so before issue 40: pinned here).
+    evaluated = with_checkpoint_policy(resolve_eval_config(None, [], registry), step, registry)
+    assert evaluated.policy.actor_env is None and evaluated.cluster.actor_env is None
+
+    with_defaults = manager.save(5, writer(b"weights", "defaults: /etc/other.yaml\n" + planted), {})
+    with pytest.raises(ConfigError, match=r"names `defaults:`.*--config") as err:
+        saved_config(with_defaults, registry)
+    assert "\n" not in str(err.value)

@@ -104,6 +104,8 @@ def convert(
 
     step = find_step_folder(checkpoint)
     algorithm, config = saved_config(step, registry, config_file)
+    if config_file is None:
+        _warn_dropped_settings(step)
     fmt = detect_format(step, config.policy.backend)
     out = Path(out).resolve()
     policy = config.policy
@@ -141,6 +143,23 @@ def convert(
         finally:
             session.close()
     return out
+
+
+def _warn_dropped_settings(step: Path) -> None:
+    """One stderr line naming the interpreter settings the checkpoint's config carried and
+    that were not used (:func:`nrl_core.checkpoint.checkpoint_config_data`)."""
+    import sys
+
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, checkpoint_config_data
+
+    _, _, dropped = checkpoint_config_data(step)
+    if dropped:
+        print(
+            f"warning: ignoring {', '.join(dropped)} from {step / CHECKPOINT_CONFIG} (a "
+            "checkpoint never chooses what runs); if the policy needs another interpreter, "
+            "set $NRL_ACTOR_ENV or pass your own --config",
+            file=sys.stderr,
+        )
 
 
 def loads_in_process(fmt: str, spec: Any, options: Any) -> bool:
