@@ -415,6 +415,22 @@ class ServerConfig:
         validator=ge(0),
     )
     max_batch_size: int = option(256, "Most requests served by one backend call.", validator=ge(1))
+    max_request_bytes: int = option(
+        16 << 20,
+        (
+            "Largest request body accepted, in bytes (>= 1024; a larger one is answered 413). "
+            "The default, 16 MiB, holds a long multi-turn history with its carried token ids."
+        ),
+        validator=ge(1024),
+    )
+    read_timeout_s: float = option(
+        30.0,
+        (
+            "Seconds a client has to send a request's headers, and again its body (> 0): a "
+            "slower connection is closed (headers) or answered 408 (body)."
+        ),
+        validator=gt(0),
+    )
     model_id: str | None = option(
         None, "The model id that /v1/models lists (default: policy.model_name)."
     )
