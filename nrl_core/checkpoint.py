@@ -110,6 +110,56 @@ def verify(folder: Path) -> str | None:
         read_state(folder)
     except ConfigError as exc:
         return str(exc)
+    try:
+        bad = nonfinite_dcp_tensor(folder / POLICY_CHECKPOINT)
+    except ConfigError as exc:
+        return str(exc)
+    except Exception as exc:  # a shard cut short or damaged (DCP's CheckpointException, ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{POLICY_CHECKPOINT}/ cannot be read ({type(exc).__name__}: {first[:200]})"
+    if bad is not None:
+        return f"{POLICY_CHECKPOINT}/ holds non-finite values (NaN or infinity in {bad})"
+    return None
+
+
+_SCAN_BYTES = 256 << 20
+"""Tensors read at once when scanning a checkpoint for non-finite values (bounds memory)."""
+
+
+def nonfinite_dcp_tensor(policy: Path) -> str | None:
+    """The first floating-point tensor of the torch.distributed.checkpoint folder ``policy``
+    that holds a NaN or an infinity (its name), or ``None``: ``None`` too for another format
+    (megatron's ``rank{N}.pt``: not scanned). Read in groups of at most 256 MiB, through
+    :func:`nrl_core.safe_pickle.dcp_load` (nothing in the folder can run code)."""
+    import warnings
+
+    if not (policy / ".metadata").is_file():
+        return None
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from nrl_core.safe_pickle import dcp_load, load_dcp_metadata
+
+    tensors = [
+        (name, meta)
+        for name, meta in load_dcp_metadata(policy).state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and meta.properties.dtype.is_floating_point
+    ]
+    group: dict[str, Any] = {}
+    size = 0
+    for index, (name, meta) in enumerate(tensors):
+        group[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        size += group[name].numel() * group[name].element_size()
+        if size < _SCAN_BYTES and index + 1 < len(tensors):
+            continue
+        with warnings.catch_warnings():
+            # DCP says it assumes a single-process load: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(group, policy)
+        for key, tensor in group.items():
+            if not bool(torch.isfinite(tensor).all()):
+                return key
+        group, size = {}, 0
     return None
 
 
@@ -393,3 +443,29 @@ def check_same_run(step: Path, algorithm: str, model_name: str, resume: str = "a
         f"policy.model_name={model_name}; give this run its own folder (logger.run_name=...), "
         "or start fresh here with checkpointing.resume=never"
     )
+
+
+def nonfinite_weights(folder: Path) -> str | None:
+    """The first tensor of a Hugging Face folder's ``*.safetensors`` files holding a NaN or an
+    infinity (``"model.safetensors: lm_head.weight"``), or ``None`` when all are finite."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is no mapping)
+                tensor = tensors.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    return f"{path.name}: {name}"
+    return None
+
+
+def refuse_nonfinite_export(folder: Path, step: Path) -> None:
+    """A :class:`ConfigError` when the model exported from checkpoint ``step`` into
+    ``folder`` has non-finite weights: such a model only ever produces NaN."""
+    found = nonfinite_weights(folder)
+    if found is not None:
+        raise ConfigError(
+            f"checkpoint {step} holds non-finite weights (NaN or infinity in {found}); nothing "
+            "was written: convert an earlier step_N folder"
+        )

@@ -180,3 +180,34 @@ def test_a_saved_config_is_data_and_names_no_interpreter_cluster_or_other_file(t
     with pytest.raises(ConfigError, match=r"names `defaults:`.*--config") as err:
         saved_config(with_defaults, registry)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+def test_a_checkpoint_with_nan_weights_fails_verification_and_is_skipped(tmp_path):
+    """Issue 40: an all-NaN step passed the manifest check; resume picked it and `nrl convert`
+    exported it. Verification now reads the weights: the NaN step is damaged, the intact one
+    before it is taken."""
+    import torch
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import POLICY_CHECKPOINT
+    from nrl_core.config.loader import resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, lambda f: worker.save_checkpoint(str(f / POLICY_CHECKPOINT)), {})
+    with torch.no_grad():
+        next(iter(worker.model.parameters())).view(-1)[3] = float("nan")
+    nan_step = manager.save(2, lambda f: worker.save_checkpoint(str(f / POLICY_CHECKPOINT)), {})
+
+    problem = verify(nan_step)
+    assert problem is not None and "non-finite values (NaN or infinity in model." in problem
+    point = manager.newest_good()
+    assert point.path == manager.root / "step_1" and point.skipped[0][0] == nan_step
+    with pytest.raises(ConfigError, match=r"step_2 is damaged: policy/ holds non-finite"):
+        find_step_folder(nan_step)

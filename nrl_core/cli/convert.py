@@ -99,6 +99,7 @@ def convert(
         detect_format,
         find_step_folder,
         megatron_ranks,
+        refuse_nonfinite_export,
         saved_config,
     )
 
@@ -140,6 +141,7 @@ def convert(
             # Exported next to OUT and renamed into place: OUT is never half-written.
             with atomic.new_dir(out) as tmp:
                 session.policy.export_hf(str(tmp))
+                refuse_nonfinite_export(tmp, step)
         finally:
             session.close()
     return out
@@ -195,6 +197,7 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
     import warnings
 
     from nrl_core import atomic
+    from nrl_core.checkpoint import refuse_nonfinite_export
     from nrl_core.distributed.worker_group import InProcessGroup
     from nrl_core.interfaces import ComponentContext
     from nrl_core.policy import Policy
@@ -210,5 +213,6 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
             policy.load_checkpoint(str(checkpoint.resolve()))
         with atomic.new_dir(out) as tmp:
             policy.export_hf(str(tmp))
+            refuse_nonfinite_export(tmp, checkpoint.parent)
     finally:
         policy.shutdown()
