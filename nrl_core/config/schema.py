@@ -164,10 +164,12 @@ NON_EMPTY = Valid("a non-empty string", lambda value: isinstance(value, str) and
 
 RUN_NAME = Valid(
     "a non-empty folder name (no `/`, `\\`, `.` or `..` alone, no control characters)",
-    lambda value: isinstance(value, str)
-    and value not in ("", ".", "..")
-    and not any(c in value for c in "/\\")
-    and value.isprintable(),
+    lambda value: (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and not any(c in value for c in "/\\")
+        and value.isprintable()
+    ),
 )
 """One folder name inside ``logger.log_dir``: it can never point outside it."""
 
