@@ -96,6 +96,18 @@ def verify(folder: Path) -> str | None:
             expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"{MANIFEST} is unreadable ({exc})"
+        except RecursionError:
+            return f"{MANIFEST} is unreadable (nested too deeply)"
+        for name in expected:
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                return f"{MANIFEST} names {name!r}, outside the checkpoint folder"
+    link = _symlink_in(folder)
+    if link is not None:
+        return (
+            f"{link} is a symbolic link; a checkpoint's files are read only from inside its "
+            "folder (copy the files in instead)"
+        )
+    if manifest_path.is_file():
         for name, (size, _) in expected.items():
             path = folder / name
             if not path.is_file():
@@ -163,6 +175,17 @@ def nonfinite_dcp_tensor(policy: Path) -> str | None:
     return None
 
 
+def _symlink_in(folder: Path) -> str | None:
+    """The first symbolic link inside ``folder`` (a file or a folder, not followed), relative
+    to it, or ``None``."""
+    for root, dirs, files in os.walk(folder):
+        for name in sorted([*dirs, *files]):
+            path = Path(root) / name
+            if path.is_symlink():
+                return str(path.relative_to(folder))
+    return None
+
+
 def read_state(folder: Path) -> dict[str, Any]:
     """The trainer state of checkpoint ``folder``; a :class:`ConfigError` when it is missing
     or not a JSON object with an integer ``step``."""
@@ -173,9 +196,54 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ConfigError(f"{path} holds no integer `step`")
+    except RecursionError:
+        raise ConfigError(f"{path} is not a trainer state (JSON nested too deeply)") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{path} holds no integer `step` >= 0")
+    problem = _state_problem(state)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; it was not written by nrl")
     return state
+
+
+def _counters(value: Any) -> bool:
+    """A data-stream position: integers >= 0, in objects keyed by names (nested for several
+    tasks)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _counters(v) for k, v in value.items())
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    """What is malformed in a trainer state's ``data`` and ``rng`` (the shapes
+    :meth:`~nrl_core.algorithms.runtime.RunSession.save_checkpoint` writes), or ``None``."""
+    data = state.get("data")
+    if data is not None and not (isinstance(data, dict) and _counters(data)):
+        return "`data` must be the data stream's position (integers >= 0)"
+    rng = state.get("rng")
+    if rng is None:
+        return None
+    if not isinstance(rng, dict):
+        return "`rng` must be an object"
+    python = rng.get("python")
+    if python is not None and not (
+        isinstance(python, list)
+        and len(python) == 3
+        and isinstance(python[0], int)
+        and isinstance(python[1], list)
+        and len(python[1]) == 625
+        and all(isinstance(i, int) and 0 <= i < 2**32 for i in python[1])
+        and (python[2] is None or isinstance(python[2], float))
+    ):
+        return "`rng.python` is not a Python random state ([version, 625 integers, gauss])"
+    torch_state = rng.get("torch")
+    if torch_state is not None and not (
+        isinstance(torch_state, list)
+        and all(isinstance(i, int) and 0 <= i < 256 for i in torch_state)
+    ):
+        return "`rng.torch` is not a torch RNG state (a list of bytes)"
+    return None
 
 
 # -- the checkpoints of one run -------------------------------------------------------------

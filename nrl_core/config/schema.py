@@ -163,7 +163,7 @@ NON_EMPTY = Valid("a non-empty string", lambda value: isinstance(value, str) and
 """A string that must not be empty (names, paths)."""
 
 RUN_NAME = Valid(
-    "a non-empty folder name (no `/`, `\\`, `.` or `..` alone, no control characters)",
+    "a non-empty string naming one folder (no `/`, `\\`, `.` or `..` alone, no control characters)",
     lambda value: (
         isinstance(value, str)
         and value not in ("", ".", "..")
