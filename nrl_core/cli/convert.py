@@ -103,6 +103,7 @@ def convert(
         saved_config,
     )
 
+    _check_writable(Path(out))
     step = find_step_folder(checkpoint)
     algorithm, config = saved_config(step, registry, config_file)
     if config_file is None:
@@ -145,6 +146,24 @@ def convert(
         finally:
             session.close()
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """A :class:`~nrl_core.errors.ConfigError` when ``out``'s parent folder cannot be created
+    or written (read-only, a file in the way): said before the checkpoint is loaded."""
+    import os
+    import tempfile
+
+    from nrl_core.errors import ConfigError
+
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".nrl-write-check-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {out} ({exc.strerror or exc}); choose an OUT_DIR in a writable folder"
+        ) from None
 
 
 def _warn_dropped_settings(step: Path) -> None:

@@ -352,6 +352,7 @@ CASES = [
     ("run_name_newline", run("grpo", 'logger.run_name="a\\nb"'), "logger.run_name must be a non-empty string naming one folder", {}),
     ("data_fifo", run("grpo", "data.dataset={d}/fifo.jsonl"), "{d}/fifo.jsonl", {}),
     ("data_dev_zero", run("grpo", "data.dataset=/dev/zero"), "/dev/zero", {}),
+    ("convert_out_unwritable", ["convert", "{d}/ckpt_link_shard/step_2", "/proc/nrl-out/hf"], "cannot write /proc/nrl-out/hf", {}),
     ("ckpt_symlinked_shard", ["convert", "{d}/ckpt_link_shard/step_2", "{d}/converted"], "policy/__0_0.distcp is a symbolic link", {}),
     ("ckpt_symlinked_policy", evaluate("eval.checkpoint={d}/ckpt_link_policy/step_2"), "policy is a symbolic link", {}),
     ("ckpt_manifest_dotdot", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_dotdot/step_2"), "manifest.json names '../../outside/secret.bin', outside the checkpoint folder", {}),
