@@ -468,7 +468,9 @@ def nonfinite_inputs(step: int, data: StepData, session: RunSession) -> str | No
         index = int(bad[0])
         episode = data.episodes[index]
         routes = session._environment_routes()
-        env, key = routes.get(episode.task) or routes.get("default") or ("?", "env.name")
+        env, key = routes.get(episode.task) or routes.get("default") or (None, None)
+        if env is None:  # a task driven by a registered agent: its trajectories carry rewards
+            env, key = f"agent {session.agent_for(episode.task)}", "agent.name"
         prompt = next((m.get("content") for m in episode.messages if m.get("role") == "user"), "")
         source = (
             f"environment {env!r} ({key})"
