@@ -96,6 +96,18 @@ def verify(folder: Path) -> str | None:
             expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"{MANIFEST} is unreadable ({exc})"
+        except RecursionError:
+            return f"{MANIFEST} is unreadable (nested too deeply)"
+        for name in expected:
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                return f"{MANIFEST} names {name!r}, outside the checkpoint folder"
+    link = _symlink_in(folder)
+    if link is not None:
+        return (
+            f"{link} is a symbolic link; a checkpoint's files are read only from inside its "
+            "folder (copy the files in instead)"
+        )
+    if manifest_path.is_file():
         for name, (size, _) in expected.items():
             path = folder / name
             if not path.is_file():
@@ -110,6 +122,67 @@ def verify(folder: Path) -> str | None:
         read_state(folder)
     except ConfigError as exc:
         return str(exc)
+    try:
+        bad = nonfinite_dcp_tensor(folder / POLICY_CHECKPOINT)
+    except ConfigError as exc:
+        return str(exc)
+    except Exception as exc:  # a shard cut short or damaged (DCP's CheckpointException, ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{POLICY_CHECKPOINT}/ cannot be read ({type(exc).__name__}: {first[:200]})"
+    if bad is not None:
+        return f"{POLICY_CHECKPOINT}/ holds non-finite values (NaN or infinity in {bad})"
+    return None
+
+
+_SCAN_BYTES = 256 << 20
+"""Tensors read at once when scanning a checkpoint for non-finite values (bounds memory)."""
+
+
+def nonfinite_dcp_tensor(policy: Path) -> str | None:
+    """The first floating-point tensor of the torch.distributed.checkpoint folder ``policy``
+    that holds a NaN or an infinity (its name), or ``None``: ``None`` too for another format
+    (megatron's ``rank{N}.pt``: not scanned). Read in groups of at most 256 MiB, through
+    :func:`nrl_core.safe_pickle.dcp_load` (nothing in the folder can run code)."""
+    import warnings
+
+    if not (policy / ".metadata").is_file():
+        return None
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from nrl_core.safe_pickle import dcp_load, load_dcp_metadata
+
+    tensors = [
+        (name, meta)
+        for name, meta in load_dcp_metadata(policy).state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and meta.properties.dtype.is_floating_point
+    ]
+    group: dict[str, Any] = {}
+    size = 0
+    for index, (name, meta) in enumerate(tensors):
+        group[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        size += group[name].numel() * group[name].element_size()
+        if size < _SCAN_BYTES and index + 1 < len(tensors):
+            continue
+        with warnings.catch_warnings():
+            # DCP says it assumes a single-process load: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(group, policy)
+        for key, tensor in group.items():
+            if not bool(torch.isfinite(tensor).all()):
+                return key
+        group, size = {}, 0
+    return None
+
+
+def _symlink_in(folder: Path) -> str | None:
+    """The first symbolic link inside ``folder`` (a file or a folder, not followed), relative
+    to it, or ``None``."""
+    for root, dirs, files in os.walk(folder):
+        for name in sorted([*dirs, *files]):
+            path = Path(root) / name
+            if path.is_symlink():
+                return str(path.relative_to(folder))
     return None
 
 
@@ -123,9 +196,54 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ConfigError(f"{path} holds no integer `step`")
+    except RecursionError:
+        raise ConfigError(f"{path} is not a trainer state (JSON nested too deeply)") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{path} holds no integer `step` >= 0")
+    problem = _state_problem(state)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}; it was not written by nrl")
     return state
+
+
+def _counters(value: Any) -> bool:
+    """A data-stream position: integers >= 0, in objects keyed by names (nested for several
+    tasks)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _counters(v) for k, v in value.items())
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    """What is malformed in a trainer state's ``data`` and ``rng`` (the shapes
+    :meth:`~nrl_core.algorithms.runtime.RunSession.save_checkpoint` writes), or ``None``."""
+    data = state.get("data")
+    if data is not None and not (isinstance(data, dict) and _counters(data)):
+        return "`data` must be the data stream's position (integers >= 0)"
+    rng = state.get("rng")
+    if rng is None:
+        return None
+    if not isinstance(rng, dict):
+        return "`rng` must be an object"
+    python = rng.get("python")
+    if python is not None and not (
+        isinstance(python, list)
+        and len(python) == 3
+        and isinstance(python[0], int)
+        and isinstance(python[1], list)
+        and len(python[1]) == 625
+        and all(isinstance(i, int) and 0 <= i < 2**32 for i in python[1])
+        and (python[2] is None or isinstance(python[2], float))
+    ):
+        return "`rng.python` is not a Python random state ([version, 625 integers, gauss])"
+    torch_state = rng.get("torch")
+    if torch_state is not None and not (
+        isinstance(torch_state, list)
+        and all(isinstance(i, int) and 0 <= i < 256 for i in torch_state)
+    ):
+        return "`rng.torch` is not a torch RNG state (a list of bytes)"
+    return None
 
 
 # -- the checkpoints of one run -------------------------------------------------------------
@@ -305,9 +423,59 @@ def saved_algorithm(config_path: Path) -> tuple[str, dict[str, Any]]:
     return algorithms[0], raw
 
 
+RUNTIME_SECTIONS = ("cluster", "logger", "checkpointing", "server")
+"""Sections of a saved config that say how and where a run ran, not what model it trained:
+never taken from a checkpoint (this machine's defaults apply instead)."""
+RUNTIME_KEYS = ("actor_env",)
+"""Keys, at any depth of a saved config, that name something to execute (an interpreter, a
+venv): never taken from a checkpoint."""
+
+
+def _strip_runtime(data: Any, path: str, dropped: list[str]) -> Any:
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        name = f"{path}.{key}" if path else str(key)
+        if key in RUNTIME_KEYS:
+            if value not in (None, ""):
+                dropped.append(f"{name}={value}")
+            continue
+        if not path and key in RUNTIME_SECTIONS:
+            if isinstance(value, dict) and value.get("actor_env") not in (None, ""):
+                dropped.append(f"{name}.actor_env={value['actor_env']}")
+            continue
+        kept[key] = _strip_runtime(value, name, dropped)
+    return kept
+
+
+def checkpoint_config_data(step: Path) -> tuple[str, dict[str, Any], list[str]]:
+    """``(algorithm, mapping, dropped)`` of the config saved in checkpoint ``step``, read as
+    data: without its ``defaults:`` (a saved config names no other file), without any
+    :data:`RUNTIME_KEYS` (``actor_env`` of every section) and without the
+    :data:`RUNTIME_SECTIONS`. ``dropped`` lists the executable settings it carried
+    (``policy.actor_env=/path``), for a notice.
+
+    A checkpoint is data that anyone may hand over; what runs (which interpreter, which venv,
+    which cluster) is chosen by whoever runs nrl, never by a file inside the checkpoint."""
+    from nrl_core.config.loader import DEFAULTS_KEY
+
+    path = step / CHECKPOINT_CONFIG
+    algorithm, raw = saved_algorithm(path)
+    if DEFAULTS_KEY in raw:
+        raise ConfigError(
+            f"{path} names `{DEFAULTS_KEY}:` (other files); a checkpoint's config is the "
+            "resolved run config and reads nothing else: pass the run's config with --config"
+        )
+    dropped: list[str] = []
+    return algorithm, _strip_runtime(raw, "", dropped), dropped
+
+
 def saved_config(step: Path, registry: Any, config_file: str | None = None) -> tuple[str, Any]:
     """``(algorithm, config)`` of the run that wrote ``step``, from the config saved in it
-    (or ``config_file``)."""
+    (read as data, see :func:`checkpoint_config_data`: where and with what interpreter
+    anything runs is left at this machine's defaults) or from ``config_file`` (the user's
+    own file, taken whole)."""
     from nrl_core.config.loader import resolve_config
 
     path = Path(config_file) if config_file else step / CHECKPOINT_CONFIG
@@ -317,8 +485,11 @@ def saved_config(step: Path, registry: Any, config_file: str | None = None) -> t
             "self-describing); pass the run's config with --config (the run directory's "
             "config.yaml)"
         )
-    algorithm, _ = saved_algorithm(path)
-    return algorithm, resolve_config(algorithm, path, (), registry)
+    if config_file:
+        algorithm, _ = saved_algorithm(path)
+        return algorithm, resolve_config(algorithm, path, (), registry)
+    algorithm, data, _ = checkpoint_config_data(step)
+    return algorithm, resolve_config(algorithm, None, (), registry, defaults=data)
 
 
 def check_same_run(step: Path, algorithm: str, model_name: str, resume: str = "auto") -> None:
@@ -340,3 +511,29 @@ def check_same_run(step: Path, algorithm: str, model_name: str, resume: str = "a
         f"policy.model_name={model_name}; give this run its own folder (logger.run_name=...), "
         "or start fresh here with checkpointing.resume=never"
     )
+
+
+def nonfinite_weights(folder: Path) -> str | None:
+    """The first tensor of a Hugging Face folder's ``*.safetensors`` files holding a NaN or an
+    infinity (``"model.safetensors: lm_head.weight"``), or ``None`` when all are finite."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is no mapping)
+                tensor = tensors.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    return f"{path.name}: {name}"
+    return None
+
+
+def refuse_nonfinite_export(folder: Path, step: Path) -> None:
+    """A :class:`ConfigError` when the model exported from checkpoint ``step`` into
+    ``folder`` has non-finite weights: such a model only ever produces NaN."""
+    found = nonfinite_weights(folder)
+    if found is not None:
+        raise ConfigError(
+            f"checkpoint {step} holds non-finite weights (NaN or infinity in {found}); nothing "
+            "was written: convert an earlier step_N folder"
+        )

@@ -44,6 +44,9 @@ def read_jsonl_rows(
     named = f" ({key})" if key else ""
     if path.is_dir():
         raise error(f"data file {path}{named} is a folder; name a .jsonl file")
+    if path.exists() and not path.is_file():
+        # A FIFO would block the read for ever, a device (/dev/zero) fill memory.
+        raise error(f"data file {path}{named} is not a regular file; name a .jsonl file")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -66,6 +69,10 @@ def read_jsonl_rows(
             continue
         try:
             row = json.loads(line)
+        except RecursionError:
+            raise error(
+                f"{path}:{number}: JSON nested too deeply; one flat object per line"
+            ) from None
         except json.JSONDecodeError as exc:
             raise error(
                 f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON "

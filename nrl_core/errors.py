@@ -29,6 +29,11 @@ class UnknownComponentError(NrlError):
     exit_code = 2
 
 
+class NonFiniteError(NrlError):
+    """A training step met a reward, advantage, loss or gradient that is NaN or infinite; the
+    message names its source (the environment and the first bad sample, or the loss)."""
+
+
 class ComponentLoadError(NrlError):
     """A registered ``"module:attr"`` target could not be imported."""
 

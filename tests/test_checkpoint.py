@@ -134,3 +134,80 @@ def test_replacing_a_step_keeps_the_old_one_when_the_new_write_fails(tmp_path):
 def test_keep_last_prunes_the_oldest(tmp_path):
     manager = saved(tmp_path, 1, 2, 3, keep_last=2)
     assert [p.name for p in manager.complete()] == ["step_2", "step_3"]
+
+
+def test_a_saved_config_is_data_and_names_no_interpreter_cluster_or_other_file(tmp_path):
+    """Issue 40: what runs is never chosen by a checkpoint. Every `actor_env` of its saved
+    config, and its cluster, logger and checkpointing sections, are dropped (this machine's
+    defaults apply); a `defaults:` entry (another file to read) is refused in one line."""
+    from nrl_core.algorithms.evaluate import resolve_eval_config, with_checkpoint_policy
+    from nrl_core.checkpoint import saved_config
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    overrides = [
+        "policy.actor_env=/ckpt/python",
+        "generation.actor_env=/ckpt/python",
+        "env.actor_env=/ckpt/python",
+        "cluster.actor_env=/ckpt/python",
+        "cluster.backend=ray",
+        "cluster.address=10.0.0.1:6379",
+        "logger.log_dir=/elsewhere",
+    ]
+    planted = dump_config(resolve_config("grpo", None, overrides, registry), registry)
+    manager = CheckpointManager(tmp_path / "ckpt")
+
+    def write(folder: Path) -> None:
+        writer(b"weights", planted)(folder)
+        (folder / "policy" / ".metadata").write_bytes(b"")  # a dtensor checkpoint's marker
+
+    step = manager.save(4, write, {})
+
+    algorithm, config = saved_config(step, registry)
+    assert algorithm == "grpo"
+    for section in ("policy", "generation", "env", "agent", "data", "cluster"):
+        assert getattr(config, section).actor_env is None, section
+    assert (config.cluster.backend, config.cluster.address) == ("local", None)
+    assert config.logger.log_dir != "/elsewhere"
+    assert config.policy.model_name == resolve_config("grpo").policy.model_name  # the model: kept
+
+    # nrl eval takes only the model from it (already so before issue 40: pinned here).
+    evaluated = with_checkpoint_policy(resolve_eval_config(None, [], registry), step, registry)
+    assert evaluated.policy.actor_env is None and evaluated.cluster.actor_env is None
+
+    with_defaults = manager.save(5, writer(b"weights", "defaults: /etc/other.yaml\n" + planted), {})
+    with pytest.raises(ConfigError, match=r"names `defaults:`.*--config") as err:
+        saved_config(with_defaults, registry)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+def test_a_checkpoint_with_nan_weights_fails_verification_and_is_skipped(tmp_path):
+    """Issue 40: an all-NaN step passed the manifest check; resume picked it and `nrl convert`
+    exported it. Verification now reads the weights: the NaN step is damaged, the intact one
+    before it is taken."""
+    import torch
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import POLICY_CHECKPOINT
+    from nrl_core.config.loader import resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, lambda f: worker.save_checkpoint(str(f / POLICY_CHECKPOINT)), {})
+    with torch.no_grad():
+        next(iter(worker.model.parameters())).view(-1)[3] = float("nan")
+    nan_step = manager.save(2, lambda f: worker.save_checkpoint(str(f / POLICY_CHECKPOINT)), {})
+
+    problem = verify(nan_step)
+    assert problem is not None and "non-finite values (NaN or infinity in model." in problem
+    point = manager.newest_good()
+    assert point.path == manager.root / "step_1" and point.skipped[0][0] == nan_step
+    with pytest.raises(ConfigError, match=r"step_2 is damaged: policy/ holds non-finite"):
+        find_step_folder(nan_step)

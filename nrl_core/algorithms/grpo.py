@@ -9,7 +9,9 @@ validate / checkpoint on schedule. Every component comes from the registry by na
 from __future__ import annotations
 
 import contextlib
+import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +36,7 @@ from nrl_core.algorithms.rollout import (
 from nrl_core.algorithms.runtime import RunSession, train_in_session
 from nrl_core.config.schema import GRPOConfig
 from nrl_core.data import Batch, pad_sequences
-from nrl_core.errors import NrlError
+from nrl_core.errors import NonFiniteError, NrlError
 from nrl_core.interfaces import SamplingParams
 from nrl_core.metrics import samples_console_table, samples_due
 from nrl_core.registry import Registry
@@ -227,6 +229,17 @@ class GRPOTrainer:
         """Train on one step's rollouts; the step's metrics. ``generation_s``: the time the
         step spent on its rollouts (default: the time collecting them took)."""
         s = self.session
+        problem = nonfinite_inputs(step, data, s)
+        if problem is not None:
+            if self.grpo.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"{problem}; fix the environment, or set grpo.on_nonfinite=skip to skip such "
+                    "steps"
+                )
+            print(f"warning: {problem}; step skipped (grpo.on_nonfinite=skip)", file=sys.stderr)
+            metrics = {"train/skipped_nonfinite": 1.0, **episode_metrics("train", data.episodes, s)}
+            timings = {"generation_s": data.generation_s if generation_s is None else generation_s}
+            return self.close_step(step, data, metrics, step_start=step_start, timings=timings)
         batch = episodes_to_batch(data.episodes, data.advantages, s.tokenizer.pad_token_id)
         batch["sample_mask"] = data.sample_mask
 
@@ -240,6 +253,14 @@ class GRPOTrainer:
         start = time.perf_counter()
         train = s.policy.train(batch, s.loss_fn)
         train_s = time.perf_counter() - start
+        bad = [k for k in ("loss", "grad_norm") if k in train and not math.isfinite(train[k])]
+        if bad:
+            # Raised before the step is logged or checkpointed: no checkpoint holds its weights.
+            raise NonFiniteError(
+                f"step {step}: the policy's {' and '.join(f'{k}={train[k]}' for k in bad)} with "
+                "finite rewards and advantages; nothing of this step was saved: resume from the "
+                "last checkpoint with a lower policy.optimizer.lr or policy.max_grad_norm > 0"
+            )
 
         metrics = {f"train/{k}": v for k, v in train.items()}
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
@@ -435,6 +456,33 @@ class GRPOTrainer:
                             producer.discard(step + 1)
                             s.save_checkpoint(step)
                 advance(metrics)
+
+
+def nonfinite_inputs(step: int, data: StepData, session: RunSession) -> str | None:
+    """What is not finite in a step's rewards or advantages, naming the environment and the
+    first sample at fault (its task and prompt); ``None`` when all are finite."""
+    for name, values in (("reward", data.rewards), ("advantage", data.advantages)):
+        bad = (~torch.isfinite(values.float())).nonzero()
+        if len(bad) == 0:
+            continue
+        index = int(bad[0])
+        episode = data.episodes[index]
+        routes = session._environment_routes()
+        env, key = routes.get(episode.task) or routes.get("default") or (None, None)
+        if env is None:  # a task driven by a registered agent: its trajectories carry rewards
+            env, key = f"agent {session.agent_for(episode.task)}", "agent.name"
+        prompt = next((m.get("content") for m in episode.messages if m.get("role") == "user"), "")
+        source = (
+            f"environment {env!r} ({key})"
+            if name == "reward"
+            else "the advantages of the rewards of environment " + repr(env)
+        )
+        return (
+            f"step {step}: {source} gave {name} {float(values[index])} to sample {index} of "
+            f"{len(values)} (task {episode.task!r}, prompt {str(prompt)[:60]!r}; "
+            f"{len(bad)} non-finite in all)"
+        )
+    return None
 
 
 class _NoSignal(Exception):

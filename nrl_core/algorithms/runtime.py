@@ -36,6 +36,7 @@ from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.checkpoint import (
     CHECKPOINT_CONFIG,
     POLICY_CHECKPOINT,
+    TRAINER_STATE,
     CheckpointManager,
     check_same_run,
     read_state,
@@ -884,14 +885,21 @@ class RunSession:
     def _restore(self) -> None:
         state = read_state(self.resume_path)
         self.policy.load_checkpoint(str(self.resume_path / POLICY_CHECKPOINT))
-        if state.get("data") and self.train_stream is not None:
-            self.train_stream.load_state(state["data"])
-        rng = state.get("rng") or {}
-        if "python" in rng:
-            version, internal, gauss = rng["python"]
-            random.setstate((version, tuple(internal), gauss))
-        if "torch" in rng:
-            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+        try:
+            if state.get("data") and self.train_stream is not None:
+                self.train_stream.load_state(state["data"])
+            rng = state.get("rng") or {}
+            if "python" in rng:
+                version, internal, gauss = rng["python"]
+                random.setstate((version, tuple(internal), gauss))
+            if "torch" in rng:
+                torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            # read_state checked the shapes; what is left is a state of another data setup.
+            raise ConfigError(
+                f"{self.resume_path / TRAINER_STATE} does not fit this run ({type(exc).__name__}: "
+                f"{exc}); resume from another step_N, or checkpointing.resume=never"
+            ) from None
 
     # -- logging ------------------------------------------------------------------------------
 

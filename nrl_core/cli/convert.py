@@ -99,11 +99,15 @@ def convert(
         detect_format,
         find_step_folder,
         megatron_ranks,
+        refuse_nonfinite_export,
         saved_config,
     )
 
+    _check_writable(Path(out))
     step = find_step_folder(checkpoint)
     algorithm, config = saved_config(step, registry, config_file)
+    if config_file is None:
+        _warn_dropped_settings(step)
     fmt = detect_format(step, config.policy.backend)
     out = Path(out).resolve()
     policy = config.policy
@@ -138,9 +142,45 @@ def convert(
             # Exported next to OUT and renamed into place: OUT is never half-written.
             with atomic.new_dir(out) as tmp:
                 session.policy.export_hf(str(tmp))
+                refuse_nonfinite_export(tmp, step)
         finally:
             session.close()
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """A :class:`~nrl_core.errors.ConfigError` when ``out``'s parent folder cannot be created
+    or written (read-only, a file in the way): said before the checkpoint is loaded."""
+    import os
+    import tempfile
+
+    from nrl_core.errors import ConfigError
+
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".nrl-write-check-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {out} ({exc.strerror or exc}); choose an OUT_DIR in a writable folder"
+        ) from None
+
+
+def _warn_dropped_settings(step: Path) -> None:
+    """One stderr line naming the interpreter settings the checkpoint's config carried and
+    that were not used (:func:`nrl_core.checkpoint.checkpoint_config_data`)."""
+    import sys
+
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, checkpoint_config_data
+
+    _, _, dropped = checkpoint_config_data(step)
+    if dropped:
+        print(
+            f"warning: ignoring {', '.join(dropped)} from {step / CHECKPOINT_CONFIG} (a "
+            "checkpoint never chooses what runs); if the policy needs another interpreter, "
+            "set $NRL_ACTOR_ENV or pass your own --config",
+            file=sys.stderr,
+        )
 
 
 def loads_in_process(fmt: str, spec: Any, options: Any) -> bool:
@@ -176,6 +216,7 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
     import warnings
 
     from nrl_core import atomic
+    from nrl_core.checkpoint import refuse_nonfinite_export
     from nrl_core.distributed.worker_group import InProcessGroup
     from nrl_core.interfaces import ComponentContext
     from nrl_core.policy import Policy
@@ -191,5 +232,6 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
             policy.load_checkpoint(str(checkpoint.resolve()))
         with atomic.new_dir(out) as tmp:
             policy.export_hf(str(tmp))
+            refuse_nonfinite_export(tmp, checkpoint.parent)
     finally:
         policy.shutdown()

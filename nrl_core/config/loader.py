@@ -51,8 +51,43 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
+    """A YAML mapping; a key given twice is an error (PyYAML keeps the last silently, so a
+    second ``grpo:`` block would replace the first)."""
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line)
+        except TypeError:
+            continue  # an unhashable key: construct_mapping names it
+        if first != key_node.start_mark.line:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (also on line {first + 1}); keep one",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+MAX_CONFIG_BYTES = 16 << 20
+"""Largest config file read (a config is a few KiB; ``/dev/zero`` must not fill memory)."""
+
+
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    """YAML text (a SafeLoader subclass: no arbitrary objects). Errors are ``yaml.YAMLError``,
+    also for what PyYAML itself reports otherwise: an integer of over 4300 digits, nesting
+    deeper than Python's recursion allows."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ValueError as exc:  # int('5000 digits'): Python's int-from-text limit
+        raise yaml.YAMLError(_one_line(str(exc))) from None
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -61,8 +96,17 @@ def parse_yaml(text: str) -> Any:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read one YAML mapping; bad YAML is reported with file, line and column."""
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        # A FIFO would block the read, a device (/dev/zero) would never end it.
+        raise ConfigError(f"config file {path} is not a regular file; pass a YAML file")
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a config is YAML "
+                "settings: pass the right file"
+            )
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check the --config path") from None
     except IsADirectoryError:
@@ -230,9 +274,29 @@ class _BadValue(Exception):
         self.problem = problem
 
 
+def _is_list_type(tp: Any) -> bool:
+    return tp is list or typing.get_origin(tp) is list
+
+
+def _no_text_as_list(tp: Any, conv: cattrs.Converter) -> Any:
+    """cattrs' list hook, except that a string is no list: ``generation.stop_strings=stop``
+    would otherwise become ``["s", "t", "o", "p"]``."""
+    from cattrs.cols import list_structure_factory
+
+    structure = list_structure_factory(tp, conv)
+
+    def hook(value: Any, cl: Any) -> Any:
+        if isinstance(value, str | bytes):
+            raise TypeError(f"expected a list, got {_describe_value(value)}; write [{value}]")
+        return structure(value, cl)
+
+    return hook
+
+
 def _describe_value(value: Any) -> str:
     kind = {dict: "a section", list: "a list", type(None): "null"}.get(type(value))
-    return kind or f"{type(value).__name__} {value!r}"
+    text = repr(value)
+    return kind or f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def _is_optional_attrs(tp: Any) -> type | None:
@@ -265,6 +329,7 @@ class ConfigConverter:
             self._unstructure_section,
         )
         conv.register_structure_hook_factory(_has_renamed_fields, self._renamed_structure)
+        conv.register_structure_hook_factory(_is_list_type, lambda t: _no_text_as_list(t, conv))
         conv.register_unstructure_hook_factory(_has_renamed_fields, self._renamed_unstructure)
         self._plain = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
         self._plain.register_structure_hook_func(

@@ -98,9 +98,17 @@ class Valid:
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
+def _finite(value: Any) -> bool:
+    """NaN and infinities (``.inf``, ``1e400`` in YAML) lie in no range a setting has."""
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def _compare(op: str, bound: float) -> Valid:
     compare = _COMPARE[op]
-    return Valid(f"{op} {show_value(bound)}", lambda value: compare(value, bound))
+    return Valid(
+        f"{op} {show_value(bound)}",
+        lambda value: _finite(value) and compare(value, bound),
+    )
 
 
 def gt(bound: float) -> Valid:
@@ -124,6 +132,8 @@ def between(low: float, high: float, *, low_open: bool = False, high_open: bool 
     left, right = "(" if low_open else "[", ")" if high_open else "]"
 
     def test(value: Any) -> bool:
+        if not _finite(value):
+            return False
         above = value > low if low_open else value >= low
         below = value < high if high_open else value <= high
         return above and below
@@ -151,6 +161,17 @@ FINITE = Valid("a finite number", math.isfinite)
 
 NON_EMPTY = Valid("a non-empty string", lambda value: isinstance(value, str) and value != "")
 """A string that must not be empty (names, paths)."""
+
+RUN_NAME = Valid(
+    "a non-empty string naming one folder (no `/`, `\\`, `.` or `..` alone, no control characters)",
+    lambda value: (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and not any(c in value for c in "/\\")
+        and value.isprintable()
+    ),
+)
+"""One folder name inside ``logger.log_dir``: it can never point outside it."""
 
 
 def one_of(*choices: Any) -> Any:
@@ -415,6 +436,22 @@ class ServerConfig:
         validator=ge(0),
     )
     max_batch_size: int = option(256, "Most requests served by one backend call.", validator=ge(1))
+    max_request_bytes: int = option(
+        16 << 20,
+        (
+            "Largest request body accepted, in bytes (>= 1024; a larger one is answered 413). "
+            "The default, 16 MiB, holds a long multi-turn history with its carried token ids."
+        ),
+        validator=ge(1024),
+    )
+    read_timeout_s: float = option(
+        30.0,
+        (
+            "Seconds a client has to send a request's headers, and again its body (> 0): a "
+            "slower connection is closed (headers) or answered 408 (body)."
+        ),
+        validator=gt(0),
+    )
     model_id: str | None = option(
         None, "The model id that /v1/models lists (default: policy.model_name)."
     )
@@ -538,8 +575,11 @@ class LoggerConfig:
     log_dir: str = option("results/runs", "Parent folder of run directories.", validator=NON_EMPTY)
     run_name: str = option(
         "default",
-        "Run directory name under log_dir; also the W&B and MLflow run name.",
-        validator=NON_EMPTY,
+        (
+            "Run directory name under log_dir (one folder name: no `/`, `..` or control "
+            "characters); also the W&B and MLflow run name."
+        ),
+        validator=RUN_NAME,
     )
     sample_period: int = option(
         10,
@@ -651,6 +691,16 @@ class GRPOSection:
         4, "Most extra generation rounds per step.", validator=ge(0)
     )
     overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
+    on_nonfinite: str = option(
+        "stop",
+        (
+            "A step whose rewards or advantages are NaN or infinite: `stop` the run in one line "
+            "naming the environment and the first bad sample, or `skip` the step (nothing is "
+            "trained on it; `train/skipped_nonfinite` is 1). A non-finite loss or gradient "
+            "always stops the run, before anything is saved."
+        ),
+        validator=one_of("stop", "skip"),
+    )
     sft_warmup_steps: int = option(
         0,
         (
@@ -798,7 +848,11 @@ class EvalSection:
 class RunConfig:
     """Sections shared by every algorithm."""
 
-    seed: int = option(42, "Seed of every random stream in the run.", validator=ge(0))
+    seed: int = option(
+        42,
+        "Seed of every random stream in the run (0..2^63-1).",
+        validator=[ge(0), le(2**63 - 1)],
+    )
     policy: PolicyConfig = option(PolicyConfig(), "The model being trained.")
     data: DataConfig = option(DataConfig(), "Training and validation data.")
     checkpointing: CheckpointingConfig = option(CheckpointingConfig(), "Checkpoints and resume.")

@@ -11,12 +11,19 @@ verifiers read.
 - ``POST /tokenize``: the prompt ids a chat request would get (same splice), or a text's ids.
 - ``POST /inference/v1/generate``: token ids in, token ids and logprobs out (verifiers' client).
 
-Bad input is answered 400 with OpenAI's error shape and one message naming what is wrong.
+Bad input is answered 400 with OpenAI's error shape and one message naming what is wrong:
+every sampling field is checked for its type and range here, before anything reaches the
+request batcher (whose loop must outlive any one request). A body over
+``server.max_request_bytes`` is answered 413, one not received within
+``server.read_timeout_s`` 408; chat templates and tokenisation run in a worker thread, so one
+large request does not hold up the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -32,11 +39,33 @@ if TYPE_CHECKING:
 
 
 class RequestError(ValueError):
-    """Bad request content (HTTP 400)."""
+    """Bad request content (HTTP 400, or ``status``)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GenerationFailed(RuntimeError):
+    """The backend raised while generating a request (HTTP 500 naming the error)."""
+
+    status = 500
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Chat roles a request may use (``developer`` is read as ``system``)."""
+CHARS_PER_TOKEN = 64
+"""A prompt text longer than ``max_model_len`` times this cannot fit the context under any
+tokenizer in use; it is refused before it is tokenised (which could take minutes)."""
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def _answer(exc: Exception) -> JSONResponse:
+    status = getattr(exc, "status", 400)
+    return _error(status, str(exc), "server_error" if status >= 500 else "invalid_request_error")
 
 
 def create_app(server: PolicyServer) -> FastAPI:
@@ -51,17 +80,30 @@ def create_app(server: PolicyServer) -> FastAPI:
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "auth")
         return await call_next(request)
 
-    for bad_input in (RequestError, PromptError, SamplingError):
-        app.add_exception_handler(bad_input, lambda request, exc: _error(400, str(exc)))
+    for bad_input in (RequestError, PromptError, SamplingError, GenerationFailed):
+        app.add_exception_handler(bad_input, lambda request, exc: _answer(exc))
 
     async def body_of(request: Request) -> dict[str, Any]:
+        limit = server.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestError(_too_large(limit), 413)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+            raw = await asyncio.wait_for(_read_capped(request, limit), server.config.read_timeout_s)
+        except TimeoutError:
+            raise RequestError(
+                f"the request body did not arrive within server.read_timeout_s="
+                f"{server.config.read_timeout_s:g} s",
+                408,
+            ) from None
+        return await asyncio.to_thread(parse_body, raw)
+
+    async def generated(prompt: list[int], params: Any, stops: list[str] | None) -> Any:
+        try:
+            return await server.batcher.submit(prompt, params, stops)
+        except Exception as exc:  # the backend failed this request (and only this one)
+            first = next(iter(str(exc).strip().splitlines()), "")
+            raise GenerationFailed(f"generation failed: {type(exc).__name__}: {first}") from exc
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -82,6 +124,7 @@ def create_app(server: PolicyServer) -> FastAPI:
         }
 
     def chat_prompt(body: dict[str, Any]) -> list[int]:
+        check_messages(body.get("messages"), server.max_model_len)
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RequestError("`tools` must be a list")
@@ -104,17 +147,12 @@ def create_app(server: PolicyServer) -> FastAPI:
         top_logprobs = body.get("top_logprobs") or 0
         if top_logprobs:
             raise RequestError("top_logprobs > 0 is not supported (the chosen token's is given)")
-        prompt = chat_prompt(body)
-        params = server.sampling_for(
-            max_tokens=_budget(server, body, prompt),
-            temperature=body.get("temperature"),
-            top_p=body.get("top_p"),
-            top_k=body.get("top_k"),
-            seed=body.get("seed"),
-        )
+        sampling = sampling_fields(body, vocab_size(server))
         stops = _stops(body.get("stop"))
-        done = await server.batcher.submit(prompt, params, stops)
-        text = server.prompts.decode(done.token_ids)
+        prompt = await asyncio.to_thread(chat_prompt, body)
+        params = server.sampling_for(max_tokens=_budget(server, body, prompt), **sampling)
+        done = await generated(prompt, params, stops)
+        text = await asyncio.to_thread(server.prompts.decode, done.token_ids)
         content, calls = parse_tool_calls(text, server.tool_parser)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
@@ -158,9 +196,14 @@ def create_app(server: PolicyServer) -> FastAPI:
     async def tokenize(request: Request):
         body = await body_of(request)
         if "messages" in body:
-            ids = chat_prompt(body)
+            ids = await asyncio.to_thread(chat_prompt, body)
         elif isinstance(body.get("prompt"), str):
-            ids = list(server.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"])
+            check_text_length(len(body["prompt"]), "`prompt`", server.max_model_len)
+            ids = await asyncio.to_thread(
+                lambda: list(
+                    server.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]
+                )
+            )
         else:
             raise RequestError("send `messages` (a chat) or `prompt` (a text)")
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
@@ -168,26 +211,25 @@ def create_app(server: PolicyServer) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def generate(request: Request):
         body = await body_of(request)
+        vocab = vocab_size(server)
         prompt = body.get("token_ids")
-        if (
-            not isinstance(prompt, list)
-            or not prompt
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt)
-        ):
+        if not isinstance(prompt, list) or not prompt:
             raise RequestError("`token_ids` must be a non-empty list of token ids")
+        _check_ids(prompt, "`token_ids`", vocab)
         sampling = body.get("sampling_params") or {}
         if not isinstance(sampling, dict):
             raise RequestError("`sampling_params` must be an object")
         stop_ids = sampling.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list):
+            raise RequestError("`sampling_params.stop_token_ids` must be a list of token ids")
+        _check_ids(stop_ids, "`sampling_params.stop_token_ids`", vocab)
+        stops = _stops(sampling.get("stop"))
         params = server.sampling_for(
             max_tokens=_budget(server, sampling, prompt),
-            temperature=sampling.get("temperature"),
-            top_p=sampling.get("top_p"),
-            top_k=sampling.get("top_k") if sampling.get("top_k", -1) > 0 else None,
-            seed=sampling.get("seed"),
-            stop_token_ids=tuple(int(i) for i in stop_ids),
+            **sampling_fields(sampling, vocab, where="sampling_params."),
+            stop_token_ids=tuple(stop_ids),
         )
-        done = await server.batcher.submit(prompt, params, _stops(sampling.get("stop")))
+        done = await generated(prompt, params, stops)
         return {
             "request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex}",
             "prompt_token_ids": prompt,
@@ -238,14 +280,156 @@ def _budget(server: PolicyServer, body: dict[str, Any], prompt: list[int]) -> in
     return min(asked, left)
 
 
+MAX_STOP_STRINGS = 32
+
+
 def _stops(stop: Any) -> list[str] | None:
     if stop is None:
         return None
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return list(stop) or None
-    raise RequestError("`stop` must be a string or a list of strings")
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("`stop` must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+    return list(stops) or None
+
+
+# -- request validation -------------------------------------------------------------------------
+
+
+def _too_large(limit: int) -> str:
+    return (
+        f"the request body is over server.max_request_bytes={limit}; send less (or raise "
+        "server.max_request_bytes)"
+    )
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes ``limit`` bytes (a chunked body declares
+    no length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(_too_large(limit), 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; anything else (bad JSON, ``NaN``/``Infinity``, nesting
+    deeper than the parser allows) is a :class:`RequestError`."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise RequestError(f"the request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(
+            "the request body is not JSON this server reads: nested too deeply"
+        ) from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def vocab_size(server: PolicyServer) -> int:
+    """One past the largest token id a request may name (the tokenizer's vocabulary)."""
+    return len(server.tokenizer)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ids(ids: list[Any], what: str, vocab: int) -> None:
+    for i in ids:
+        if not _is_int(i) or not 0 <= i < vocab:
+            raise RequestError(
+                f"{what} must hold token ids in 0..{vocab - 1} (the vocabulary), got {i!r:.40}"
+            )
+
+
+def _number(body: dict[str, Any], name: str, where: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise RequestError(f"{where}{name} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def sampling_fields(body: dict[str, Any], vocab: int, where: str = "") -> dict[str, Any]:
+    """``temperature``, ``top_p``, ``top_k`` and ``seed`` of a request, checked: types and
+    ranges (temperature 0..100, top_p in (0, 1], top_k an integer in -1..vocabulary size with
+    -1 and 0 meaning off, seed an integer in 0..2^63-1); as
+    :meth:`~nrl_core.serving.server.PolicyServer.sampling_for` keywords."""
+    from nrl_core.serving.batcher import SEED_LIMIT
+
+    temperature = _number(body, "temperature", where)
+    if temperature is not None and not 0 <= temperature <= 100:
+        raise RequestError(f"{where}temperature must lie in 0..100 (0: greedy), got {temperature}")
+    top_p = _number(body, "top_p", where)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RequestError(f"{where}top_p must lie in (0, 1], got {top_p}")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or not -1 <= top_k <= vocab):
+        raise RequestError(
+            f"{where}top_k must be an integer in -1..{vocab} (-1 or 0: off), got {top_k!r:.40}"
+        )
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+        raise RequestError(f"{where}seed must be an integer in 0..2^63-1, got {seed!r:.40}")
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k if top_k and top_k > 0 else None,
+        "seed": seed,
+    }
+
+
+def check_text_length(length: int, what: str, max_model_len: int) -> None:
+    limit = CHARS_PER_TOKEN * max_model_len
+    if length > limit:
+        raise RequestError(
+            f"{what} has {length} characters, more than fits max_model_len={max_model_len} "
+            f"tokens (at most {limit}); shorten it"
+        )
+
+
+def check_messages(messages: Any, max_model_len: int) -> None:
+    """What the chat template would otherwise trip on: an unknown role, a null content outside
+    an assistant message, a non-string name or id; and a text too long for the context."""
+    if not isinstance(messages, list):
+        return  # normalize_messages names the problem
+    total = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return
+        role = message.get("role")
+        if isinstance(role, str) and role not in ROLES:
+            raise RequestError(
+                f"messages[{index}].role={role!r:.40} is not a chat role; use one of "
+                f"{', '.join(ROLES)}"
+            )
+        content = message.get("content")
+        if content is None and role != "assistant":
+            raise RequestError(
+                f"messages[{index}] ({role}) has no content; only an assistant message may "
+                "have a null content (with tool_calls)"
+            )
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise RequestError(f"messages[{index}].{key} must be a string")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+            total += sum(len(p) for p in content if isinstance(p, str))
+    check_text_length(total, "`messages`", max_model_len)
 
 
 def _logprob_entry(server: PolicyServer, token: int, logprob: float, as_ids: bool):

@@ -24,6 +24,17 @@ Generate = Callable[
 ]
 
 
+SEED_LIMIT = 1 << 63
+"""Request seeds lie in ``[0, SEED_LIMIT)``; per-call offsets wrap within it."""
+
+
+def _fail(pending: Sequence[_Pending], exc: BaseException) -> None:
+    """Hand ``exc`` to each request of ``pending`` still waiting (its handler answers it)."""
+    for item in pending:
+        if not item.future.done():
+            item.future.set_exception(exc)
+
+
 @attrs.frozen
 class Completion:
     """One request's answer."""
@@ -76,6 +87,9 @@ class RequestBatcher:
         """Queue one prompt; returns its completion once its batch is generated."""
         if self._queue is None:
             self._queue = asyncio.Queue()
+        if self._worker is None or self._worker.done():
+            # _serve never ends on its own (a failing request fails alone); should it die all
+            # the same, the next request starts a new one rather than waiting forever.
             self._worker = asyncio.get_running_loop().create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         stops = list(stop_strings) if stop_strings else None
@@ -97,26 +111,30 @@ class RequestBatcher:
                     break
             groups: dict[Any, list[_Pending]] = {}
             for item in batch:
-                key = attrs.evolve(item.params, max_new_tokens=0)
-                groups.setdefault(key, []).append(item)
+                try:
+                    key = attrs.evolve(item.params, max_new_tokens=0)
+                    groups.setdefault(key, []).append(item)
+                except Exception as exc:  # e.g. an unhashable value: this request fails alone
+                    _fail([item], exc)
             for group in groups.values():
-                await self._run(group)
+                try:
+                    await self._run(group)
+                except Exception as exc:  # the loop outlives any one group
+                    _fail(group, exc)
 
     async def _run(self, group: list[_Pending]) -> None:
         longest = max(p.params.max_new_tokens for p in group)
         params = attrs.evolve(group[0].params, max_new_tokens=longest)
         if params.seed is not None:
             # Two calls with one seed would draw the same random numbers for their rows.
-            params = attrs.evolve(params, seed=params.seed + 7919 * self._calls)
+            params = attrs.evolve(params, seed=(params.seed + 7919 * self._calls) % SEED_LIMIT)
         self._calls += 1
         try:
             output = await asyncio.to_thread(
                 self.generate, [p.prompt for p in group], params, [p.stop_strings for p in group]
             )
         except Exception as exc:  # every waiting request gets the backend's error
-            for pending in group:
-                if not pending.future.done():
-                    pending.future.set_exception(exc)
+            _fail(group, exc)
             return
         self.stats.requests += len(group)
         self.stats.backend_calls += 1

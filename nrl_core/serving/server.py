@@ -143,6 +143,10 @@ class PolicyServer:
             ) from None
         bound_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        config.load()  # picks the HTTP protocol class (h11 or httptools), wrapped below
+        config.http_protocol_class = _header_timeout(
+            config.http_protocol_class, self.config.read_timeout_s
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="nrl-serve", daemon=True
@@ -172,3 +176,43 @@ class PolicyServer:
         """Block until the serving thread ends (Ctrl-C / SIGTERM end it through the caller)."""
         while self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=0.5)
+
+
+def _header_timeout(protocol: type, timeout_s: float) -> type:
+    """``protocol`` (uvicorn's HTTP protocol class) closing a connection that has not sent a
+    whole request head within ``timeout_s`` of opening or of its previous response.
+
+    uvicorn's own ``timeout_keep_alive`` stops as soon as a first byte arrives, and nothing
+    times a new connection's headers: a client sending one byte a minute would hold its
+    connection (and, times many, the server's sockets) for ever."""
+
+    class HeaderTimeout(protocol):
+        _nrl_timer: Any = None
+
+        def _nrl_arm(self) -> None:
+            if self._nrl_timer is not None:
+                self._nrl_timer.cancel()
+            armed = self.cycle
+            self._nrl_timer = self.loop.call_later(timeout_s, self._nrl_expire, armed)
+
+        def _nrl_expire(self, armed: Any) -> None:
+            waiting = self.cycle is armed and (armed is None or armed.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.close()  # no new request head since the timer started
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._nrl_arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._nrl_arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._nrl_timer is not None:
+                self._nrl_timer.cancel()
+            super().connection_lost(exc)
+
+    HeaderTimeout.__name__ = HeaderTimeout.__qualname__ = f"HeaderTimeout{protocol.__name__}"
+    return HeaderTimeout

@@ -326,6 +326,72 @@ def test_environment_exceptions_are_counted_and_the_run_continues(tmp_path):
     assert all(r["train/env_errors"] < 16 for r in records)
 
 
+def _plugin_site(tmp_path: Path, name: str, body: str) -> dict[str, str]:
+    """A third-party plugin ``nrl_<name>_plugin`` (module text ``body``) installed beside nrl
+    in ``tmp_path/site``, found through its entry point; the env vars that put it on the
+    path."""
+    module = f"nrl_{name}_plugin"
+    site = tmp_path / "site"
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text(f"[nrl.plugins]\n{name} = {module}\n")
+    (site / f"{module}.py").write_text(textwrap.dedent(body))
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+NAN_ENV = """
+    import math
+
+    from nrl_core import hookimpl
+    from nrl_core.interfaces import EnvStep
+
+
+    class NaNEnvironment:
+        def __init__(self, options=None, context=None):
+            pass
+
+        def step(self, conversations, metadata):
+            return [EnvStep(reward=math.nan) for _ in conversations]
+
+
+    @hookimpl
+    def nrl_register_environments(register):
+        register("nan_reward", "nrl_nan_plugin:NaNEnvironment")
+"""
+
+
+def test_a_nan_reward_stops_the_run_naming_the_environment_and_nothing_is_saved(tmp_path):
+    """Issue 40: a verifier returning NaN trained on NaN, saved an all-NaN step_1 that passed
+    verification, and died at step 2 blaming generation. The step is not applied; the run
+    stops in one line naming the environment and the first bad sample; no checkpoint."""
+    env = _plugin_site(tmp_path, "nan", NAN_ENV)
+    overrides = ["env.name=nan_reward", "grpo.max_num_steps=2", "grpo.val_period=0"]
+    overrides += ["grpo.sft_warmup_steps=0", "checkpointing.save_period=1"]
+    result = run_nrl(tmp_path, *overrides, env=env, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "step 1: environment 'nan_reward' (env.name) gave reward nan to sample 0" in errors[0]
+    assert "grpo.on_nonfinite=skip" in errors[0]
+    assert not any((tmp_path / "ckpt").glob("step_*"))
+
+    # Skipping instead: both steps run, neither trains, the weights saved are the initial ones.
+    result = run_nrl(
+        tmp_path / "skip",
+        *overrides,
+        "grpo.on_nonfinite=skip",
+        "checkpointing.save_period=2",
+        env=env,
+    )
+    records = [r for r in metrics(tmp_path / "skip") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train/skipped_nonfinite"] == 1.0 for r in records)
+    assert result.stderr.count("step skipped (grpo.on_nonfinite=skip)") == 2
+
+
 @pytest.mark.skipif(shutil.which("uv") is None, reason="needs the uv command (the README's way)")
 def test_uv_run_no_sync_with_relative_paths_writes_checkpoints_with_weights(tmp_path):
     """``uv run --no-sync nrl run grpo`` from another folder, with relative output paths: the

@@ -145,3 +145,31 @@ def test_nrl_run_sft_on_cpu_decreases_the_loss(tmp_path, run_cli):
     assert val[8] < val[0]
     step = tmp_path / "ckpt" / "step_8"
     assert (step / "config.yaml").is_file() and (step / "policy").is_dir()
+
+
+class _NaNLoss(NLLLoss):
+    """The NLL times NaN: every gradient is NaN (what NaN rewards or advantages give)."""
+
+    def __call__(self, logprobs, batch, stats):
+        loss, metrics = super().__call__(logprobs, batch, stats)
+        return loss * float("nan"), metrics
+
+
+def test_a_nan_gradient_is_never_applied(tiny_model_path, tokenizer, make_policy):
+    """Issue 40: a step whose gradients are NaN reports grad_norm NaN and leaves the weights
+    as they were (the optimizer does not step); the next finite step trains normally."""
+    import math
+
+    batch = chat_batch(tokenizer)
+    policy = make_policy(tiny_model_path)
+    before = policy.get_logprobs(batch)
+    metrics = policy.train(batch, _NaNLoss())
+    assert math.isnan(metrics["loss"]) and not math.isfinite(metrics["grad_norm"])
+    after = policy.get_logprobs(batch)
+    assert torch.isfinite(after).all()
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    # No NaN gradient was left behind to poison the next step.
+    fresh = make_policy(tiny_model_path)
+    expected = fresh.train(batch, NLLLoss())
+    assert policy.train(batch, NLLLoss())["grad_norm"] == pytest.approx(expected["grad_norm"])
+    torch.testing.assert_close(policy.get_logprobs(batch), fresh.get_logprobs(batch))

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,43 @@ def _damaged_checkpoints(d):
         handle.truncate(100)
 
 
+def _hostile_checkpoints(d):
+    """Issue 40: checkpoints that reach outside their folder (a symlinked shard, a symlinked
+    policy/, a manifest entry ../outside), trainer states that are not nrl's (a negative step,
+    a Python RNG state that is a number, a data position that is text, JSON nested 200,000
+    deep), and a shard cut short with no manifest to tell."""
+    from nrl_core.checkpoint import write_manifest
+
+    outside = _write(d / "outside" / "secret.bin", b"x" * 64)
+    state = json.dumps({"step": 2})
+
+    def step(name, files, manifest=True):
+        folder = d / name / "step_2"
+        _write(folder / "trainer_state.json", files.pop("trainer_state.json", state))
+        for rel, content in files.items():
+            if isinstance(content, Path):
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                (folder / rel).symlink_to(content)
+            else:
+                _write(folder / rel, content)
+        if manifest:
+            write_manifest(folder)
+        return folder
+
+    step("ckpt_link_shard", {"policy/__0_0.distcp": outside})
+    step("ckpt_link_policy", {"policy": outside.parent})
+    dotdot = step("ckpt_dotdot", {"policy/__0_0.distcp": b"y" * 16})
+    manifest = json.loads((dotdot / "manifest.json").read_text())
+    manifest["files"]["../../outside/secret.bin"] = manifest["files"].pop("policy/__0_0.distcp")
+    (dotdot / "manifest.json").write_text(json.dumps(manifest))
+    step("ckpt_negative_step", {"trainer_state.json": json.dumps({"step": -7})})
+    python_rng = json.dumps({"step": 2, "rng": {"python": 5}})
+    step("ckpt_rng_number", {"trainer_state.json": python_rng})
+    step("ckpt_epoch_text", {"trainer_state.json": json.dumps({"step": 2, "data": {"epoch": "x"}})})
+    deep = '{"step": 2, "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    step("ckpt_deep_state", {"trainer_state.json": deep}, manifest=False)
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """A folder of broken inputs (and a few good ones), shared by the cases."""
@@ -116,6 +154,11 @@ def d(tmp_path_factory):
     _write(d / "afile", "not a folder\n")
     (d / "out_dir").mkdir()
     _damaged_checkpoints(d)
+    _hostile_checkpoints(d)
+    os.mkfifo(d / "fifo.yaml")
+    os.mkfifo(d / "fifo.jsonl")
+    _write(d / "dup.yaml", "grpo:\n  max_num_steps: 3\nseed: 1\ngrpo:\n  val_period: 2\n")
+    _write(d / "defaults_zero.yaml", "defaults: /dev/zero\n")
     _write(d / "plot_garbage" / "metrics.jsonl", 'garbage\n{"step": 1, "train/loss": 1.0}\n')
     _write(d / "plot_binary" / "metrics.jsonl", b'{"step": 1}\n\xff\xfe\n{"step": 2}\n')
     _write(d / "plot_empty" / "metrics.jsonl", "")
@@ -292,6 +335,31 @@ CASES = [
     ("eval_checkpoint_missing", evaluate("eval.checkpoint={d}/no-ckpt"), "{d}/no-ckpt", {}),
     ("convert_missing", ["convert", "{d}/no-ckpt", "{d}/converted"], "{d}/no-ckpt", {}),
     ("convert_corrupt", ["convert", "{d}/ckpt_corrupt/step_3", "{d}/converted"], "{d}/ckpt_corrupt/step_3", {}),
+    # Issue 40: configs and checkpoints from a hostile probe.
+    ("config_duplicate_key", ["run", "grpo", "--config", "{d}/dup.yaml"], "bad YAML in {d}/dup.yaml, line 4, column 1: duplicate key 'grpo' (also on line 1)", {}),
+    ("config_fifo", ["run", "grpo", "--config", "{d}/fifo.yaml"], "config file {d}/fifo.yaml is not a regular file", {}),
+    ("config_dev_zero", ["run", "grpo", "--config", "/dev/zero"], "config file /dev/zero is not a regular file", {}),
+    ("config_defaults_dev_zero", ["run", "grpo", "--config", "{d}/defaults_zero.yaml"], "config file /dev/zero is not a regular file", {}),
+    ("seed_22_digits", run("grpo", "seed=1234567890123456789012"), "seed must be <= 9223372036854775807, got 1234567890123456789012", {}),
+    ("seed_5000_digits", run("grpo", "seed=" + "9" * 5000), "seed: expected int, got str '999", {}),
+    ("lr_inf", run("grpo", "policy.optimizer.lr=.inf"), "policy.optimizer.lr must be > 0, got inf", {}),
+    ("lr_1e400", run("sft", "policy.optimizer.lr=1e400"), "policy.optimizer.lr must be > 0, got inf", {}),
+    ("temperature_inf", run("grpo", "generation.temperature=.inf"), "generation.temperature must be >= 0, got inf", {}),
+    ("stop_strings_text", run("grpo", "generation.stop_strings=stop"), "generation.stop_strings: expected a list, got str 'stop'", {}),
+    ("run_name_escapes", run("grpo", "logger.run_name=../../../x"), "logger.run_name must be a non-empty string naming one folder", {}),
+    ("run_name_absolute", run("grpo", "logger.run_name=/tmp/x"), "logger.run_name must be a non-empty string naming one folder", {}),
+    ("run_name_dot", run("grpo", "logger.run_name=."), "logger.run_name must be a non-empty string naming one folder", {}),
+    ("run_name_newline", run("grpo", 'logger.run_name="a\\nb"'), "logger.run_name must be a non-empty string naming one folder", {}),
+    ("data_fifo", run("grpo", "data.dataset={d}/fifo.jsonl"), "{d}/fifo.jsonl", {}),
+    ("data_dev_zero", run("grpo", "data.dataset=/dev/zero"), "/dev/zero", {}),
+    ("convert_out_unwritable", ["convert", "{d}/ckpt_link_shard/step_2", "/proc/nrl-out/hf"], "cannot write /proc/nrl-out/hf", {}),
+    ("ckpt_symlinked_shard", ["convert", "{d}/ckpt_link_shard/step_2", "{d}/converted"], "policy/__0_0.distcp is a symbolic link", {}),
+    ("ckpt_symlinked_policy", evaluate("eval.checkpoint={d}/ckpt_link_policy/step_2"), "policy is a symbolic link", {}),
+    ("ckpt_manifest_dotdot", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_dotdot/step_2"), "manifest.json names '../../outside/secret.bin', outside the checkpoint folder", {}),
+    ("ckpt_negative_step", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_negative_step/step_2"), "holds no integer `step` >= 0", {}),
+    ("ckpt_rng_number", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_rng_number/step_2"), "`rng.python` is not a Python random state", {}),
+    ("ckpt_epoch_text", ["convert", "{d}/ckpt_epoch_text/step_2", "{d}/converted"], "`data` must be the data stream's position", {}),
+    ("ckpt_deep_state", ["convert", "{d}/ckpt_deep_state/step_2", "{d}/converted"], "is not a trainer state (JSON nested too deeply)", {}),
     # Metrics for `nrl plot`.
     ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
     ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),

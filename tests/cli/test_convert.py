@@ -156,3 +156,63 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(worker.model_path)
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(model.state_dict()[name], initial.state_dict()[name])
+
+
+def _planted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """A real dtensor checkpoint whose saved config names a script inside it as
+    `policy.actor_env` (and as `cluster.actor_env`), its manifest rewritten to match: what a
+    checkpoint handed over by someone else may hold. Returns (step folder, marker file the
+    script would create)."""
+    import yaml
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import (
+        CHECKPOINT_CONFIG,
+        POLICY_CHECKPOINT,
+        CheckpointManager,
+        write_manifest,
+    )
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+
+    def write(folder: Path) -> None:
+        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
+
+    step = CheckpointManager(tmp_path / "ckpt").save(2, write, {})
+    marker = tmp_path / "MARKER"
+    script = step / "python"
+    script.write_text(f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    raw = yaml.safe_load((step / CHECKPOINT_CONFIG).read_text())
+    raw["policy"]["actor_env"] = str(script)
+    raw["cluster"]["actor_env"] = str(script)
+    (step / CHECKPOINT_CONFIG).write_text(yaml.safe_dump(raw))
+    write_manifest(step)
+    return step, marker
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+def test_a_checkpoints_config_never_names_the_interpreter_convert_runs(tmp_path):
+    """Issue 40: `nrl convert STEP OUT --num-workers 1` ran the script a checkpoint's
+    config.yaml named as `policy.actor_env`. The saved config is data: the policy starts
+    with this machine's interpreter, and one stderr line says what was ignored."""
+    step, marker = _planted_checkpoint(tmp_path)
+    env = {**os.environ, "NRL_ACTOR_ENV": "system"}
+    argv = [sys.executable, "-m", "nrl_core.cli", "convert", str(step), str(tmp_path / "hf")]
+    argv += ["--num-workers", "1", "-q"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not marker.exists()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    notes = [line for line in done.stderr.splitlines() if line.startswith("warning: ignoring")]
+    assert len(notes) == 1, done.stderr[-3000:]
+    assert f"policy.actor_env={step / 'python'}" in notes[0]
+    assert "cluster.actor_env" in notes[0] and "NRL_ACTOR_ENV" in notes[0]

@@ -105,11 +105,19 @@ def test_eval_command_line_and_one_line_errors(nrl_registry, capsys):
 
 
 def _fake_checkpoint(root: Path, step: int, registry, *overrides: str) -> Path:
-    """A step folder as RunSession writes it, with a dtensor-format marker for the policy."""
+    """A step folder as RunSession writes it, with a (one-tensor) dtensor-format policy:
+    verification reads its weights."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     saved = resolve_config("grpo", None, list(overrides), registry)
     folder = root / f"step_{step}"
     (folder / "policy").mkdir(parents=True)
-    (folder / "policy" / ".metadata").write_bytes(b"")
+    with warnings.catch_warnings():  # a one-process save, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(folder / "policy"))
     (folder / "config.yaml").write_text(dump_config(saved, registry))
     (folder / TRAINER_STATE).write_text(json.dumps({"step": step}))
     return folder

@@ -346,3 +346,204 @@ def _plain_template() -> str:
     from nrl_core.testing.tokenizers import PLAIN_TEMPLATE
 
     return PLAIN_TEMPLATE
+
+
+# -- hostile requests (issue 40): each refused alone, the server keeps answering -----------------
+
+GOOD = {"model": "tool-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+def _chat(**changes):
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+def _generate(token_ids=(1, 5, 24), **sampling):
+    body = {"token_ids": list(token_ids), "sampling_params": {"max_tokens": 2, **sampling}}
+    return json.dumps(body).encode()
+
+
+HOSTILE = [
+    # (route, body, what the 4xx message names)
+    ("chat", _chat(seed="abc"), "seed must be an integer"),
+    ("chat", _chat(seed=[1]), "seed must be an integer"),
+    ("chat", _chat(seed=10**30), "seed must be an integer in 0..2^63-1"),
+    ("chat", _chat(seed=-1), "seed must be an integer"),
+    ("chat", _chat(temperature="hot"), "temperature must be a finite number"),
+    ("chat", _chat(temperature=-1), "temperature must lie in 0..100"),
+    ("chat", _chat()[:-1] + b', "temperature": NaN}', "NaN is not JSON"),
+    ("chat", _chat()[:-1] + b', "temperature": Infinity}', "Infinity is not JSON"),
+    ("chat", _chat()[:-1] + b', "temperature": 1e400}', "temperature must be a finite number"),
+    ("chat", _chat(top_p=0), "top_p must lie in (0, 1]"),
+    ("chat", _chat(top_p=5), "top_p must lie in (0, 1]"),
+    ("chat", _chat(top_k="x"), "top_k must be an integer"),
+    ("chat", _chat(top_k=-5), "top_k must be an integer in -1.."),
+    ("chat", _chat(messages=[{"role": "wizard", "content": "hi"}]), "is not a chat role"),
+    ("chat", _chat(messages=[{"role": "user", "content": None}]), "(user) has no content"),
+    ("chat", _chat(messages=[{"role": "user", "content": "hi", "name": 5}]), "name must be"),
+    ("chat", _chat(stop=[""]), "non-empty strings"),
+    ("chat", _chat(stop=""), "non-empty string"),
+    ("chat", _chat(stop=[1]), "list of non-empty strings"),
+    ("chat", DEEP, "nested too deeply"),
+    ("chat", _chat(messages=[{"role": "user", "content": "x" * 40_000}]), "max_model_len=512"),
+    ("generate", _generate(token_ids=[10**9]), "token ids in 0.."),
+    ("generate", _generate(token_ids=[-1]), "token ids in 0.."),
+    ("generate", _generate(stop_token_ids=["a"]), "stop_token_ids` must hold token ids"),
+    ("generate", _generate(stop_token_ids="a"), "stop_token_ids` must be a list"),
+    ("generate", _generate(top_k="x"), "sampling_params.top_k must be an integer"),
+    ("generate", _generate(seed="abc"), "sampling_params.seed must be an integer"),
+    ("generate", _generate(temperature="hot"), "sampling_params.temperature must be"),
+    ("tokenize", json.dumps({"prompt": "x" * 5_000_000}).encode(), "max_model_len=512"),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model_path):
+    """The endpoint over the untrained tiny model (real torch generation): enough for requests
+    whose answers are not read."""
+    from nrl_dtensor.generation import TorchGenerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nrl_core.serving.server import PolicyServer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    generator = TorchGenerator(model=model, tokenizer=tokenizer)
+    server = PolicyServer(
+        generator.generate,
+        tokenizer,
+        model_id="tool-tiny",
+        max_model_len=512,
+        config=ServerConfig(batch_window_ms=0),
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_each_hostile_request_fails_alone_and_the_next_good_one_is_answered(plain_server):
+    """Issue 40: `"seed": "abc"` killed the request batcher (every later request hung); other
+    wrong types and ranges were 500s or accepted. Each is now a 4xx naming the field, and a
+    good request right after it is answered."""
+    base = plain_server.base_url.removesuffix("/v1")
+    routes = {
+        "chat": "/v1/chat/completions",
+        "generate": "/inference/v1/generate",
+        "tokenize": "/tokenize",
+    }
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        for route, body, names in HOSTILE:
+            reply = http.post(routes[route], content=body, headers=headers)
+            assert 400 <= reply.status_code < 500, (route, body[:80], reply.text[:300])
+            message = reply.json()["error"]["message"]
+            assert names in message and "\n" not in message, (body[:80], message)
+            good = http.post(routes["chat"], content=_chat(), headers=headers)
+            assert good.status_code == 200, (body[:80], good.text[:300])
+
+
+def test_a_request_the_backend_fails_on_fails_alone(tiny_model_path):
+    """A request whose generation raises gets a 500; the batcher keeps serving the next."""
+    from transformers import AutoTokenizer
+
+    from nrl_core.serving.server import PolicyServer
+
+    def generate(prompts, params, stops):
+        if params.max_new_tokens == 3:
+            raise RuntimeError("the backend refused this one")
+        return type(
+            "Out", (), {"token_ids": [[5]], "logprobs": [[-0.5]], "finish_reasons": ["stop"]}
+        )
+
+    server = PolicyServer(
+        generate,
+        AutoTokenizer.from_pretrained(tiny_model_path),
+        model_id="m",
+        max_model_len=64,
+        config=ServerConfig(batch_window_ms=0),
+    )
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            bad = http.post("/chat/completions", json={**GOOD, "max_tokens": 3})
+            assert bad.status_code == 500
+            good = http.post("/chat/completions", json=GOOD)
+            assert good.status_code == 200, good.text
+    finally:
+        server.stop()
+
+
+def test_a_large_body_and_a_slow_client_are_cut_off(tiny_model_path):
+    """A body over server.max_request_bytes is a 413 (declared or chunked), a body that does
+    not arrive within server.read_timeout_s a 408, and a connection that does not finish its
+    request head within it is closed; a good request is served after each."""
+    import socket
+    import time
+
+    from transformers import AutoTokenizer
+
+    from nrl_core.serving.server import PolicyServer
+
+    served = []
+
+    def generate(prompts, params, stops):
+        served.append(prompts)
+        return type(
+            "Out", (), {"token_ids": [[5]], "logprobs": [[-0.5]], "finish_reasons": ["stop"]}
+        )
+
+    config = ServerConfig(batch_window_ms=0, max_request_bytes=4096, read_timeout_s=1.0)
+    server = PolicyServer(
+        generate,
+        AutoTokenizer.from_pretrained(tiny_model_path),
+        model_id="m",
+        max_model_len=64,
+        config=config,
+    )
+    url = server.start()
+    host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            big = http.post("/chat/completions", content=b"x" * 5000)
+            assert big.status_code == 413 and "max_request_bytes=4096" in big.text
+            chunked = http.post("/chat/completions", content=iter([b"x" * 3000] * 2))
+            assert chunked.status_code == 413
+            assert http.post("/chat/completions", json=GOOD).status_code == 200
+
+            # The head never finishes: the connection is closed after read_timeout_s.
+            start = time.monotonic()
+            with socket.create_connection((host, int(port)), timeout=10) as slow:
+                slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+                assert slow.recv(100) == b""
+            assert time.monotonic() - start < 5
+            # The head arrives, the body does not: 408.
+            with socket.create_connection((host, int(port)), timeout=10) as slow:
+                head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                slow.sendall(head + b"content-type: application/json\r\n\r\n{")
+                assert slow.recv(100).startswith(b"HTTP/1.1 408")
+            assert http.post("/chat/completions", json=GOOD).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_the_batcher_outlives_a_request_it_cannot_serve():
+    """Below the app's validation: a request whose settings break the batcher itself (an
+    unhashable seed, a seed it cannot add to) fails alone, and the next one is served."""
+    from nrl_core.interfaces import GenerationOutput
+    from nrl_core.serving.batcher import RequestBatcher
+
+    def generate(prompts, params, stops):
+        return GenerationOutput(
+            [[7] for _ in prompts], [[-0.1] for _ in prompts], ["stop"] * len(prompts)
+        )
+
+    async def scenario():
+        batcher = RequestBatcher(generate, window_s=0.0, max_batch=8)
+        for bad_seed in (["unhashable"], "abc"):
+            bad = SamplingParams(max_new_tokens=2, seed=bad_seed)
+            with pytest.raises(TypeError):
+                await asyncio.wait_for(batcher.submit([1, 2], bad, None), 10)
+            good = await asyncio.wait_for(batcher.submit([1, 2], SamplingParams(2), None), 10)
+            assert good.token_ids == [7]
+
+    asyncio.run(scenario())

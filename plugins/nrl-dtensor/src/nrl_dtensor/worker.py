@@ -20,6 +20,7 @@ Without ``WORLD_SIZE`` in the environment the worker runs as a single process, w
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import sys
@@ -428,8 +429,11 @@ class DTensorPolicyWorker:
             self._average_replica_gradients()
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        # else: a NaN or infinite gradient is never applied (the norm is global, so every rank
+        # skips together); the driver sees grad_norm and stops the run (issue 40).
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
 
