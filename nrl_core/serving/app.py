@@ -19,30 +19,43 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from nrl_core.serving.errors import RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
 from nrl_core.serving.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
-    from nrl_core.serving.server import PolicyServer
+    from nrl_core.interfaces import SamplingParams
+    from nrl_core.serving.batcher import RequestBatcher
+    from nrl_core.serving.prompts import PromptBuilder
 
 
-class RequestError(ValueError):
-    """Bad request content (HTTP 400)."""
+class ServedPolicy(Protocol):
+    """What the routes read of the server they serve (a
+    :class:`~nrl_core.serving.server.PolicyServer`, which builds the app: not imported here)."""
+
+    api_key: str | None
+    model_id: str
+    max_model_len: int
+    tokenizer: Any
+    prompts: PromptBuilder
+    tool_parser: Any
+    batcher: RequestBatcher
+    sampling_for: Callable[..., SamplingParams]
+    """A request's sampling, from its keywords (see ``PolicyServer.sampling_for``)."""
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
-def create_app(server: PolicyServer) -> FastAPI:
+def create_app(server: ServedPolicy) -> FastAPI:
     """The FastAPI app serving ``server``'s backend."""
-    from nrl_core.serving.server import SamplingError
-
     app = FastAPI(title="nrl policy endpoint", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -222,7 +235,7 @@ def _tool_for_template(tool: Any) -> dict[str, Any]:
     raise RequestError("each of `tools` needs `function.name` (or `name`)")
 
 
-def _budget(server: PolicyServer, body: dict[str, Any], prompt: list[int]) -> int:
+def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int]) -> int:
     """``max_tokens`` (or ``max_completion_tokens``) clamped to what the context has left."""
     left = server.max_model_len - len(prompt)
     if left <= 0:
@@ -248,7 +261,7 @@ def _stops(stop: Any) -> list[str] | None:
     raise RequestError("`stop` must be a string or a list of strings")
 
 
-def _logprob_entry(server: PolicyServer, token: int, logprob: float, as_ids: bool):
+def _logprob_entry(server: ServedPolicy, token: int, logprob: float, as_ids: bool):
     text = server.tokenizer.decode([token])
     return {
         "token": f"token_id:{token}" if as_ids else text,
