@@ -7,8 +7,9 @@ which both vLLM and SGLang load). Everything in between lives in this package an
 engine-independent; every public name is re-exported here, so ``from nrl_core.weight_sync import
 X`` is the way to use it:
 
-* **interface** (:mod:`.interface`): the per-bucket :class:`BucketHandle`, the transports by
-  name, :class:`WeightSyncError` and the :class:`RefitStats` one refit reports.
+* **interface** (:mod:`.interface`): a bucket's layout (:class:`BucketMeta`), the per-bucket
+  :class:`BucketHandle`, the transports by name, :class:`WeightSyncError` and the
+  :class:`RefitStats` one refit reports.
 * **packing** (:mod:`.packing`): a bucket ``{name: tensor}`` becomes one flat ``uint8`` buffer plus
   a :class:`BucketMeta` (name, dtype, shape, byte offset of each tensor). One buffer per bucket
   means one IPC handle, one broadcast or one shared-memory segment per bucket instead of one per
@@ -46,7 +47,9 @@ from nrl_core.weight_sync.gather import push_from_rank
 from nrl_core.weight_sync.interface import (
     TRANSPORTS,
     BucketHandle,
+    BucketMeta,
     RefitStats,
+    TensorMeta,
     Transport,
     WeightSyncError,
 )
@@ -60,8 +63,6 @@ from nrl_core.weight_sync.nccl import (
     init_nccl_group,
 )
 from nrl_core.weight_sync.packing import (
-    BucketMeta,
-    TensorMeta,
     bucket_layout,
     iter_buckets,
     pack_bucket,

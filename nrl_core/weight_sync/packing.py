@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
-from nrl_core.weight_sync.interface import BucketHandle, WeightSyncError
+from nrl_core.weight_sync.interface import BucketHandle, BucketMeta, TensorMeta, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -16,74 +14,6 @@ if TYPE_CHECKING:
 _ALIGN = 16
 """Byte alignment of every tensor inside a packed buffer, so that ``view(dtype)`` of any
 element size (up to complex128) is legal and vectorised copies stay aligned."""
-
-
-@attrs.frozen
-class TensorMeta:
-    """Where one tensor lives inside a packed bucket."""
-
-    name: str
-    dtype: str
-    """The torch dtype's name without ``torch.`` (``"bfloat16"``), so the meta pickles and
-    prints without torch."""
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset inside the flat buffer (a multiple of 16)."""
-    nbytes: int
-
-    def to_wire(self) -> dict[str, Any]:
-        """This meta as plain data (see "Wire form" below); :meth:`from_wire` reverses it."""
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-        }
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> TensorMeta:
-        """The meta that :meth:`to_wire` described (the shape may arrive as a list)."""
-        shape = tuple(int(d) for d in data["shape"])
-        return cls(
-            str(data["name"]), str(data["dtype"]), shape, int(data["offset"]), int(data["nbytes"])
-        )
-
-
-@attrs.frozen
-class BucketMeta:
-    """The layout of one packed bucket: what :func:`unpack_bucket` needs besides the bytes."""
-
-    tensors: tuple[TensorMeta, ...]
-    nbytes: int
-    """Size of the flat buffer (the padded sum of the tensors' sizes)."""
-
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.tensors]
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of tensor data, padding excluded (what "bytes moved" reports)."""
-        return sum(t.nbytes for t in self.tensors)
-
-    def to_wire(self) -> dict[str, Any]:
-        """This layout as plain data (dicts, lists, str, int), for RPC layers that carry no
-        Python objects (see "Wire form" below); :meth:`from_wire` reverses it."""
-        return {"tensors": [t.to_wire() for t in self.tensors], "nbytes": self.nbytes}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> BucketMeta:
-        """The layout that :meth:`to_wire` described, whether its lists arrive as lists or
-        tuples; anything else is a :class:`WeightSyncError` naming what was received."""
-        try:
-            tensors = tuple(TensorMeta.from_wire(t) for t in data["tensors"])
-            return cls(tensors, int(data["nbytes"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightSyncError(
-                f"a refit message carries a malformed bucket meta ({type(exc).__name__}: "
-                f"{exc}; got {type(data).__name__}); send BucketMeta.to_wire()"
-            ) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

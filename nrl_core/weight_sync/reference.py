@@ -3,8 +3,8 @@ both ends of every transport are tested."""
 
 from __future__ import annotations
 
-from nrl_core.weight_sync.interface import BucketHandle, RefitStats, WeightSyncError
-from nrl_core.weight_sync.packing import BucketMeta, iter_buckets, receive_into
+from nrl_core.weight_sync.interface import BucketHandle, BucketMeta, RefitStats, WeightSyncError
+from nrl_core.weight_sync.packing import iter_buckets, receive_into
 from nrl_core.weight_sync.sender import WeightSender
 
 

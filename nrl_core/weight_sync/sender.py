@@ -10,10 +10,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from nrl_core.weight_sync.cuda_ipc import send_ipc
-from nrl_core.weight_sync.interface import TRANSPORTS, BucketHandle, RefitStats, WeightSyncError
+from nrl_core.weight_sync.interface import (
+    TRANSPORTS,
+    BucketHandle,
+    BucketMeta,
+    RefitStats,
+    WeightSyncError,
+)
 from nrl_core.weight_sync.names import NameMap
 from nrl_core.weight_sync.nccl import send_nccl
-from nrl_core.weight_sync.packing import BucketMeta, _dtype
+from nrl_core.weight_sync.packing import _dtype
 from nrl_core.weight_sync.shm import send_shm
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from nrl_core.weight_sync.interface import Post, Wait, WeightSyncError
-from nrl_core.weight_sync.packing import BucketMeta, bucket_layout, pack_bucket
+from nrl_core.weight_sync.interface import BucketMeta, Post, Wait, WeightSyncError
+from nrl_core.weight_sync.packing import bucket_layout, pack_bucket
 
 if TYPE_CHECKING:
     import torch
