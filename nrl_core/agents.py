@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nrl_core.data import Endpoint, ModelCall, Trajectory, split_even
-from nrl_core.interfaces import ComponentContext
-from nrl_core.registry import resolve_target
+from nrl_core.hosting import ComponentActor
 
 __all__ = [
     "AGENT_ACTOR_TARGET",
@@ -39,39 +38,29 @@ BUILTIN_AGENT = "env"
 which runs in the driver on token ids and needs no endpoint."""
 
 
-class AgentActor:
-    """Hosts one agent inside a Ray actor.
+class AgentActor(ComponentActor):
+    """Hosts one agent inside a Ray actor (built as :class:`~nrl_core.hosting.ComponentActor`
+    says: ``AgentActor(target, options, context)``)."""
 
-    Args:
-        target: the agent's ``"module:attr"``, imported here, in the actor.
-        options: the agent's options object (its registered config class).
-        context: the run-wide :class:`~nrl_core.interfaces.ComponentContext`.
-    """
+    kind = "agent"
 
-    def __init__(self, target: str | object, options: Any, context: ComponentContext) -> None:
-        self.agent = resolve_target(target, what="agent")(options, context)
+    @property
+    def agent(self) -> Any:
+        """The hosted agent."""
+        return self.component
 
     def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
         if not rows:
             return []
-        out = list(self.agent.run(list(rows), endpoint))
-        if len(out) != len(rows):
-            raise ValueError(
-                f"{type(self.agent).__name__}.run returned {len(out)} trajectories "
-                f"for {len(rows)} rows"
-            )
-        for item in out:
-            if not isinstance(item, Trajectory):
-                raise TypeError(
-                    f"{type(self.agent).__name__}.run must return nrl_core.agents.Trajectory "
-                    f"objects, got {type(item).__name__}"
-                )
-        return out
-
-    def close(self) -> None:
-        close = getattr(self.agent, "close", None)
-        if callable(close):
-            close()
+        return self.checked(
+            self.agent.run(list(rows), endpoint),
+            method="run",
+            inputs=len(rows),
+            unit="rows",
+            noun="trajectories",
+            item_type=Trajectory,
+            type_name="nrl_core.agents.Trajectory",
+        )
 
 
 class AgentPool:
