@@ -43,24 +43,13 @@ class AgentActor(ComponentActor):
     says: ``AgentActor(target, options, context)``)."""
 
     kind = "agent"
-
-    @property
-    def agent(self) -> Any:
-        """The hosted agent."""
-        return self.component
+    result_type, result_name = Trajectory, "nrl_core.agents.Trajectory"
+    results_word, inputs_word = "trajectories", "rows"
 
     def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
         if not rows:
             return []
-        return self.checked(
-            self.agent.run(list(rows), endpoint),
-            method="run",
-            inputs=len(rows),
-            unit="rows",
-            noun="trajectories",
-            item_type=Trajectory,
-            type_name="nrl_core.agents.Trajectory",
-        )
+        return self.checked(self.component.run(list(rows), endpoint), "run", len(rows))
 
 
 class AgentPool:

@@ -55,6 +55,8 @@ class EnvironmentActor(ComponentActor):
     says: ``EnvironmentActor(target, options, context)``)."""
 
     kind = "environment"
+    result_type, result_name = EnvStep, "EnvStep"
+    results_word, inputs_word = "results", "samples"
 
     @property
     def env(self) -> Any:
@@ -89,15 +91,7 @@ class EnvironmentActor(ComponentActor):
         return results
 
     def _checked_step(self, conversations, metadata) -> list[EnvStep]:
-        return self.checked(
-            self.env.step(conversations, metadata),
-            method="step",
-            inputs=len(conversations),
-            unit="samples",
-            noun="results",
-            item_type=EnvStep,
-            type_name="EnvStep",
-        )
+        return self.checked(self.env.step(conversations, metadata), "step", len(conversations))
 
     def metrics(self, batch: dict[str, Any]) -> dict[str, float]:
         """The environment's own metrics of a finished batch ({} when it defines none)."""
