@@ -12,7 +12,6 @@ from nrl_core.weight_sync.nccl import NcclBroadcastHandle
 from nrl_core.weight_sync.packing import _dtype, _dtype_name
 from nrl_core.weight_sync.shm import SharedMemoryHandle
 
-#
 # Ray pickles the refit messages (meta + handle) as they are, but an engine's own RPC layer may
 # carry plain data only. vLLM 0.32 msgpack-encodes ``collective_rpc`` arguments whenever its
 # engine core runs in another process (the default, VLLM_ENABLE_V1_MULTIPROCESSING=1):
