@@ -812,7 +812,7 @@ class RefitEndpoint:
 
     With :meth:`use_wire_form` on, the receiver first sends each message through msgpack in
     nrl's wire form (``BucketMeta.to_wire`` / ``handle_to_wire``), as an engine behind a
-    plain-data RPC layer receives it (vLLM's engine core; see nrl_core/weight_sync.py), and
+    plain-data RPC layer receives it (vLLM's engine core; see nrl_core/weight_sync/wire.py), and
     opens the rebuilt handle: on a GPU, CUDA IPC handles that crossed msgpack."""
 
     def __init__(self, model_path: str, device: str, dtype: str, load: bool) -> None:

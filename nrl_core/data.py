@@ -1,4 +1,5 @@
-"""The data that crosses process boundaries: token-id batches, messages, samples.
+"""The data that crosses process boundaries: token-id batches, messages, samples, and what an
+agent returns (its model calls and trajectory) with the endpoint it is given.
 
 Only token ids, masks, logprobs and scalars travel between the driver and the workers; text
 exists only at the environment boundary.
@@ -199,3 +200,60 @@ def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
         chunks.append(list(items[start:end]))
         start = end
     return chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# What an agent gets and returns (nrl_core.agents runs agents; the types sit here, below the
+# interfaces that name them)
+
+
+@attrs.frozen
+class Endpoint:
+    """Where an agent reaches the policy."""
+
+    base_url: str
+    """The OpenAI base URL, ending in ``/v1`` (e.g. ``http://127.0.0.1:8000/v1``)."""
+    model: str
+    """The model id to send (``GET /v1/models`` lists it)."""
+    api_key: str | None = None
+    """The bearer token the endpoint expects, or None when it expects none."""
+
+    @property
+    def root_url(self) -> str:
+        """The server's root (``base_url`` without ``/v1``), where ``/tokenize`` and
+        ``/inference/v1/generate`` live."""
+        return self.base_url.removesuffix("/").removesuffix("/v1")
+
+
+@attrs.frozen
+class ModelCall:
+    """One call of the policy, with the exact ids it saw and produced."""
+
+    prompt_token_ids: list[int]
+    """Every id the model was conditioned on, in order."""
+    generation_token_ids: list[int]
+    """The ids it generated (the stop token included when hit)."""
+    generation_log_probs: list[float]
+    """The logprob of each generated id under the sampling policy (same length)."""
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.generation_token_ids) != len(self.generation_log_probs):
+            raise ValueError(
+                f"a model call has {len(self.generation_token_ids)} generated ids but "
+                f"{len(self.generation_log_probs)} logprobs; they must pair up"
+            )
+
+
+@attrs.frozen
+class Trajectory:
+    """What an agent made of one row."""
+
+    calls: list[ModelCall]
+    """The model calls in the order they were made (empty when the row failed before any)."""
+    reward: float = 0.0
+    """The verifier's reward for the finished conversation."""
+    failure_reason: str | None = None
+    """Why the row failed (the agent's or a server's error), or None. A failed row is masked
+    out of the loss and counted in ``train/agent_failures``."""
+    finish_reason: str = "stop"
+    """How the LAST call ended: ``"stop"`` or ``"length"`` (for overlong filtering)."""

@@ -23,8 +23,8 @@ import attrs
 from nrl_core.data import split_even
 from nrl_core.distributed.errors import WorkerTimeoutError
 from nrl_core.errors import NrlError
-from nrl_core.interfaces import ComponentContext, EnvStep
-from nrl_core.registry import resolve_target
+from nrl_core.hosting import ComponentActor
+from nrl_core.interfaces import EnvStep
 
 ENV_ACTOR_TARGET = "nrl_core.environments:EnvironmentActor"
 STEP_TIMEOUT_KEY = "env.step_timeout_s"
@@ -50,17 +50,18 @@ def total_reward(reward: float | dict[str, float]) -> float:
     return float(reward)
 
 
-class EnvironmentActor:
-    """Hosts one environment inside a Ray actor.
+class EnvironmentActor(ComponentActor):
+    """Hosts one environment inside a Ray actor (built as :class:`~nrl_core.hosting.ComponentActor`
+    says: ``EnvironmentActor(target, options, context)``)."""
 
-    Args:
-        target: the environment's ``"module:attr"``, imported here, in the actor.
-        options: the environment's options object (its registered config class).
-        context: the run-wide :class:`~nrl_core.interfaces.ComponentContext`.
-    """
+    kind = "environment"
+    result_type, result_name = EnvStep, "EnvStep"
+    results_word, inputs_word = "results", "samples"
 
-    def __init__(self, target: str | object, options: Any, context: ComponentContext) -> None:
-        self.env = resolve_target(target, what="environment")(options, context)
+    @property
+    def env(self) -> Any:
+        """The hosted environment."""
+        return self.component
 
     def step(self, batch: tuple[Sequence[Sequence[dict]], Sequence[dict]]) -> list[StepResult]:
         """Step every sample of ``(conversations, metadata)``; never raises for a sample."""
@@ -90,19 +91,7 @@ class EnvironmentActor:
         return results
 
     def _checked_step(self, conversations, metadata) -> list[EnvStep]:
-        steps = list(self.env.step(conversations, metadata))
-        if len(steps) != len(conversations):
-            raise ValueError(
-                f"{type(self.env).__name__}.step returned {len(steps)} results "
-                f"for {len(conversations)} samples"
-            )
-        for step in steps:
-            if not isinstance(step, EnvStep):
-                raise TypeError(
-                    f"{type(self.env).__name__}.step must return EnvStep objects, "
-                    f"got {type(step).__name__}"
-                )
-        return steps
+        return self.checked(self.env.step(conversations, metadata), "step", len(conversations))
 
     def metrics(self, batch: dict[str, Any]) -> dict[str, float]:
         """The environment's own metrics of a finished batch ({} when it defines none)."""

@@ -19,8 +19,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from nrl_core.agents import Endpoint, Trajectory
-    from nrl_core.data import Batch, Message, Sample
+    from nrl_core.data import Batch, Endpoint, Message, Sample, Trajectory
     from nrl_core.weight_sync import BucketHandle, BucketMeta
 
 
@@ -300,7 +299,7 @@ class Agent(Protocol):
     """
 
     def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
-        """One :class:`~nrl_core.agents.Trajectory` per row, in the order of ``rows``.
+        """One :class:`~nrl_core.data.Trajectory` per row, in the order of ``rows``.
 
         A row is the sample's ``metadata`` (for a JSONL dataset: the row's own fields) plus
         ``messages`` (the prompt), ``answer`` and ``task``."""

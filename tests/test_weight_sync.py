@@ -244,8 +244,8 @@ def test_cuda_ipc_handles_come_only_from_policy_ranks_that_feed_an_engine(coloca
 
     import torch.multiprocessing.reductions as reductions
 
-    from nrl_core import weight_sync
     from nrl_core.generation import GenerationEngines
+    from nrl_core.weight_sync import cuda_ipc
 
     shared, packed, received = [], [], []
 
@@ -261,7 +261,7 @@ def test_cuda_ipc_handles_come_only_from_policy_ranks_that_feed_an_engine(coloca
                 received.append((method, args))
                 return None
 
-    monkeypatch.setattr(weight_sync, "pack_bucket", fake_pack)
+    monkeypatch.setattr(cuda_ipc, "pack_bucket", fake_pack)
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: shared.append(t) or (None, "args"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(uuid="g"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)

@@ -26,30 +26,37 @@ import json
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from nrl_core.serving.errors import GenerationFailed, RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
 from nrl_core.serving.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
-    from nrl_core.serving.server import PolicyServer
+    from nrl_core.interfaces import SamplingParams
+    from nrl_core.serving.batcher import RequestBatcher
+    from nrl_core.serving.prompts import PromptBuilder
 
 
-class RequestError(ValueError):
-    """Bad request content (HTTP 400, or ``status``)."""
+class ServedPolicy(Protocol):
+    """What the routes read of the server they serve (a
+    :class:`~nrl_core.serving.server.PolicyServer`, which builds the app: not imported here)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class GenerationFailed(RuntimeError):
-    """The backend raised while generating a request (HTTP 500 naming the error)."""
-
-    status = 500
+    api_key: str | None
+    config: Any
+    """The server section of the run config (body-size limit, read timeout, API key)."""
+    model_id: str
+    max_model_len: int
+    tokenizer: Any
+    prompts: PromptBuilder
+    tool_parser: Any
+    batcher: RequestBatcher
+    sampling_for: Callable[..., SamplingParams]
+    """A request's sampling, from its keywords (see ``PolicyServer.sampling_for``)."""
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -68,10 +75,8 @@ def _answer(exc: Exception) -> JSONResponse:
     return _error(status, str(exc), "server_error" if status >= 500 else "invalid_request_error")
 
 
-def create_app(server: PolicyServer) -> FastAPI:
+def create_app(server: ServedPolicy) -> FastAPI:
     """The FastAPI app serving ``server``'s backend."""
-    from nrl_core.serving.server import SamplingError
-
     app = FastAPI(title="nrl policy endpoint", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -264,7 +269,7 @@ def _tool_for_template(tool: Any) -> dict[str, Any]:
     raise RequestError("each of `tools` needs `function.name` (or `name`)")
 
 
-def _budget(server: PolicyServer, body: dict[str, Any], prompt: list[int]) -> int:
+def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int]) -> int:
     """``max_tokens`` (or ``max_completion_tokens``) clamped to what the context has left."""
     left = server.max_model_len - len(prompt)
     if left <= 0:
@@ -336,7 +341,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def vocab_size(server: PolicyServer) -> int:
+def vocab_size(server: ServedPolicy) -> int:
     """One past the largest token id a request may name (the tokenizer's vocabulary)."""
     return len(server.tokenizer)
 
@@ -432,7 +437,7 @@ def check_messages(messages: Any, max_model_len: int) -> None:
     check_text_length(total, "`messages`", max_model_len)
 
 
-def _logprob_entry(server: PolicyServer, token: int, logprob: float, as_ids: bool):
+def _logprob_entry(server: ServedPolicy, token: int, logprob: float, as_ids: bool):
     text = server.tokenizer.decode([token])
     return {
         "token": f"token_id:{token}" if as_ids else text,

@@ -18,12 +18,9 @@ import attrs
 
 from nrl_core.interfaces import SamplingParams
 from nrl_core.serving.batcher import Generate, RequestBatcher
+from nrl_core.serving.errors import SamplingError
 from nrl_core.serving.prompts import PromptBuilder
 from nrl_core.serving.tool_calls import parser_for
-
-
-class SamplingError(ValueError):
-    """A request asking for sampling settings the server will not use (HTTP 400)."""
 
 
 class PolicyServer:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import make_batch
 from nrl_dtensor.config import DTensorConfig
 from test_dtensor import group_policy, local_policy, make_config
 
 from nrl_core.losses.distillation import DistillationLoss, DistillationLossConfig
+from nrl_core.testing.batches import make_batch
 
 pytestmark = pytest.mark.slow
 

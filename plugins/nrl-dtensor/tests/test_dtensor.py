@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import TokenMeanNLL, make_batch, stats_for
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 from nrl_dtensor.generation import TorchGenerator
 
@@ -18,6 +17,7 @@ from nrl_core.data import Batch, pad_sequences
 from nrl_core.distributed.worker_group import InProcessGroup
 from nrl_core.interfaces import ComponentContext, SamplingParams
 from nrl_core.policy import Policy
+from nrl_core.testing.batches import TokenMeanNLL, make_batch, stats_for
 
 # Every test here starts 2-rank Ray worker groups: `slow` lets CI's `plugin-dtensor` session
 # (which runs after the dev-env suite already ran these) keep to the quick checks.

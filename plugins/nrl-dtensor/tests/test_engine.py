@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import TokenMeanNLL, make_batch
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 from test_dtensor import WORKER, context, full_params, make_config
 
@@ -13,6 +12,7 @@ from nrl_core.generation import start_generation_engines
 from nrl_core.interfaces import SamplingParams
 from nrl_core.policy import Policy
 from nrl_core.registry import ComponentSpec
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
 
 PROMPTS = [[1, 5, 20, 21, 22], [1, 5, 30], [1, 5, 31, 32, 33, 34, 35], [1, 7, 8]]
 

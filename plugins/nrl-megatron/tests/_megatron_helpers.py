@@ -1,4 +1,6 @@
-"""Test-only loss and batch builders (importable by the spawned ranks)."""
+"""Megatron-only test helpers (importable by the spawned ranks): probes, converters' checks,
+the optimizer stand-in; the loss, batches and rank pool shared with other policy plugins are in
+:mod:`nrl_core.testing`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import pytest
 import torch
 
 from nrl_core.data import Batch, pad_sequences
-from nrl_core.interfaces import GlobalBatchStats
 
 
 def _have_megatron() -> bool:
@@ -21,55 +22,6 @@ def _have_megatron() -> bool:
 HAVE_MEGATRON = _have_megatron()
 NO_MEGATRON = "megatron-core not installed (run nox -s plugin-megatron)"
 requires_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason=NO_MEGATRON)
-
-
-class TokenMeanNLL:
-    """Token-mean negative log-likelihood over ``loss_mask``, normalised by the GLOBAL token
-    count (the core's loss contract)."""
-
-    needs_reference = False
-    needs_prev_logprobs = False
-
-    def __call__(self, logprobs, batch, stats: GlobalBatchStats):
-        mask = batch["loss_mask"] * batch["sample_mask"][:, None]
-        nll = -(logprobs * mask).sum()
-        # Like every real loss, it reports its own value as `loss` too.
-        return nll / stats.valid_tokens, {
-            "loss": float(nll.detach()) / stats.valid_tokens,
-            "nll_sum": float(nll.detach()),
-            "tokens": float(mask.sum()),
-        }
-
-
-def make_batch(
-    num: int, seed: int = 0, vocab: int = 100, min_len: int = 6, max_len: int = 24
-) -> Batch:
-    """Random sequences of varying lengths with the first 3 tokens as "prompt" (right padded)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num,), generator=g)
-    seqs = [torch.randint(7, vocab, (int(n),), generator=g).tolist() for n in lengths]
-    ids = pad_sequences(seqs, pad_value=0)
-    width = ids.shape[1]
-    pos = torch.arange(width)[None, :]
-    loss_mask = ((pos >= 3) & (pos < lengths[:, None])).float()
-    return Batch(
-        {
-            "input_ids": ids,
-            "lengths": lengths,
-            "loss_mask": loss_mask,
-            "sample_mask": torch.ones(num),
-        }
-    )
-
-
-def stats_for(batch: Batch, max_len: int = 512) -> GlobalBatchStats:
-    """The global normalisers of ``batch``."""
-    mask = batch["loss_mask"] * batch["sample_mask"][:, None]
-    return GlobalBatchStats(
-        valid_tokens=float(mask.sum()),
-        valid_sequences=float((mask.sum(1) > 0).sum()),
-        max_sequence_length=max_len,
-    )
 
 
 class ForwardProbe:

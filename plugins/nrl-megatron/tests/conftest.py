@@ -17,7 +17,7 @@ import pytest
 # by the spawned ranks (which inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _megatron_group import SpawnPool
+from nrl_core.testing.ranks import SpawnPool
 
 
 def pytest_configure(config):
@@ -47,7 +47,7 @@ def tiny_qwen2_path(cache_dir):
 
 def _pool(size: int):
     assert "WORLD_SIZE" not in os.environ
-    spawned = SpawnPool(size)
+    spawned = SpawnPool(size, preload=("transformers", "megatron.core"))
     return spawned
 
 

@@ -8,7 +8,9 @@ import importlib.util
 
 import pytest
 import torch
-from _megatron_helpers import HAVE_MEGATRON, NO_MEGATRON, TokenMeanNLL, make_batch
+from _megatron_helpers import HAVE_MEGATRON, NO_MEGATRON
+
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
 
 if not HAVE_MEGATRON:
     pytest.skip(NO_MEGATRON, allow_module_level=True)

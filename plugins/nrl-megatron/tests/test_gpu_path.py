@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import TokenMeanNLL, build_with_gpu_config, make_batch, requires_megatron
+from _megatron_helpers import build_with_gpu_config, requires_megatron
 
 from nrl_core.policy import Policy
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
 
 TESTS = Path(__file__).resolve().parent
 WORKER = "nrl_megatron.worker:MegatronPolicyWorker"

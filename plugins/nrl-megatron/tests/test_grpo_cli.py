@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import make_batch, requires_megatron
+from _megatron_helpers import requires_megatron
 from test_megatron import WORKER, context, make_config, megatron_options
 
 from nrl_core.policy import Policy
+from nrl_core.testing.batches import make_batch
 
 pytestmark = [
     requires_megatron,

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import TokenMeanNLL, make_batch, requires_megatron
+from _megatron_helpers import requires_megatron
 from safetensors.torch import load_file
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
 from nrl_core.distributed.worker_group import InProcessGroup
 from nrl_core.interfaces import ComponentContext
 from nrl_core.policy import Policy
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
 
 pytestmark = requires_megatron
 

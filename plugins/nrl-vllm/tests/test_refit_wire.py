@@ -178,7 +178,7 @@ def _hf_model(path, seed: int | None = None) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def shm_bucket(tensors: dict[str, torch.Tensor]):
-    """A bucket packed into a fresh shared-memory segment, as ``WeightSender._send_shm`` does;
+    """A bucket packed into a fresh shared-memory segment, as ``nrl_core.weight_sync.shm.send_shm`` does;
     yields its meta and handle and unlinks the segment afterwards."""
     meta = bucket_layout(tensors)
     shm = shared_memory.SharedMemory(create=True, size=max(1, meta.nbytes))

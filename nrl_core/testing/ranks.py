@@ -1,11 +1,15 @@
-"""A tiny stand-in for ``nrl_core.distributed.worker_group.WorkerGroup`` used by these tests.
+"""A pool of spawned ranks for policy-plugin tests: N processes forming one ``torch.distributed``
+world, with the calling API of the core's ``WorkerGroup``.
 
 ``SpawnPool`` starts N ``torch.multiprocessing`` (spawn) processes once, with the environment
 of a torch.distributed job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), and
 ``SpawnPool.start(target=..., num_workers=N, args=(options, context), name=...)`` builds one
-instance per process with the same API as the core's WorkerGroup: ``run_all``,
-``run_sharded``, ``shutdown``. Processes are reused across groups because importing torch and
-transformers costs ~15 s per process on the CI machine.
+instance per process with the same API as
+:class:`~nrl_core.distributed.worker_group.WorkerGroup`: ``run_all``, ``run_sharded``,
+``shutdown``. Processes are reused across groups because importing torch and transformers costs
+~15 s per process on the CI machine. For plugins whose models need ``torch.distributed`` in
+every process that builds one (Megatron-Core); the targets are imported in the spawned ranks,
+which inherit the parent's ``sys.path``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ import inspect
 import os
 import socket
 import traceback
-
-import torch.multiprocessing as mp
+from collections.abc import Sequence
 
 CALL_TIMEOUT_S = 180
 
@@ -29,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world_size: int, port: int, conn) -> None:
+def _serve(rank: int, world_size: int, port: int, conn, preload: Sequence[str] = ()) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -37,10 +40,9 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    import transformers  # noqa: F401  (pay the import while the parent does other work)
-
-    with contextlib.suppress(ImportError):  # megatron-core is optional in the dev env
-        import megatron.core  # noqa: F401
+    for module in preload:  # pay the imports while the parent does other work
+        with contextlib.suppress(ImportError):  # an optional package (megatron-core) may be missing
+            importlib.import_module(module)
 
     instances: dict[str, object] = {}
     while True:
@@ -73,14 +75,20 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
 class SpawnPool:
     """N spawned processes forming one torch.distributed world (see the module docstring)."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, preload: Sequence[str] = ("transformers",)) -> None:
+        """Start ``num_workers`` ranks; each imports the modules of ``preload`` first (those
+        it cannot find are left out: an optional backend may be missing)."""
+        import torch.multiprocessing as mp
+
         ctx = mp.get_context("spawn")
         port = free_port()
         self.num_workers = num_workers
         self.conns, self.procs = [], []
         for rank in range(num_workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, num_workers, port, child), daemon=True)
+            proc = ctx.Process(
+                target=_serve, args=(rank, num_workers, port, child, tuple(preload)), daemon=True
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
