@@ -302,9 +302,10 @@ class PolicyConfig(ComponentSection):
             "ids, per-sample boundaries) for training and logprob passes: `auto` packs where "
             "the policy backend supports it (dtensor), `true` requires it, `false` computes on "
             "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else "
-            "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length."
+            "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length. See "
+            "docs/configuration.md, sequence packing, for when to turn it off."
         ),
-        validator=one_of("auto", True, False),
+        validator=Valid("`auto`, `true` or `false`", lambda v: v == "auto" or isinstance(v, bool)),
     )
     logprob_batch_size: int = option(
         8, "Samples per forward when computing logprobs.", validator=ge(1)
