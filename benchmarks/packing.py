@@ -4,7 +4,7 @@
 
 For each model (the bundled tiny one and a ~50M-parameter Llama built the same way) and each
 batch (``long_tailed``: GRPO-like, lengths log-normal with a ~10x spread between the 5th and
-95th percentile; ``equal``: every sample the same length, nothing to save), two dtensor policies
+95th percentile; ``equal``: as many tokens, every sample the same length, nothing to save), two dtensor policies
 over the same weights (``policy.sequence_packing`` true and false, everything else the default:
 ``train_micro_batch_size=4``, ``logprob_batch_size=8``) each run a training step
 (``Policy.train``: forward, backward, AdamW step) and a logprob pass (``Policy.get_logprobs``).
@@ -37,12 +37,14 @@ MODELS = {
 
 def lengths_for(kind: str, samples: int, longest: int, seed: int) -> list[int]:
     """Sample lengths: log-normal (median ``longest / 8``, sigma 0.7: the 5th-95th percentile
-    spread is e^(2 x 1.645 x 0.7) ~ 10x) cut to [8, longest], or all ``longest / 2``."""
-    if kind == "equal":
-        return [longest // 2] * samples
+    spread is e^(2 x 1.645 x 0.7) ~ 10x) cut to [8, longest]; ``equal``: as many tokens, every
+    sample the mean length."""
     g = torch.Generator().manual_seed(seed)
     raw = torch.exp(torch.randn(samples, generator=g) * 0.7) * (longest / 8)
-    return [int(x) for x in raw.clamp(8, longest).round()]
+    lengths = [int(x) for x in raw.clamp(8, longest).round()]
+    if kind == "equal":
+        return [round(sum(lengths) / samples)] * samples
+    return lengths
 
 
 def make_batch(lengths: list[int], seed: int):

@@ -9,6 +9,8 @@ different order on a packed row than on a padded one).
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 import torch
@@ -253,3 +255,54 @@ def test_two_ranks_packed_match_one_rank_padded(tiny_path, start_group, loss_nam
         flat = torch.cat([rank_grads[n].flatten() for n in e_grads])
         assert float((flat - e_flat).norm() / e_flat.norm()) <= RTOL
     torch.testing.assert_close(policy.get_logprobs(batch), e_after, rtol=RTOL, atol=1e-6)
+
+
+def _attention_inputs(device, dtype, lengths=(5, 1, 17, 9)):
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 16, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, 2, total, 16, generator=g).to(device, dtype) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu.to(device)
+
+
+def _per_sample_reference(q, k, v, cu):
+    """Causal attention of each sample alone, in float32: ``[1, total, heads, dim]``."""
+    out = []
+    bounds = cu.tolist()
+    for start, end in itertools.pairwise(bounds):
+        qs, ks, vs = (t[:, :, start:end].float() for t in (q, k, v))
+        ks, vs = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (ks, vs))
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
+                1, 2
+            )
+        )
+    return torch.cat(out, dim=1)
+
+
+def test_packed_attention_on_cpu_is_per_sample_causal_attention():
+    from types import SimpleNamespace
+
+    from nrl_dtensor.packing import packed_attention
+
+    q, k, v, cu = _attention_inputs("cpu", torch.float32)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    out, _ = packed_attention(module, q, k, v, cu, scaling=16**-0.5)
+    torch.testing.assert_close(out, _per_sample_reference(q, k, v, cu), rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="sequence_packing=false"):
+        packed_attention(module, q, k, v, cu, sliding_window=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the varlen kernel path")
+def test_packed_attention_on_gpu_runs_one_varlen_kernel():
+    from types import SimpleNamespace
+
+    from nrl_dtensor.packing import packed_attention
+
+    q, k, v, cu = _attention_inputs("cuda", torch.bfloat16)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    out, _ = packed_attention(module, q, k, v, cu, scaling=16**-0.5)
+    expected = _per_sample_reference(q, k, v, cu)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
