@@ -8,8 +8,8 @@ batch (``long_tailed``: GRPO-like, lengths log-normal with a ~10x spread between
 over the same weights (``policy.sequence_packing`` true and false, everything else the default:
 ``train_micro_batch_size=4``, ``logprob_batch_size=8``) each run a training step
 (``Policy.train``: forward, backward, AdamW step) and a logprob pass (``Policy.get_logprobs``).
-Packed and padded take turns, ``--rounds`` times after one warm-up round; the figures are
-medians. Each line is ``model=… batch=… pass=… padded_s=… packed_s=… ratio=…``; the last is
+Packed and padded take turns (swapping who goes first), ``--rounds`` times after a warm-up
+step on two samples; the figures are medians. Each line is ``model=… batch=… pass=… padded_s=… packed_s=… ratio=…``; the last is
 ``packed_over_unpacked=<float>``: packed over padded time, training step + logprob pass, summed
 over the models, on the long-tailed batch (target <= 0.6; on the equal batch <= 1.05, printed as
 ``equal_packed_over_unpacked``).
@@ -27,10 +27,10 @@ import torch
 MODELS = {
     # The default tiny model of the tests; 32 samples of up to 512 tokens.
     "tiny": ({}, 32, 512),
-    # ~50M parameters: 12 layers of hidden 512 (GQA 8/4 heads, MLP 2048), 3.9M each; 16 samples
-    # of up to 256 tokens keep a padded step under a minute on 2 shared CPU cores.
+    # ~50M parameters: 12 layers of hidden 512 (GQA 8/4 heads, MLP 2048), 3.9M each; 12 samples
+    # of up to 192 tokens keep a padded step within minutes on 2 heavily shared CPU cores.
     "50m": ({"hidden_size": 512, "num_layers": 12, "num_heads": 8, "num_kv_heads": 4,
-             "intermediate_size": 2048, "max_position_embeddings": 4096}, 16, 256),
+             "intermediate_size": 2048, "max_position_embeddings": 4096}, 12, 192),
 }  # fmt: skip
 """name -> (tiny-model builder arguments, samples per batch, longest sample in tokens)."""
 
@@ -104,17 +104,20 @@ def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, tup
     policies = {packing: make_policy(model_path, packing, longest) for packing in (False, True)}
     assert policies[True].packing and not policies[False].packing
     loss = ClippedPGLoss()
+    for policy in policies.values():  # warm-up: first-call costs (allocator, thread pools)
+        policy.train(batch.slice(0, 2), loss)
     times: dict[str, dict[bool, list[float]]] = {"train": {}, "logprobs": {}}
-    for round_ in range(rounds + 1):  # round 0 warms up
+    for round_ in range(rounds):
         # Taking turns, and swapping who goes first, spreads the machine's load over both.
         order = (False, True) if round_ % 2 else (True, False)
         for packing in order:
             policy = policies[packing]
-            train_s = timed(lambda p=policy: p.train(batch, loss))
-            logprob_s = timed(lambda p=policy: p.get_logprobs(batch))
-            if round_:
-                times["train"].setdefault(packing, []).append(train_s)
-                times["logprobs"].setdefault(packing, []).append(logprob_s)
+            times["train"].setdefault(packing, []).append(
+                timed(lambda p=policy: p.train(batch, loss))
+            )
+            times["logprobs"].setdefault(packing, []).append(
+                timed(lambda p=policy: p.get_logprobs(batch))
+            )
     return {
         name: (statistics.median(by[False]), statistics.median(by[True]))
         for name, by in times.items()

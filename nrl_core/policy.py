@@ -23,6 +23,7 @@ from nrl_core.training import (
     logprobs_on_rank,
     pack_micro_batches,
     reduce_metrics,
+    rows_per_sample,
     split_micro_batches,
     topk_on_rank,
     train_on_rank,
@@ -249,7 +250,7 @@ class Policy:
                 budget = self.micro_batch_token_budget or (
                     self.train_micro_batch_size * self.max_sequence_length
                 )
-                group = int(getattr(loss_fn, "rows_per_sample", 1) or 1)
+                group = rows_per_sample(loss_fn)
                 plans = [
                     pack_micro_batches(shard, token_budget=budget, rows_per_sample=group)[0]
                     for shard in shards

@@ -197,12 +197,13 @@ def valid_token_mask(batch: Batch, width: int) -> torch.Tensor:
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def _filler(micro_batches: Sequence[Batch]) -> Batch:
-    """A one-sample micro batch for a rank that has run out: it runs the same collectives and
-    contributes nothing (its loss is multiplied by 0)."""
+def _filler(micro_batches: Sequence[Batch], rows: int = 1) -> Batch:
+    """A one-sample micro batch (``rows`` rows: a preference pair is two) for a rank that has
+    run out: it runs the same collectives and contributes nothing (its loss is multiplied by
+    0)."""
     if not micro_batches:
         raise ValueError("a rank received an empty shard; the driver pads shards to >= 1 sample")
-    return micro_batches[0].slice(0, 1)
+    return micro_batches[0].slice(0, rows)
 
 
 def _packed(micro_batch: Batch, packed: bool) -> PackedSequences | None:
@@ -229,7 +230,9 @@ def train_on_rank(
     results: list[dict[str, float]] = []
     for index in range(num_micro_batches):
         real = index < len(micro_batches)
-        micro_batch = (micro_batches[index] if real else _filler(micro_batches)).trimmed()
+        # Packed bins differ in number between ranks more often than count micro batches do.
+        filler = None if real else _filler(micro_batches, rows_per_sample(loss_fn))
+        micro_batch = (micro_batches[index] if real else filler).trimmed()
         record: dict[str, float] = {}
         packed_batch = _packed(micro_batch, packed)
         worker.forward_backward(
@@ -297,6 +300,12 @@ def _loss_closure(
     ids = None if ids_key is None else micro_batch[ids_key]
     loss_of.logprobs_at_ids = ids if ids is None or packed is None else packed.pack(ids)
     return loss_of
+
+
+def rows_per_sample(loss_fn: Any) -> int:
+    """Batch rows per sample of ``loss_fn`` (its optional ``rows_per_sample``: 2 for
+    (chosen, rejected) pairs), which one micro batch must hold together."""
+    return int(getattr(loss_fn, "rows_per_sample", 1) or 1)
 
 
 def logprobs_at_key(loss_fn: Any) -> str | None:

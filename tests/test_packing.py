@@ -119,3 +119,41 @@ def test_packing_mode_names():
     assert [packing_mode(v) for v in ("auto", True, False)] == ["auto", "true", "false"]
     with pytest.raises(ValueError, match="auto, true, false"):
         packing_mode("yes")
+
+
+class _PairLoss:
+    """Refuses micro batches that split a (chosen, rejected) pair, as DPO does."""
+
+    needs_reference = needs_prev_logprobs = False
+    rows_per_sample = 2
+
+    def __call__(self, logprobs, batch, stats):
+        if logprobs.shape[0] % 2:
+            raise ValueError(f"a micro batch of {logprobs.shape[0]} rows splits a pair")
+        return logprobs.sum(), {}
+
+
+class _TrainWorker:
+    supports_sequence_packing = True
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def forward_backward(self, micro_batch, loss):
+        self.rows.append(micro_batch.rows)
+        loss(torch.zeros(1, micro_batch.total))
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+def test_a_rank_out_of_bins_runs_a_whole_pair_as_filler():
+    """Ranks may plan different numbers of bins; the filler pass of the one with fewer must
+    hold a whole pair (found by the 2-rank DPO test)."""
+    from nrl_core.interfaces import GlobalBatchStats
+    from nrl_core.training import train_on_rank
+
+    worker = _TrainWorker()
+    stats = GlobalBatchStats(valid_tokens=1, valid_sequences=2, max_sequence_length=4)
+    result = train_on_rank(worker, [_batch([3, 4])], 2, _PairLoss(), stats, 1.0, True)
+    assert worker.rows == [2, 2] and len(result.micro_batch_metrics) == 1
