@@ -4,15 +4,19 @@
 
 For each model (the bundled tiny one and a ~50M-parameter Llama built the same way) and each
 batch (``long_tailed``: GRPO-like, lengths log-normal with a ~10x spread between the 5th and
-95th percentile; ``equal``: as many tokens, every sample the same length, nothing to save), two dtensor policies
-over the same weights (``policy.sequence_packing`` true and false, everything else the default:
+95th percentile; ``equal``: as many tokens, every sample the same length, nothing to save),
+three dtensor policies over the same weights (everything else the default:
 ``train_micro_batch_size=4``, ``logprob_batch_size=8``) each run a training step
-(``Policy.train``: forward, backward, AdamW step) and a logprob pass (``Policy.get_logprobs``).
-Packed and padded take turns (swapping who goes first), ``--rounds`` times after a warm-up
-step on two samples; the figures are medians. Each line is ``model=… batch=… pass=… padded_s=… packed_s=… ratio=…``; the last is
+(``Policy.train``: forward, backward, AdamW step) and a logprob pass (``Policy.get_logprobs``):
+``packed`` (``policy.sequence_packing=true``), ``padded`` (``false``), and ``budget``: padded
+training micro batches grouped longest first up to the packed bins' token budget
+(``micro_batch_token_budget``, the fallback without packing, as many tokens per pass; its
+logprob pass is the padded one). They take turns (rotating who goes first), ``--rounds`` times
+after a warm-up step on two samples; the figures are medians. Each line is ``model=… batch=…
+pass=… padded_s=… padded_budget_s=… packed_s=… ratio=… ratio_to_budget=…``; the last is
 ``packed_over_unpacked=<float>``: packed over padded time, training step + logprob pass, summed
-over the models, on the long-tailed batch (target <= 0.6; on the equal batch <= 1.05, printed as
-``equal_packed_over_unpacked``).
+over the models, on the long-tailed batch (target <= 0.6; on the equal batch <= 1.05, printed
+before it as ``equal_packed_over_unpacked``).
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ import statistics
 import time
 from pathlib import Path
 
+import attrs
 import torch
+
+VARIANTS = ("padded", "budget", "packed")
 
 MODELS = {
     # The default tiny model of the tests; 32 samples of up to 512 tokens.
     "tiny": ({}, 32, 512),
-    # ~50M parameters: 12 layers of hidden 512 (GQA 8/4 heads, MLP 2048), 3.9M each; 12 samples
-    # of up to 192 tokens keep a padded step within minutes on 2 heavily shared CPU cores.
+    # ~50M parameters: 12 layers of hidden 512 (GQA 8/4 heads, MLP 2048), 3.9M each; 16 samples
+    # of up to 256 tokens (10-104 drawn) keep a padded step within minutes on 2 shared cores.
     "50m": ({"hidden_size": 512, "num_layers": 12, "num_heads": 8, "num_kv_heads": 4,
-             "intermediate_size": 2048, "max_position_embeddings": 4096}, 12, 192),
+             "intermediate_size": 2048, "max_position_embeddings": 4096}, 16, 256),
 }  # fmt: skip
 """name -> (tiny-model builder arguments, samples per batch, longest sample in tokens)."""
 
@@ -70,7 +77,10 @@ def make_batch(lengths: list[int], seed: int):
     )
 
 
-def make_policy(model_path: Path, packing: bool, longest: int):
+def make_policy(model_path: Path, variant: str, longest: int):
+    """``packed``; ``padded``: the default padded micro batches (4 samples each); ``budget``:
+    padded micro batches grouped longest first up to the packed bins' token budget (the
+    fallback of a backend without packing, with the same tokens per pass)."""
     from nrl_dtensor.config import DTensorConfig
     from nrl_dtensor.worker import DTensorPolicyWorker
 
@@ -83,8 +93,11 @@ def make_policy(model_path: Path, packing: bool, longest: int):
         model_name=str(model_path),
         train_global_batch_size=1024,
         max_total_sequence_length=longest,
-        sequence_packing=packing,
+        sequence_packing=variant == "packed",
     )
+    if variant == "budget":
+        budget = policy.train_micro_batch_size * longest  # the packed bins' default
+        policy = attrs.evolve(policy, micro_batch_token_budget=budget)
     config = GRPOConfig(seed=0, policy=policy)
     context = ComponentContext(config=config, rank=0, world_size=1, seed=0)
     worker = DTensorPolicyWorker(DTensorConfig(), context)
@@ -97,30 +110,29 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, tuple[float, float]]:
-    """Median seconds ``(padded, packed)`` of a training step and of a logprob pass."""
+def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, dict[str, float]]:
+    """Median seconds of a training step and of a logprob pass, by variant."""
     from nrl_core.losses.clipped_pg import ClippedPGLoss
 
-    policies = {packing: make_policy(model_path, packing, longest) for packing in (False, True)}
-    assert policies[True].packing and not policies[False].packing
+    policies = {v: make_policy(model_path, v, longest) for v in VARIANTS}
+    assert policies["packed"].packing and not policies["padded"].packing
     loss = ClippedPGLoss()
     for policy in policies.values():  # warm-up: first-call costs (allocator, thread pools)
         policy.train(batch.slice(0, 2), loss)
-    times: dict[str, dict[bool, list[float]]] = {"train": {}, "logprobs": {}}
+    times: dict[str, dict[str, list[float]]] = {"train": {}, "logprobs": {}}
     for round_ in range(rounds):
-        # Taking turns, and swapping who goes first, spreads the machine's load over both.
-        order = (False, True) if round_ % 2 else (True, False)
-        for packing in order:
-            policy = policies[packing]
-            times["train"].setdefault(packing, []).append(
+        # Taking turns, and rotating who goes first, spreads the machine's load over all.
+        shift = round_ % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            policy = policies[variant]
+            times["train"].setdefault(variant, []).append(
                 timed(lambda p=policy: p.train(batch, loss))
             )
-            times["logprobs"].setdefault(packing, []).append(
+            times["logprobs"].setdefault(variant, []).append(
                 timed(lambda p=policy: p.get_logprobs(batch))
             )
     return {
-        name: (statistics.median(by[False]), statistics.median(by[True]))
-        for name, by in times.items()
+        name: {v: statistics.median(seen) for v, seen in by.items()} for name, by in times.items()
     }
 
 
@@ -144,14 +156,16 @@ def main() -> None:
             batch = make_batch(lengths, seed=2)
             padding = 1 - sum(lengths) / (len(lengths) * max(lengths))
             result = measure(path, batch, args.rounds, longest)
-            for what, (padded, packed) in result.items():
-                totals[kind][0] += padded
-                totals[kind][1] += packed
+            for what, by in result.items():
+                totals[kind][0] += by["padded"]
+                totals[kind][1] += by["packed"]
                 print(
                     f"model={name} params={params / 1e6:.1f}M batch={kind} "
                     f"tokens={sum(lengths)} lengths={min(lengths)}-{max(lengths)} "
                     f"padding_if_one_micro_batch={padding:.2f} pass={what} "
-                    f"padded_s={padded:.3f} packed_s={packed:.3f} ratio={packed / padded:.3f}",
+                    f"padded_s={by['padded']:.3f} padded_budget_s={by['budget']:.3f} "
+                    f"packed_s={by['packed']:.3f} ratio={by['packed'] / by['padded']:.3f} "
+                    f"ratio_to_budget={by['packed'] / by['budget']:.3f}",
                     flush=True,
                 )
     print(f"equal_packed_over_unpacked={totals['equal'][1] / totals['equal'][0]:.3f}")
