@@ -156,6 +156,17 @@ class PolicyWorker(Protocol):
         ``from_pretrained``."""
         ...
 
+    # Optional: ``supports_sequence_packing: bool`` (an attribute or property; absent means
+    # False). When true, and ``policy.sequence_packing`` is ``auto`` or ``true``, the core sends
+    # ``compute_logprobs``, ``forward_backward`` and ``compute_topk_logprobs`` a
+    # :class:`nrl_core.packing.PackedSequences` instead of a ``Batch``: the micro batch's samples
+    # in one padding-free row ``[1, total]`` with restarted ``position_ids`` and the boundaries
+    # ``cu_seqlens``. The worker computes as for a batch of one row, attending within each
+    # sample only, and returns ``[1, total]`` (``[1, total, K]``) values; the core unpacks them
+    # to ``[B, T]`` (a packed loss closure takes the ``[1, total]`` logprobs, and its
+    # ``logprobs_at_ids`` are packed ``[1, total, K]``). A plugin that registers its policy with
+    # ``sequence_packing=True`` lets ``policy.sequence_packing=true`` pass the preflight.
+
     # Optional, for a distillation teacher (``nrl run distill``):
     # ``compute_topk_logprobs(micro_batch, k) -> (token_logprobs, topk_logprobs, topk_ids)``:
     # without a graph, under the current weights, the ``[B, T]`` logprobs of the batch's tokens

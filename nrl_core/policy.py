@@ -15,12 +15,15 @@ import torch
 
 from nrl_core.data import Batch, split_even
 from nrl_core.distributed.worker_group import ParallelLayout, Sharded
+from nrl_core.errors import NrlError
 from nrl_core.interfaces import GenerationOutput, GlobalBatchStats, LossFunction, SamplingParams
 from nrl_core.training import (
     combine_optimizer_steps,
     declared_reductions,
     logprobs_on_rank,
+    pack_micro_batches,
     reduce_metrics,
+    rows_per_sample,
     split_micro_batches,
     topk_on_rank,
     train_on_rank,
@@ -81,6 +84,17 @@ def pad_to_multiple(batch: Batch, multiple: int) -> tuple[Batch, int]:
     return Batch.concat([batch, filler]), real
 
 
+def _unpermute(values: Any, order: Sequence[int]) -> Any:
+    """Rows computed in ``order`` (a tensor, or a tuple of tensors) back in shard order."""
+    if isinstance(values, tuple):
+        return tuple(_unpermute(v, order) for v in values)
+    if not order:
+        return values
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.as_tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return values.index_select(0, inverse)
+
+
 class Policy:
     """A policy's worker group, seen as one model.
 
@@ -93,7 +107,10 @@ class Policy:
         train_micro_batch_size: samples per forward/backward on one rank.
         logprob_batch_size: samples per forward when computing logprobs.
         micro_batch_token_budget: pack training micro batches up to this many tokens instead
-            (``None``: by ``train_micro_batch_size``).
+            (``None``: by ``train_micro_batch_size``); with sequence packing, the bin size.
+        sequence_packing: ``auto`` (pack where the workers declare
+            ``supports_sequence_packing``), ``true`` (pack; an error where they do not) or
+            ``false`` (padded micro batches). See :mod:`nrl_core.packing`.
     """
 
     def __init__(
@@ -105,8 +122,13 @@ class Policy:
         train_micro_batch_size: int = 4,
         logprob_batch_size: int = 8,
         micro_batch_token_budget: int | None = None,
+        sequence_packing: str | bool = "auto",
     ) -> None:
+        from nrl_core.packing import packing_mode
+
         self.group = group
+        self.sequence_packing = packing_mode(sequence_packing)
+        self._packing: bool | None = None
         self.max_sequence_length = max_sequence_length
         self.train_global_batch_size = train_global_batch_size
         self.train_micro_batch_size = train_micro_batch_size
@@ -125,11 +147,31 @@ class Policy:
             train_micro_batch_size=policy.train_micro_batch_size,
             logprob_batch_size=policy.logprob_batch_size,
             micro_batch_token_budget=policy.micro_batch_token_budget,
+            sequence_packing=policy.sequence_packing,
         )
 
     @property
     def dp_size(self) -> int:
         return self.group.dp_size
+
+    @property
+    def packing(self) -> bool:
+        """Whether micro batches go to the workers packed (``sequence_packing`` resolved
+        against what the workers declare; asked once, of rank 0)."""
+        if self._packing is None:
+            from nrl_core.packing import supports_sequence_packing
+
+            supported = self.sequence_packing != "false" and bool(
+                self.group.run_one(0, supports_sequence_packing)
+            )
+            if self.sequence_packing == "true" and not supported:
+                raise NrlError(
+                    "policy.sequence_packing=true, and this policy's workers do not take packed "
+                    "sequences (no `supports_sequence_packing`); set policy.sequence_packing="
+                    "auto or false"
+                )
+            self._packing = supported
+        return self._packing
 
     def _shards(self, batch: Batch) -> tuple[list[Batch], int]:
         padded, real = pad_to_multiple(batch, self.dp_size)
@@ -155,10 +197,21 @@ class Policy:
         ``logprob_batch_size``; each rank's result and the number of real (unpadded) rows."""
         self.onload()
         shards, real = self._shards(batch)
-        chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
-        num_chunks = max(len(c) for c in chunks)
         width = batch["input_ids"].shape[1]
-        return self.group.run_sharded(on_rank, chunks, num_chunks, width, *args), real
+        if not self.packing:
+            chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
+            num_chunks = max(len(c) for c in chunks)
+            return self.group.run_sharded(on_rank, chunks, num_chunks, width, *args), real
+        # Bins of the tokens logprob_batch_size full-length samples would take; each rank's
+        # result comes back in bin order, put back in the shard's.
+        budget = self.logprob_batch_size * self.max_sequence_length
+        plans = [pack_micro_batches(shard, token_budget=budget) for shard in shards]
+        chunks = [bins for bins, _ in plans]
+        num_chunks = max(len(c) for c in chunks)
+        parts = self.group.run_sharded(on_rank, chunks, num_chunks, width, *args, True)
+        return [
+            _unpermute(part, order) for part, (_, order) in zip(parts, plans, strict=True)
+        ], real
 
     def get_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of ``batch`` (under the reference weights if asked)."""
@@ -191,17 +244,35 @@ class Policy:
             chunk = batch.slice(start, min(start + self.train_global_batch_size, len(batch)))
             stats = global_batch_stats(chunk, self.max_sequence_length)
             shards, _ = self._shards(chunk)
-            plans = [
-                split_micro_batches(
-                    shard,
-                    size=self.train_micro_batch_size,
-                    token_budget=self.micro_batch_token_budget,
+            if self.packing:
+                # Bins of micro_batch_token_budget tokens, or of the tokens
+                # train_micro_batch_size full-length samples would take (the same peak).
+                budget = self.micro_batch_token_budget or (
+                    self.train_micro_batch_size * self.max_sequence_length
                 )
-                for shard in shards
-            ]
+                group = rows_per_sample(loss_fn)
+                plans = [
+                    pack_micro_batches(shard, token_budget=budget, rows_per_sample=group)[0]
+                    for shard in shards
+                ]
+            else:
+                plans = [
+                    split_micro_batches(
+                        shard,
+                        size=self.train_micro_batch_size,
+                        token_budget=self.micro_batch_token_budget,
+                    )
+                    for shard in shards
+                ]
             num_micro_batches = max(len(p) for p in plans)
             results = self.group.run_sharded(
-                train_on_rank, plans, num_micro_batches, loss_fn, stats, float(self.dp_size)
+                train_on_rank,
+                plans,
+                num_micro_batches,
+                loss_fn,
+                stats,
+                float(self.dp_size),
+                self.packing,
             )
             metrics = reduce_metrics(
                 [m for result in results for m in result.micro_batch_metrics], declared

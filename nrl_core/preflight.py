@@ -87,6 +87,7 @@ def preflight(config: Any, registry: Registry) -> None:
         model = getattr(config, key, None)
         if model is None:
             continue
+        check_sequence_packing(model, key, registry)
         check_model_source(
             model.model_name,
             f"{key}.model_name",
@@ -103,6 +104,20 @@ def preflight(config: Any, registry: Registry) -> None:
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
+
+
+def check_sequence_packing(section: Any, key: str, registry: Registry) -> None:
+    """``sequence_packing=true`` needs a backend that registers ``sequence_packing`` support
+    (the worker still has the last word, e.g. a reward model's scalar head: see
+    :attr:`nrl_core.policy.Policy.packing`)."""
+    if section.sequence_packing is not True:
+        return
+    backend = registry.get("policy", section.backend, key=f"{key}.backend")
+    if not backend.metadata.get("sequence_packing"):
+        raise ConfigError(
+            f"{key}.sequence_packing=true, and {key}.backend={section.backend} does not pack "
+            f"sequences; set {key}.sequence_packing=auto (packs where supported) or false"
+        )
 
 
 # -- model and tokenizer --------------------------------------------------------------------

@@ -96,6 +96,8 @@ class BradleyTerryLoss:
 
     needs_reference: bool = False
     needs_prev_logprobs: bool = False
+    rows_per_sample: int = 2
+    """A (chosen, rejected) pair is two consecutive rows (kept in one packed micro batch)."""
 
     def __init__(self, options: Any = None, context: Any = None) -> None:
         self.options = options

@@ -5,7 +5,9 @@ A policy plugin implements per-rank compute only (:class:`nrl_core.interfaces.Po
 ``optimizer_step``). Everything between micro batches and between ranks lives here:
 
 * **micro batches** — :func:`split_micro_batches` cuts each data-parallel shard by sample count
-  or by a token budget; the driver plans every shard, so each rank knows how many forward /
+  or by a token budget, or, with sequence packing, into bins of a token budget
+  (:func:`nrl_core.packing.first_fit_decreasing`) that each rank packs into one padding-free row
+  (:mod:`nrl_core.packing`) and unpacks to ``[rows, width]`` before the loss; the driver plans every shard, so each rank knows how many forward /
   backward passes the busiest rank runs, and ranks with fewer run masked ones (collectives such
   as FSDP's all-gathers must line up on every rank);
 * **loss normalisation** — the loss functions divide by the GLOBAL normalisers
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
     from nrl_core.data import Batch
     from nrl_core.interfaces import GlobalBatchStats, LossFunction, PolicyWorker
+    from nrl_core.packing import PackedSequences
 
 Reduction = Literal["sum", "mean", "max", "min"]
 """How a metric combines over micro batches and ranks.
@@ -152,6 +155,22 @@ def split_micro_batches(batch: Batch, *, size: int, token_budget: int | None = N
     return [batch.select(group) for group in groups]
 
 
+def pack_micro_batches(
+    batch: Batch, *, token_budget: int, rows_per_sample: int = 1
+) -> tuple[list[Batch], list[int]]:
+    """Cut one rank's shard into bins of at most ``token_budget`` unpadded tokens for sequence
+    packing (first-fit decreasing over units of ``rows_per_sample`` rows; a longer unit gets a
+    bin of its own). Returns the bins and the shard's row order over them (the bins' rows
+    concatenated), which the logprob passes undo. An empty shard has no bin."""
+    from nrl_core.packing import first_fit_decreasing
+
+    if len(batch) == 0:
+        return [], []
+    lengths = batch["lengths"].tolist()
+    bins = first_fit_decreasing(lengths, token_budget, rows_per_sample)
+    return [batch.select(rows) for rows in bins], [row for rows in bins for row in rows]
+
+
 @attrs.frozen
 class RankStepResult:
     """What one rank reports of one optimizer step."""
@@ -178,12 +197,22 @@ def valid_token_mask(batch: Batch, width: int) -> torch.Tensor:
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def _filler(micro_batches: Sequence[Batch]) -> Batch:
-    """A one-sample micro batch for a rank that has run out: it runs the same collectives and
-    contributes nothing (its loss is multiplied by 0)."""
+def _filler(micro_batches: Sequence[Batch], rows: int = 1) -> Batch:
+    """A one-sample micro batch (``rows`` rows: a preference pair is two) for a rank that has
+    run out: it runs the same collectives and contributes nothing (its loss is multiplied by
+    0)."""
     if not micro_batches:
         raise ValueError("a rank received an empty shard; the driver pads shards to >= 1 sample")
-    return micro_batches[0].slice(0, 1)
+    return micro_batches[0].slice(0, rows)
+
+
+def _packed(micro_batch: Batch, packed: bool) -> PackedSequences | None:
+    """The packed form of a (trimmed) micro batch when packing is on."""
+    if not packed:
+        return None
+    from nrl_core.packing import pack
+
+    return pack(micro_batch)
 
 
 def train_on_rank(
@@ -193,17 +222,24 @@ def train_on_rank(
     loss_fn: LossFunction,
     stats: GlobalBatchStats,
     loss_scale: float,
+    packed: bool = False,
 ) -> RankStepResult:
     """One optimizer step of one rank: ``num_micro_batches`` forward/backward passes (this
-    rank's micro batches, then fillers), then the worker's optimizer step."""
+    rank's micro batches, then fillers), then the worker's optimizer step. With ``packed``,
+    the worker receives each micro batch as :class:`~nrl_core.packing.PackedSequences`."""
     results: list[dict[str, float]] = []
     for index in range(num_micro_batches):
         real = index < len(micro_batches)
-        micro_batch = (micro_batches[index] if real else _filler(micro_batches)).trimmed()
+        # Packed bins differ in number between ranks more often than count micro batches do.
+        filler = None if real else _filler(micro_batches, rows_per_sample(loss_fn))
+        micro_batch = (micro_batches[index] if real else filler).trimmed()
         record: dict[str, float] = {}
+        packed_batch = _packed(micro_batch, packed)
         worker.forward_backward(
-            micro_batch,
-            _loss_closure(micro_batch, loss_fn, stats, loss_scale if real else 0.0, record),
+            micro_batch if packed_batch is None else packed_batch,
+            _loss_closure(
+                micro_batch, loss_fn, stats, loss_scale if real else 0.0, record, packed_batch
+            ),
         )
         if not record:
             raise RuntimeError(
@@ -221,9 +257,14 @@ def _loss_closure(
     stats: GlobalBatchStats,
     scale: float,
     record: dict[str, float],
+    packed: PackedSequences | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function a worker's ``forward_backward`` calls with its logprobs: masks padding,
     applies the loss, records the metrics, and returns the scaled loss to back-propagate.
+
+    With ``packed`` the worker ran on the packed micro batch: the closure takes its
+    ``[1, total]`` logprobs (and ``[1, total, K]`` ones at the ids) and unpacks them to the
+    micro batch's ``[B, T]`` first, so the loss sees what it sees unpacked.
 
     A loss that declares ``logprobs_at_key`` (distillation: the teacher's top-k ids) also needs
     the policy's logprobs at the ``[B, T, K]`` ids in that batch key: the closure carries them
@@ -234,6 +275,10 @@ def _loss_closure(
     def loss_of(logprobs: torch.Tensor, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
         import torch
 
+        if packed is not None:
+            logprobs = packed.unpack(logprobs)
+            if logprobs_at is not None:
+                logprobs_at = packed.unpack(logprobs_at)
         batch = micro_batch.to(logprobs.device)
         valid = valid_token_mask(batch, logprobs.shape[1])
         logprobs = logprobs * valid
@@ -252,8 +297,15 @@ def _loss_closure(
         record["loss"] = float(loss.detach())
         return loss * scale
 
-    loss_of.logprobs_at_ids = None if ids_key is None else micro_batch[ids_key]
+    ids = None if ids_key is None else micro_batch[ids_key]
+    loss_of.logprobs_at_ids = ids if ids is None or packed is None else packed.pack(ids)
     return loss_of
+
+
+def rows_per_sample(loss_fn: Any) -> int:
+    """Batch rows per sample of ``loss_fn`` (its optional ``rows_per_sample``: 2 for
+    (chosen, rejected) pairs), which one micro batch must hold together."""
+    return int(getattr(loss_fn, "rows_per_sample", 1) or 1)
 
 
 def logprobs_at_key(loss_fn: Any) -> str | None:
@@ -268,19 +320,26 @@ def logprobs_on_rank(
     num_chunks: int,
     width: int,
     reference: bool,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``[B, width]`` logprobs of this rank's shard, in ``chunks`` (fillers after the last, so
-    every rank runs ``num_chunks`` forwards); padding and position 0 hold 0."""
+    every rank runs ``num_chunks`` forwards); padding and position 0 hold 0. With ``packed``,
+    each chunk goes to the worker packed (:mod:`nrl_core.packing`)."""
     import torch
 
     out = []
     with torch.no_grad():
         for index in range(num_chunks):
             if index >= len(chunks):
-                worker.compute_logprobs(_filler(chunks).trimmed(), reference=reference)
+                filler = _filler(chunks).trimmed()
+                worker.compute_logprobs(_packed(filler, packed) or filler, reference=reference)
                 continue
             chunk = chunks[index].trimmed()
-            lp = worker.compute_logprobs(chunk, reference=reference).detach().float().cpu()
+            packed_chunk = _packed(chunk, packed)
+            lp = worker.compute_logprobs(packed_chunk or chunk, reference=reference).detach()
+            if packed_chunk is not None:
+                lp = packed_chunk.unpack(lp)
+            lp = lp.float().cpu()
             lp = lp * valid_token_mask(chunk, lp.shape[1])
             out.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
     return torch.cat(out) if out else torch.zeros((0, width))
@@ -292,21 +351,26 @@ def topk_on_rank(
     num_chunks: int,
     width: int,
     k: int,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's shard scored by a frozen model (a distillation teacher), in ``chunks``:
     ``[B, width]`` logprobs of the tokens, and ``[B, width, k]`` logprobs and ids of the ``k``
     most likely tokens at each position (every rank runs ``num_chunks`` forwards; padding and
-    position 0 hold 0, with id 0)."""
+    position 0 hold 0, with id 0). With ``packed``, each chunk goes to the worker packed."""
     import torch
 
     tokens, values, ids = [], [], []
     with torch.no_grad():
         for index in range(num_chunks):
             if index >= len(chunks):
-                worker.compute_topk_logprobs(_filler(chunks).trimmed(), k)
+                filler = _filler(chunks).trimmed()
+                worker.compute_topk_logprobs(_packed(filler, packed) or filler, k)
                 continue
             chunk = chunks[index].trimmed()
-            lp, top_lp, top_ids = worker.compute_topk_logprobs(chunk, k)
+            packed_chunk = _packed(chunk, packed)
+            lp, top_lp, top_ids = worker.compute_topk_logprobs(packed_chunk or chunk, k)
+            if packed_chunk is not None:
+                lp, top_lp, top_ids = (packed_chunk.unpack(t) for t in (lp, top_lp, top_ids))
             valid = valid_token_mask(chunk, lp.shape[1])
             valid[:, 0] = False
             pad = width - lp.shape[1]

@@ -263,7 +263,9 @@ def _structure_literal(value: Any, literal: Any) -> Any:
     # type() too: True == 1, and YAML's `1` is no choice named "1".
     if any(type(value) is type(c) and value == c for c in choices):
         return value
-    raise _BadValue(f"must be one of {', '.join(str(c) for c in choices)}, got {show_value(value)}")
+    # Booleans as YAML spells them.
+    names = (str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+    raise _BadValue(f"must be one of {', '.join(names)}, got {show_value(value)}")
 
 
 class _BadValue(Exception):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -315,6 +315,18 @@ class PolicyConfig(ComponentSection):
             "(longest first) instead of train_micro_batch_size samples."
         ),
         validator=optional(ge(1)),
+    )
+    sequence_packing: Literal["auto", True, False] = option(
+        "auto",
+        (
+            "Pack each micro batch's samples into one padding-free row (restarted position "
+            "ids, per-sample boundaries) for training and logprob passes: `auto` packs where "
+            "the policy backend supports it (dtensor), `true` requires it, `false` computes on "
+            "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else "
+            "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length. See "
+            "docs/configuration.md, sequence packing, for when to turn it off."
+        ),
+        validator=Valid("`auto`, `true` or `false`", lambda v: v == "auto" or isinstance(v, bool)),
     )
     logprob_batch_size: int = option(
         8, "Samples per forward when computing logprobs.", validator=ge(1)

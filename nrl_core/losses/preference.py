@@ -52,6 +52,9 @@ class DPOLoss:
 
     needs_reference: bool = True
     needs_prev_logprobs: bool = False
+    rows_per_sample: int = 2
+    """A (chosen, rejected) pair is two consecutive rows, which sequence packing keeps in one
+    micro batch (:func:`nrl_core.packing.first_fit_decreasing`)."""
 
     def __init__(self, options: DPOLossConfig | None = None, context: Any = None) -> None:
         self.options = options if options is not None else DPOLossConfig()

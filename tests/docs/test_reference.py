@@ -151,6 +151,7 @@ def test_config_reference_shows_each_valid_range(nrl_registry):
         "data.val_fraction": "in [0, 1)",
         "policy.precision": "one of `float32`, `bfloat16`",
         "policy.micro_batch_token_budget": ">= 1 or null",
+        "policy.sequence_packing": "`auto`, `true` or `false`",
         "grpo.num_generations_per_prompt": ">= 2",
         "env.step_timeout_s": "> 0",
         "policy.backend": "a registered policy",

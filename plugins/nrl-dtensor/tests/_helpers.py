@@ -45,6 +45,19 @@ class InspectableWorker(DTensorPolicyWorker):
     def is_sharded(self) -> bool:
         return self.sharded
 
+    def _clip_gradients(self) -> float:
+        # After the data-parallel reduction, before the step: the gradients the step applies.
+        self.applied_gradients = {
+            name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
+        return super()._clip_gradients()
+
+    def last_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last optimizer step (see :meth:`_clip_gradients`)."""
+        return self.applied_gradients
+
     def gradients_through_shared_memory(self) -> bool | None:
         reduce = self._gradient_all_reduce
         return None if reduce is None else reduce.shared

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.packing import PackedSequences
 from nrl_core.policy_setup import (
     LazyReference,
     logprob_temperature,
@@ -89,6 +90,12 @@ class DTensorPolicyWorker:
         self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None
         self._gradient_all_reduce = None  # replicated weights: built on the first step
+
+    @property
+    def supports_sequence_packing(self) -> bool:
+        """Whether micro batches may come packed (:mod:`nrl_core.packing`): causal LMs take
+        them (see :mod:`nrl_dtensor.packing`); a scalar head pools by row and does not."""
+        return not self.scalar_head
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -219,6 +226,11 @@ class DTensorPolicyWorker:
         # Exported folders name the class they were trained as (a reward model's config
         # inherits `LlamaForCausalLM` from its base otherwise).
         model.config.architectures = [type(model).__name__]
+        if not self.scalar_head:
+            from nrl_dtensor.packing import install
+
+            # Packed micro batches attend within each sample; other calls are unchanged.
+            install(model)
         if trainable and self.options.lora_rank > 0:
             model = self._apply_lora(model)
         if trainable and self.options.activation_checkpointing:
@@ -335,29 +347,43 @@ class DTensorPolicyWorker:
 
     # -- logprobs --------------------------------------------------------------------------------
 
-    def _log_softmax(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T - 1, V]`` next-token log-probabilities (at the logprob temperature)."""
-        with self._autocast():
-            logits = model(input_ids=input_ids, use_cache=False).logits
+    def _inputs(self, micro_batch: Batch | PackedSequences) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs for a padded micro batch or a packed one."""
+        if isinstance(micro_batch, PackedSequences):
+            from nrl_dtensor.packing import model_inputs
+
+            return model_inputs(micro_batch.to(self.device))
+        return {"input_ids": micro_batch["input_ids"].to(self.device)}
+
+    def _log_softmax(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[B, T - 1, V]`` next-token log-probabilities (at the logprob temperature); packed
+        inputs give ``[1, total - 1, V]``, position ``p`` predicting token ``p + 1`` of the row."""
+        from nrl_dtensor.packing import packed_forward
+
+        packed = "cu_seq_lens_q" in inputs
+        with self._autocast(), packed_forward() if packed else contextlib.nullcontext():
+            logits = model(**inputs, use_cache=False).logits
         logits = logits[:, :-1].float()
         if self.logprob_temperature != 1.0:
             logits = logits / self.logprob_temperature
         return torch.log_softmax(logits, dim=-1)
 
     def _logprobs(
-        self, model, input_ids: torch.Tensor, at: torch.Tensor | None = None
+        self, model, inputs: dict[str, torch.Tensor], at: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled;
-        with ``at`` (``[B, T, K]`` ids), also ``[B, T, K]`` logprobs of those ids.
+        """``[B, T]`` logprobs of ``inputs["input_ids"]`` (position 0 is 0), with the graph if
+        enabled; with ``at`` (``[B, T, K]`` ids), also ``[B, T, K]`` logprobs of those ids.
+        Packed inputs give ``[1, total]`` (``[1, total, K]``) in the packed layout.
 
         With a scalar head: the per-token values ``[B, T]`` instead (value ``t`` scores the
         prefix ending at token ``t``; see :mod:`nrl_core.reward_model`)."""
+        input_ids = inputs["input_ids"]
         if self.scalar_head:
             from nrl_core.reward_model import token_values
 
             with self._autocast():
                 return token_values(model, input_ids)
-        log_probs = self._log_softmax(model, input_ids)
+        log_probs = self._log_softmax(model, inputs)
         token_lp = torch.nn.functional.pad(
             log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0)
         )
@@ -366,24 +392,29 @@ class DTensorPolicyWorker:
         at_lp = log_probs.gather(-1, at[:, 1:].to(self.device))
         return token_lp, torch.nn.functional.pad(at_lp, (0, 0, 1, 0))
 
-    def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(
+        self, micro_batch: Batch | PackedSequences, *, reference: bool = False
+    ) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of one micro batch without a graph, under the current
-        weights or the frozen reference (see :class:`nrl_core.interfaces.PolicyWorker`)."""
+        weights or the frozen reference (see :class:`nrl_core.interfaces.PolicyWorker`);
+        ``[1, total]`` for packed sequences."""
         model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
-            return self._logprobs(model, micro_batch["input_ids"].to(self.device))
+            return self._logprobs(model, self._inputs(micro_batch))
 
     def compute_topk_logprobs(
-        self, micro_batch: Batch, k: int
+        self, micro_batch: Batch | PackedSequences, k: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A distillation teacher's scores of one micro batch under the current weights: the
         tokens' logprobs ``[B, T]`` and the logprobs and ids ``[B, T, k']`` of the
-        ``k' = min(k, vocabulary)`` most likely tokens at each position (position 0 holds 0)."""
+        ``k' = min(k, vocabulary)`` most likely tokens at each position (position 0 holds 0);
+        ``[1, total]`` and ``[1, total, k']`` for packed sequences."""
         self.model.eval()
-        input_ids = micro_batch["input_ids"].to(self.device)
+        inputs = self._inputs(micro_batch)
+        input_ids = inputs["input_ids"]
         with torch.no_grad():
-            log_probs = self._log_softmax(self.model, input_ids)
+            log_probs = self._log_softmax(self.model, inputs)
             token_lp = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
             values, ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
         return (
@@ -399,17 +430,18 @@ class DTensorPolicyWorker:
     # -- training --------------------------------------------------------------------------------
 
     def forward_backward(
-        self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
+        self, micro_batch: Batch | PackedSequences, loss: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """Training forward of one micro batch, ``loss`` on its logprobs, backward (with the
-        logprobs at the closure's ``logprobs_at_ids`` too when the loss asks for them)."""
+        """Training forward of one micro batch (padded or packed), ``loss`` on its logprobs,
+        backward (with the logprobs at the closure's ``logprobs_at_ids`` too when the loss asks
+        for them)."""
         self.model.train()
-        input_ids = micro_batch["input_ids"].to(self.device)
+        inputs = self._inputs(micro_batch)
         at = getattr(loss, "logprobs_at_ids", None)
         if at is None:
-            loss(self._logprobs(self.model, input_ids)).backward()
+            loss(self._logprobs(self.model, inputs)).backward()
         else:
-            loss(*self._logprobs(self.model, input_ids, at)).backward()
+            loss(*self._logprobs(self.model, inputs, at)).backward()
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, zero the gradients; returns

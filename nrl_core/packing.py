@@ -1,0 +1,181 @@
+"""Sequence packing: micro batches without padding.
+
+A padded micro batch is ``[rows, width]`` with ``width`` its longest sample; on a GRPO batch
+whose response lengths vary tenfold most of its positions are padding, and every layer computes
+on them. Packed, the same samples are one row ``[1, total]`` of their concatenated tokens with
+
+* ``cu_seqlens`` (int32 ``[rows + 1]``): where each sample starts and ends in that row, the
+  boundary tensor of varlen attention kernels (flash-attention's ``cu_seqlens_q/k``,
+  Megatron's THD ``PackedSeqParams``, and what context parallelism splits by);
+* ``position_ids`` (long ``[1, total]``): restarting at 0 at every sample, so rotary embeddings
+  see what they see unpacked.
+
+A policy worker that declares ``supports_sequence_packing`` receives
+:class:`PackedSequences` in ``compute_logprobs`` / ``forward_backward`` /
+``compute_topk_logprobs`` and returns ``[1, total]`` (``[1, total, K]``) values, each sample's
+first position holding anything (it is the prediction of that sample's first token from the
+previous sample, which no loss reads). :meth:`PackedSequences.unpack` puts them back into
+``[rows, width]`` with padding and position 0 at 0, so losses, metrics and normalisers are
+those of the unpacked path.
+
+Which samples share a micro batch (a "bin") is planned on the driver by
+:func:`first_fit_decreasing`; the core's training step (:mod:`nrl_core.training`) packs each
+bin on its rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from nrl_core.data import Batch
+
+PACKING_MODES: tuple[str, ...] = ("auto", "true", "false")
+"""``policy.sequence_packing`` (``auto``, ``true``, ``false``) as :func:`packing_mode` names it."""
+
+
+def packing_mode(value: str | bool) -> str:
+    """``policy.sequence_packing`` (YAML gives ``true``/``false`` as booleans) as one of
+    :data:`PACKING_MODES`; ``ValueError`` otherwise."""
+    mode = {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in PACKING_MODES:
+        raise ValueError(f"sequence_packing={value!r}; use one of auto, true, false")
+    return mode
+
+
+def first_fit_decreasing(
+    lengths: Sequence[int], budget: int, group_size: int = 1
+) -> list[list[int]]:
+    """Plan bins of at most ``budget`` tokens (first-fit decreasing; deterministic).
+
+    Units of ``group_size`` consecutive rows (2 for a preference loss's (chosen, rejected)
+    pairs, which one micro batch must hold together) are taken longest first (ties: lower index
+    first) and each goes into the first bin it fits in, else a new bin; a unit longer than the
+    budget gets a bin of its own. Returns the row indices of each bin, units in placement order.
+    FFD never uses more than 11/9 of the optimal number of bins plus one.
+    """
+    if budget < 1:
+        raise ValueError(f"a packing budget must be >= 1 token, got {budget}")
+    if group_size < 1 or len(lengths) % group_size:
+        raise ValueError(f"{len(lengths)} rows do not split into units of {group_size}")
+    units = [
+        (sum(lengths[start : start + group_size]), start)
+        for start in range(0, len(lengths), group_size)
+    ]
+    units.sort(key=lambda unit: (-unit[0], unit[1]))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for size, start in units:
+        index = next((i for i, free in enumerate(room) if size <= free), len(bins))
+        if index == len(bins):
+            bins.append([])
+            room.append(budget)
+        bins[index].extend(range(start, start + group_size))
+        room[index] -= size
+    return bins
+
+
+@attrs.frozen
+class PackedSequences:
+    """One micro batch of ``rows`` samples packed into one row of ``total`` tokens."""
+
+    input_ids: torch.Tensor
+    """Long ``[1, total]``: the samples' tokens (each cut at its length), back to back."""
+    position_ids: torch.Tensor
+    """Long ``[1, total]``: ``0 .. length - 1`` for each sample."""
+    cu_seqlens: torch.Tensor
+    """Int32 ``[rows + 1]``: sample ``i`` is ``input_ids[0, cu_seqlens[i]:cu_seqlens[i+1]]``."""
+    max_seqlen: int
+    """The longest sample's length (varlen kernels want it as a Python int)."""
+    width: int
+    """The width of the padded micro batch this came from (what :meth:`unpack` restores)."""
+
+    @property
+    def rows(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def total(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedSequences:
+        """The tensors on ``device`` (``cu_seqlens`` too: kernels read it there)."""
+        return attrs.evolve(
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+        )
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """``[rows, width, ...]`` per-token values (e.g. a teacher's top-k ids) in packed
+        layout ``[1, total, ...]``."""
+        import torch
+
+        index = self._flat_index(values.device)
+        flat = values.reshape(values.shape[0] * values.shape[1], *values.shape[2:])
+        return torch.index_select(flat, 0, index).unsqueeze(0)
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """``[1, total, ...]`` per-token values back to ``[rows, width, ...]``, padding and each
+        sample's position 0 (no prediction) at 0; differentiable."""
+        import torch
+
+        flat = values[0]
+        index = self._flat_index(flat.device)
+        # Position 0 of each sample predicts it from the previous sample: dropped.
+        keep = torch.ones(index.numel(), dtype=torch.bool, device=flat.device)
+        keep[self.cu_seqlens[:-1].to(device=flat.device, dtype=torch.long)] = False
+        out = flat.new_zeros((self.rows * self.width, *flat.shape[1:]))
+        out = out.index_copy(0, index[keep], flat[keep])
+        return out.view(self.rows, self.width, *flat.shape[1:])
+
+    def _flat_index(self, device: torch.device) -> torch.Tensor:
+        """For each packed position, its index in the flattened ``[rows * width]`` layout."""
+        import torch
+
+        starts = self.cu_seqlens[:-1].to(device=device, dtype=torch.long)
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(device=device, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(self.rows, device=device), lengths)
+        positions = torch.arange(self.total, device=device) - torch.repeat_interleave(
+            starts, lengths
+        )
+        return rows * self.width + positions
+
+
+def pack(batch: Batch) -> PackedSequences:
+    """Pack ``batch`` (``input_ids`` ``[rows, width]`` cut at ``lengths``)."""
+    import torch
+
+    input_ids = batch["input_ids"]
+    rows, width = input_ids.shape
+    if "lengths" in batch:
+        lengths = batch["lengths"].to(torch.long).clamp(min=1, max=width)
+    else:
+        lengths = torch.full((rows,), width, dtype=torch.long)
+    cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    position_ids = torch.arange(width).expand(rows, width)[valid]
+    return PackedSequences(
+        input_ids=input_ids[valid].unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max()) if rows else 0,
+        width=width,
+    )
+
+
+def supports_sequence_packing(worker: object) -> bool:
+    """Whether a policy worker takes :class:`PackedSequences` (its optional
+    ``supports_sequence_packing`` attribute; absent means no). Runs on a rank."""
+    return bool(getattr(worker, "supports_sequence_packing", False))

@@ -1,0 +1,184 @@
+"""Packed sequences through Hugging Face attention: exact per-sample results, no padding.
+
+The core hands the worker one row of back-to-back samples (:class:`nrl_core.packing.
+PackedSequences`). The model runs on it with the samples' restarted ``position_ids`` (rotary
+embeddings) and, passed down to every attention layer as keyword arguments, the boundaries
+``cu_seq_lens_q/k`` and ``max_length_q/k`` (Hugging Face's ``FlashAttentionKwargs``).
+
+:func:`install` gives the model an attention implementation that wraps the one it was loaded
+with: a call that carries ``cu_seq_lens_q`` attends within each sample only,
+
+* on CUDA in half precision: one varlen flash-attention kernel over the whole row
+  (``flash_attn.flash_attn_varlen_func`` when installed, else torch's
+  ``torch.nn.attention.varlen.varlen_attn``);
+* otherwise (CPU, float32): causal SDPA on each sample's slice, the kernel the unpacked path
+  runs on each row, so packed and padded logprobs agree to float rounding. Hugging Face's own
+  packed path (a block-diagonal mask built from ``position_ids``) computes the ``total x total``
+  scores of the whole row instead, most of them masked;
+
+every other call (generation with its padding masks, unpacked training) goes to the wrapped
+implementation unchanged. The causal mask the model would build for the packed row is skipped
+(:func:`packed_forward`): the attention above needs none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+_PREFIX = "nrl_packed_"
+_IN_PACKED_FORWARD = contextvars.ContextVar("nrl_packed_forward", default=False)
+
+
+def install(model) -> None:
+    """Route ``model``'s attention through the packed-aware wrapper (idempotent)."""
+    config = model.config
+    current = config._attn_implementation
+    if current.startswith(_PREFIX):
+        return
+    name = _register(current)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - older transformers
+        config._attn_implementation = name
+
+
+def _register(original: str) -> str:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = _PREFIX + original
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    wrapped = ALL_ATTENTION_FUNCTIONS[original]
+    wrapped_mask = ALL_MASK_ATTENTION_FUNCTIONS[original]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        if cu_seqlens is None:
+            return wrapped(module, query, key, value, attention_mask, **kwargs)
+        return packed_attention(module, query, key, value, cu_seqlens, **kwargs)
+
+    def mask(*args, **kwargs):
+        return None if _IN_PACKED_FORWARD.get() else wrapped_mask(*args, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    return name
+
+
+@contextlib.contextmanager
+def packed_forward() -> Iterator[None]:
+    """Around a forward on packed inputs: the model builds no causal mask (none is read)."""
+    token = _IN_PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_PACKED_FORWARD.reset(token)
+
+
+def model_inputs(packed) -> dict:
+    """The keyword arguments of a Hugging Face forward on ``packed`` (already on its device)."""
+    return {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "cu_seq_lens_q": packed.cu_seqlens,
+        "cu_seq_lens_k": packed.cu_seqlens,
+        "max_length_q": packed.max_seqlen,
+        "max_length_k": packed.max_seqlen,
+    }
+
+
+def packed_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    max_length_q: int | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sample of a packed row. ``query`` is ``[1, heads, total,
+    dim]`` and ``key``/``value`` ``[1, kv_heads, total, dim]`` (Hugging Face's layout);
+    returns ``[1, total, heads, dim]`` as Hugging Face attention functions do."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        return _varlen_kernel(
+            query, key, value, cu_seqlens, dropout, scaling, sliding_window, max_length_q
+        ), None
+    if sliding_window is not None:
+        raise NotImplementedError(
+            "packed sequences with sliding-window attention need CUDA in half precision; "
+            "set policy.sequence_packing=false"
+        )
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = cu_seqlens.tolist()
+    pieces = []
+    for start, end in itertools.pairwise(bounds):
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )
+        pieces.append(out)
+    return torch.cat(pieces, dim=1), None
+
+
+def _varlen_kernel(query, key, value, cu_seqlens, dropout, scaling, sliding_window, max_length):
+    """One flash-attention varlen call over the packed row (``[1, total, heads, dim]``)."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    if flash_attn_varlen_func is not None:
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            longest,
+            longest,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=(window[0], -1 if window[0] < 0 else 0),  # causal=True bounds the right
+        )
+    else:
+        if dropout:
+            raise NotImplementedError(
+                "attention dropout with packed sequences needs flash-attn; set "
+                "policy.sequence_packing=false"
+            )
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=scaling,
+            window_size=window,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+    return out.unsqueeze(0)

@@ -1,0 +1,159 @@
+"""The core's sequence packing without a model: bins, pack/unpack, and how the policy facade
+decides to pack (the exactness against padded training runs in the dtensor plugin's tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nrl_core.data import Batch
+from nrl_core.distributed.worker_group import InProcessGroup
+from nrl_core.errors import NrlError
+from nrl_core.packing import PackedSequences, first_fit_decreasing, pack, packing_mode
+from nrl_core.policy import Policy
+from nrl_core.training import pack_micro_batches
+
+
+def _batch(lengths: list[int]) -> Batch:
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = 100 * (row + 1) + torch.arange(n)
+    return Batch({"input_ids": ids, "lengths": torch.tensor(lengths)})
+
+
+def test_first_fit_decreasing_fills_the_first_bin_with_room():
+    # Longest first: 7 (new bin 0), 5 (new bin 1), 4 (bin 1: 9), 3 (bin 0: 10), 2 (no room:
+    # new bin 2), 1 (bin 1: 10).
+    assert first_fit_decreasing([3, 7, 2, 5, 4, 1], budget=10) == [[1, 0], [3, 4, 5], [2]]
+    # Ties keep the lower index first; a sample over the budget gets a bin of its own.
+    assert first_fit_decreasing([4, 12, 4, 4], budget=8) == [[1], [0, 2], [3]]
+
+
+def test_first_fit_decreasing_keeps_pairs_and_respects_the_budget():
+    lengths = [5, 9, 2, 2, 30, 1, 7, 7]
+    bins = first_fit_decreasing(lengths, budget=16, group_size=2)
+    for rows in bins:
+        assert len(rows) % 2 == 0 and all(rows[i] % 2 == 0 for i in range(0, len(rows), 2))
+        assert all(rows[i + 1] == rows[i] + 1 for i in range(0, len(rows), 2))
+        assert sum(lengths[r] for r in rows) <= 16 or len(rows) == 2
+    assert sorted(r for rows in bins for r in rows) == list(range(8))
+    with pytest.raises(ValueError, match="units of 2"):
+        first_fit_decreasing([1, 2, 3], budget=4, group_size=2)
+
+
+def test_pack_concatenates_restarts_positions_and_unpacks():
+    batch = _batch([3, 1, 4])
+    packed = pack(batch)
+    assert packed.input_ids.tolist() == [[100, 101, 102, 200, 300, 301, 302, 303]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 8] and packed.cu_seqlens.dtype == torch.int32
+    assert (packed.max_seqlen, packed.width, packed.rows, packed.lengths) == (4, 4, 3, [3, 1, 4])
+
+    values = packed.input_ids.float().requires_grad_()
+    out = packed.unpack(values)
+    # Padding and each sample's position 0 (the prediction from the previous sample) hold 0.
+    assert out.tolist() == [[0, 101, 102, 0], [0, 0, 0, 0], [0, 301, 302, 303]]
+    out.sum().backward()
+    assert values.grad.tolist() == [[0, 1, 1, 0, 0, 1, 1, 1]]
+    # [B, T, K] values go the other way (a teacher's top-k ids).
+    ids = torch.arange(3 * 4 * 2).view(3, 4, 2)
+    assert packed.pack(ids)[0, :, 0].tolist() == [0, 2, 4, 8, 16, 18, 20, 22]
+    assert packed.unpack(packed.pack(ids))[2, 1:].tolist() == ids[2, 1:].tolist()
+
+
+def test_pack_micro_batches_returns_bins_and_their_order():
+    bins, order = pack_micro_batches(_batch([3, 7, 2, 5]), token_budget=10)
+    assert [b["lengths"].tolist() for b in bins] == [[7, 3], [5, 2]]
+    assert order == [1, 0, 3, 2]
+    assert pack_micro_batches(Batch(), token_budget=10) == ([], [])
+
+
+class _Worker:
+    """One rank that returns each token's id as its logprob, packed or padded."""
+
+    def __init__(self, supports: bool) -> None:
+        self.supports_sequence_packing = supports
+        self.seen: list[str] = []
+
+    def compute_logprobs(self, micro_batch, *, reference=False):
+        packed = isinstance(micro_batch, PackedSequences)
+        self.seen.append("packed" if packed else "padded")
+        return (micro_batch.input_ids if packed else micro_batch["input_ids"]).float()
+
+
+@pytest.mark.parametrize(("mode", "supports", "packed"), [
+    ("auto", True, True), ("auto", False, False), (True, True, True), (False, True, False),
+])  # fmt: skip
+def test_policy_packs_where_asked_and_supported_and_keeps_row_order(mode, supports, packed):
+    worker = _Worker(supports)
+    policy = Policy(
+        InProcessGroup(worker),
+        max_sequence_length=8,
+        train_global_batch_size=4,
+        logprob_batch_size=1,
+        sequence_packing=mode,
+    )
+    batch = _batch([3, 7, 2, 5])
+    out = policy.get_logprobs(batch)
+    assert policy.packing is packed
+    assert set(worker.seen) == {"packed" if packed else "padded"}
+    # Rows come back in the batch's order, whichever bins they were scored in.
+    expected = batch["input_ids"].float() * (torch.arange(7)[None] < batch["lengths"][:, None])
+    expected[:, 0] = 0 if packed else expected[:, 0]
+    assert torch.equal(out[:, 1:], expected[:, 1:])
+
+
+def test_packing_true_on_a_backend_without_it_says_what_to_change():
+    policy = Policy(
+        InProcessGroup(_Worker(False)),
+        max_sequence_length=8,
+        train_global_batch_size=4,
+        sequence_packing=True,
+    )
+    with pytest.raises(NrlError, match=r"policy\.sequence_packing=auto or false"):
+        policy.get_logprobs(_batch([3, 2]))
+
+
+def test_packing_mode_names():
+    assert [packing_mode(v) for v in ("auto", True, False)] == ["auto", "true", "false"]
+    with pytest.raises(ValueError, match="auto, true, false"):
+        packing_mode("yes")
+
+
+class _PairLoss:
+    """Refuses micro batches that split a (chosen, rejected) pair, as DPO does."""
+
+    needs_reference = needs_prev_logprobs = False
+    rows_per_sample = 2
+
+    def __call__(self, logprobs, batch, stats):
+        if logprobs.shape[0] % 2:
+            raise ValueError(f"a micro batch of {logprobs.shape[0]} rows splits a pair")
+        return logprobs.sum(), {}
+
+
+class _TrainWorker:
+    supports_sequence_packing = True
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def forward_backward(self, micro_batch, loss):
+        self.rows.append(micro_batch.rows)
+        loss(torch.zeros(1, micro_batch.total))
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+def test_a_rank_out_of_bins_runs_a_whole_pair_as_filler():
+    """Ranks may plan different numbers of bins; the filler pass of the one with fewer must
+    hold a whole pair (found by the 2-rank DPO test)."""
+    from nrl_core.interfaces import GlobalBatchStats
+    from nrl_core.training import train_on_rank
+
+    worker = _TrainWorker()
+    stats = GlobalBatchStats(valid_tokens=1, valid_sequences=2, max_sequence_length=4)
+    result = train_on_rank(worker, [_batch([3, 4])], 2, _PairLoss(), stats, 1.0, True)
+    assert worker.rows == [2, 2] and len(result.micro_batch_metrics) == 1
