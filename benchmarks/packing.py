@@ -12,11 +12,13 @@ three dtensor policies over the same weights (everything else the default:
 training micro batches grouped longest first up to the packed bins' token budget
 (``micro_batch_token_budget``, the fallback without packing, as many tokens per pass; its
 logprob pass is the padded one). They take turns (rotating who goes first), ``--rounds`` times
-after a warm-up step on two samples; the figures are medians. Each line is ``model=… batch=…
-pass=… padded_s=… padded_budget_s=… packed_s=… ratio=… ratio_to_budget=…``; the last is
-``packed_over_unpacked=<float>``: packed over padded time, training step + logprob pass, summed
-over the models, on the long-tailed batch (target <= 0.6; on the equal batch <= 1.05, printed
-before it as ``equal_packed_over_unpacked``).
+after a warm-up step on two samples; the figures are medians of wall time and of this process's
+CPU time (all threads: on a machine shared with other jobs wall time mostly measures the
+scheduler, CPU time the work). Each line is ``model=… batch=… pass=<train|logprobs>_<wall|cpu>
+padded_s=… padded_budget_s=… packed_s=… ratio=… ratio_to_budget=…``; the last is
+``packed_over_unpacked=<float>``: packed over padded CPU time, training step + logprob pass,
+summed over the models, on the long-tailed batch (target <= 0.6; on the equal batch <= 1.05,
+printed before it as ``equal_packed_over_unpacked``).
 """
 
 from __future__ import annotations
@@ -104,14 +106,15 @@ def make_policy(model_path: Path, variant: str, longest: int):
     return Policy.from_config(InProcessGroup(worker), config.policy)
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process, all threads) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, dict[str, float]]:
-    """Median seconds of a training step and of a logprob pass, by variant."""
+    """Median wall and CPU seconds of a training step and of a logprob pass, by variant."""
     from nrl_core.losses.clipped_pg import ClippedPGLoss
 
     policies = {v: make_policy(model_path, v, longest) for v in VARIANTS}
@@ -119,7 +122,7 @@ def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, dic
     loss = ClippedPGLoss()
     for policy in policies.values():  # warm-up: first-call costs (allocator, thread pools)
         policy.train(batch.slice(0, 2), loss)
-    times: dict[str, dict[str, list[float]]] = {"train": {}, "logprobs": {}}
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {"train": {}, "logprobs": {}}
     for round_ in range(rounds):
         # Taking turns, and rotating who goes first, spreads the machine's load over all.
         shift = round_ % len(VARIANTS)
@@ -132,7 +135,9 @@ def measure(model_path: Path, batch, rounds: int, longest: int) -> dict[str, dic
                 timed(lambda p=policy: p.get_logprobs(batch))
             )
     return {
-        name: {v: statistics.median(seen) for v, seen in by.items()} for name, by in times.items()
+        f"{name}_{clock}": {v: statistics.median(t[index] for t in seen) for v, seen in by.items()}
+        for name, by in times.items()
+        for index, clock in enumerate(("wall", "cpu"))
     }
 
 
@@ -157,8 +162,9 @@ def main() -> None:
             padding = 1 - sum(lengths) / (len(lengths) * max(lengths))
             result = measure(path, batch, args.rounds, longest)
             for what, by in result.items():
-                totals[kind][0] += by["padded"]
-                totals[kind][1] += by["packed"]
+                if what.endswith("_cpu"):
+                    totals[kind][0] += by["padded"]
+                    totals[kind][1] += by["packed"]
                 print(
                     f"model={name} params={params / 1e6:.1f}M batch={kind} "
                     f"tokens={sum(lengths)} lengths={min(lengths)}-{max(lengths)} "

@@ -306,3 +306,11 @@ def test_packed_attention_on_gpu_runs_one_varlen_kernel():
     out, _ = packed_attention(module, q, k, v, cu, scaling=16**-0.5)
     expected = _per_sample_reference(q, k, v, cu)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_similar_lengths_share_one_attention_call():
+    from nrl_dtensor.packing import _groups
+
+    assert _groups([61] * 4) == [[0, 1, 2, 3]]
+    # 300 and 290 together (padding 3%), the short ones apart from them.
+    assert _groups([3, 300, 290, 4]) == [[1, 2], [3, 0]]

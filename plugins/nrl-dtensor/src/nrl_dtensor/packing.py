@@ -11,8 +11,9 @@ with: a call that carries ``cu_seq_lens_q`` attends within each sample only,
 * on CUDA in half precision: one varlen flash-attention kernel over the whole row
   (``flash_attn.flash_attn_varlen_func`` when installed, else torch's
   ``torch.nn.attention.varlen.varlen_attn``);
-* otherwise (CPU, float32): causal SDPA on each sample's slice, the kernel the unpacked path
-  runs on each row, so packed and padded logprobs agree to float rounding. Hugging Face's own
+* otherwise (CPU, float32): causal SDPA within each sample, samples of similar lengths batched
+  into one padded call (the kernel the unpacked path runs on each row, so packed and padded
+  logprobs agree to float rounding; the linear layers, most of the work, see no padding). Hugging Face's own
   packed path (a block-diagonal mask built from ``position_ids``) computes the ``total x total``
   scores of the whole row instead, most of them masked;
 
@@ -118,23 +119,73 @@ def packed_attention(
             "packed sequences with sliding-window attention need CUDA in half precision; "
             "set policy.sequence_packing=false"
         )
+    return _grouped_sdpa(module, query, key, value, cu_seqlens, dropout, scaling), None
+
+
+SLACK = 1.5
+"""A group of samples attends in one padded SDPA call while its padded ``count x longest^2``
+score matrix is at most this many times its samples' own ``sum(length^2)``."""
+
+
+def _groups(lengths: list[int]) -> list[list[int]]:
+    """Samples longest first, in groups of similar lengths (see :data:`SLACK`)."""
+    groups: list[list[int]] = []
+    squares = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            longest = lengths[groups[-1][0]]
+            grown = squares + lengths[index] ** 2
+            if (len(groups[-1]) + 1) * longest**2 <= SLACK * grown:
+                groups[-1].append(index)
+                squares = grown
+                continue
+        groups.append([index])
+        squares = lengths[index] ** 2
+    return groups
+
+
+def _grouped_sdpa(module, query, key, value, cu_seqlens, dropout, scaling) -> torch.Tensor:
+    """Causal SDPA within each sample: samples of similar lengths are gathered into one
+    right-padded ``[count, heads, longest, dim]`` batch per group (causal attention never reads
+    the padding after a token), the kernel the padded path runs; one call per sample would pay
+    a CPU kernel's fixed cost (its threads' start-up) per sample and layer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = cu_seqlens.tolist()
-    pieces = []
-    for start, end in itertools.pairwise(bounds):
+    starts = bounds[:-1]
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    device = query.device
+    # [total, heads, dim]: tokens first, so that gathering a sample's tokens is one index.
+    q_tok, k_tok, v_tok = (t[0].transpose(0, 1) for t in (query, key, value))
+    outputs, positions = [], []
+    for group in _groups(lengths):
+        longest = lengths[group[0]]
+        src = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in group])
+        dst = torch.cat([slot * longest + torch.arange(lengths[i]) for slot, i in enumerate(group)])
+        src, dst = src.to(device), dst.to(device)
+        shape = (len(group), longest)
+
+        def padded(tokens, shape=shape, src=src, dst=dst):
+            flat = tokens.new_zeros((shape[0] * shape[1], *tokens.shape[1:]))
+            flat = flat.index_copy(0, dst, tokens.index_select(0, src))
+            return flat.view(*shape, *tokens.shape[1:]).transpose(1, 2)
+
         out, _ = sdpa_attention_forward(
             module,
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
+            padded(q_tok),
+            padded(k_tok),
+            padded(v_tok),
             None,
             dropout=dropout,
             scaling=scaling,
             is_causal=True,
-        )
-        pieces.append(out)
-    return torch.cat(pieces, dim=1), None
+        )  # [count, longest, heads, dim]
+        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, dst))
+        positions.append(src)
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return torch.cat(outputs).index_select(0, inverse).unsqueeze(0)
 
 
 def _varlen_kernel(query, key, value, cu_seqlens, dropout, scaling, sliding_window, max_length):
