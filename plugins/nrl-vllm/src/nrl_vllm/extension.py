@@ -1,7 +1,7 @@
 """Runs INSIDE each vLLM worker process (vLLM's ``worker_extension_cls``): the engine side of
 nrl's weight sync. The engine actor reaches these methods with ``collective_rpc``.
 
-Arguments arrive in their wire form (plain dicts, see ``nrl_core.weight_sync``'s "Wire form"):
+Arguments arrive in their wire form (plain dicts, see ``nrl_core.weight_sync.wire``):
 vLLM 0.32 msgpack-encodes ``collective_rpc`` arguments on their way to the engine core
 (``vllm/v1/engine/core_client.py:1091-1098`` -> ``call_utility``, decoded untyped at
 ``vllm/v1/engine/core.py:1912-1913``), which turns attrs objects into dicts and refuses Python
