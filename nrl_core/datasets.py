@@ -68,7 +68,12 @@ def read_jsonl_rows(
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_Constant)
+        except _DuplicateKey as exc:
+            raise error(
+                f"{path}:{number}: duplicate key {exc.args[0]!r} in one object (JSON readers keep "
+                "either value); keep one"
+            ) from None
         except RecursionError:
             raise error(
                 f"{path}:{number}: JSON nested too deeply; one flat object per line"
@@ -82,10 +87,71 @@ def read_jsonl_rows(
             raise error(
                 f"{path}:{number}: expected a JSON object ({{...}}) per line, got {json_kind(row)}"
             )
+        # NaN/Infinity (Python's json takes them) or an escaped lone surrogate may be in there:
+        # the cheap test on the text first, the walk through the row only then.
+        if "NaN" in line or "Infinity" in line or "\\ud" in line.lower():
+            _check_values(row, f"{path}:{number}", error)
         rows.append((f"{path}:{number}", row))
     if not rows:
         raise error(f"data file {path}{named} is empty; it needs one JSON object per line")
     return rows
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _Constant:
+    """Where a line held ``NaN``, ``Infinity`` or ``-Infinity`` (Python's json accepts them;
+    JSON does not), kept so that the error can name the field."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return row
+
+
+def _bad_value(value: Any) -> str | None:
+    # What in `value` is not JSON text a model or tokenizer can take, in words (or None).
+    if isinstance(value, _Constant):
+        return f"{value.name}, which is not a JSON value"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            char = value[exc.start]
+            return f"a lone surrogate (\\u{ord(char):04x}), which is not text"
+        return None
+    if isinstance(value, dict):
+        items: Any = list(value.keys()) + list(value.values())
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = _bad_value(item)
+        if found:
+            return found
+    return None
+
+
+def _check_values(row: dict[str, Any], where: str, error: type[ConfigError]) -> None:
+    for key, value in row.items():
+        try:
+            found = _bad_value(key) or _bad_value(value)
+        except RecursionError:
+            raise error(f"{where}: JSON nested too deeply; one flat object per line") from None
+        if found:
+            raise error(f"{where}: field {key!r} holds {found}; fix or drop that row")
 
 
 def json_kind(value: Any) -> str:

@@ -98,12 +98,60 @@ def preflight(config: Any, registry: Registry) -> None:
             check_model_source(
                 model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
+    check_local_resources(config)
     check_actor_envs(config)
     check_component_requirements(config, registry)
     check_component_options(config)
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
+
+
+# The least CPU share each worker asks Ray for on a CPU-only machine (nrl_core.algorithms.runtime:
+# policy ranks shrink to 0.1 CPU, ENV_CPUS_PER_WORKER; nrl_core.generation: ENGINE_CPUS_ON_CPU),
+# copied here so that the driver need not import Ray to know that a layout cannot start.
+_LEAST_CPUS = {"policy": 0.1, "env": 0.25, "generation": 0.5}
+
+
+def check_local_resources(config: Any) -> None:
+    """On the local cluster (``cluster.backend=local``), refuse worker counts that cannot fit
+    the CPUs Ray will have (``cluster.num_cpus``, else this machine's) and
+    ``cluster.gpus_per_node`` above the GPUs the driver lists, before Ray starts."""
+    cluster = getattr(config, "cluster", None)
+    if cluster is None or cluster.backend != "local":
+        return
+    cpus = cluster.num_cpus or os.cpu_count() or 1
+    source = f"cluster.num_cpus={cluster.num_cpus}" if cluster.num_cpus else "this machine"
+    counts = []
+    policy = getattr(config, "policy", None)
+    if policy is not None and hasattr(policy, "num_workers"):
+        counts.append(("policy.num_workers", policy.num_workers, _LEAST_CPUS["policy"]))
+    env = getattr(config, "env", None)
+    if env is not None and hasattr(env, "num_workers"):
+        counts.append(("env.num_workers", env.num_workers, _LEAST_CPUS["env"]))
+    generation = getattr(config, "generation", None)
+    options = generation.options_for() if generation is not None else None
+    engines = getattr(options, "num_engines", None)
+    if isinstance(engines, int) and getattr(options, "colocated", False) is False:
+        key = f"generation.{generation.backend}.num_engines"
+        counts.append((key, engines, _LEAST_CPUS["generation"]))
+    need = sum(n * share for _, n, share in counts)
+    if need > cpus:
+        key, n, _ = max(counts, key=lambda c: c[1] * c[2])
+        raise ConfigError(
+            f"{key}={n}: the workers need at least {need:g} CPUs and the local cluster has "
+            f"{cpus} ({source}); lower {key} or set cluster.num_cpus (or use cluster.backend=ray)"
+        )
+    if cluster.gpus_per_node:
+        from nrl_core.cli.doctor import _nvidia_gpus
+
+        found = len(_nvidia_gpus() or [])
+        if cluster.gpus_per_node > found:
+            raise ConfigError(
+                f"cluster.gpus_per_node={cluster.gpus_per_node}, and this machine has {found} "
+                "NVIDIA GPUs; set cluster.gpus_per_node to at most that, or leave it unset "
+                "(null) for what Ray detects"
+            )
 
 
 def check_sequence_packing(section: Any, key: str, registry: Registry) -> None:

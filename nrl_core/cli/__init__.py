@@ -11,6 +11,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from nrl_core.errors import ConfigError
 
 ALGORITHMS = ("grpo", "sft", "dpo", "rm", "distill")
 
@@ -57,8 +60,20 @@ class _RunHelp(argparse.Action):
         parser.exit()
 
 
+class _UsageError(ConfigError):
+    """A command line argparse cannot parse (an unknown algorithm, a missing argument)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (``error: nrl run: ...``, exit 2) instead of
+    the usage text and a second line; sub-commands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nrl",
         description="nrl: RL post-training for LLMs (GRPO, SFT, DPO, reward models) built from "
         "plugins.",
@@ -261,14 +276,18 @@ def _print_error_detail(exc: BaseException) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``nrl`` command; returns the exit code."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    # argparse gives a positional list only one chance: overrides after an option
-    # (`nrl run grpo -q seed=3`) come back here; anything else is a real error.
-    if hasattr(args, "overrides"):
-        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
-        extra = [a for a in extra if a not in args.overrides]
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # argparse gives a positional list only one chance: overrides after an option
+        # (`nrl run grpo -q seed=3`) come back here; anything else is a real error.
+        if hasattr(args, "overrides"):
+            args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+            extra = [a for a in extra if a not in args.overrides]
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except _UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0

@@ -305,7 +305,7 @@ class PolicyConfig(ComponentSection):
     )
     train_micro_batch_size: int = option(
         4,
-        "Samples per forward/backward on one rank.",
+        "Samples per forward/backward on one rank (at most train_global_batch_size).",
         validator=ge(1),
     )
     micro_batch_token_budget: int | None = option(
@@ -332,7 +332,9 @@ class PolicyConfig(ComponentSection):
         8, "Samples per forward when computing logprobs.", validator=ge(1)
     )
     max_total_sequence_length: int = option(
-        512, "Longest prompt + response, in tokens.", validator=ge(1)
+        512,
+        "Longest prompt + response, in tokens (1 to 16,777,216: far beyond any model's context).",
+        validator=between(1, 2**24),
     )
     max_grad_norm: float = option(
         1.0, "Gradient clipping norm (0 disables clipping).", validator=ge(0)
@@ -683,7 +685,9 @@ class AsyncSection:
 @attrs.define
 class GRPOSection:
     max_num_steps: int = option(100, "Training steps.", validator=ge(0))
-    num_prompts_per_step: int = option(8, "Prompts drawn per step.", validator=ge(1))
+    num_prompts_per_step: int = option(
+        8, "Prompts drawn per step (1 to 1,048,576).", validator=between(1, 2**20)
+    )
     num_generations_per_prompt: int = option(
         8,
         (

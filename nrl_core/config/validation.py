@@ -20,6 +20,7 @@ def validate_run_config(config: Any) -> None:
     :func:`~nrl_core.preflight.preflight`, for configs built or changed in code.
     """
     _check_response_room(config)
+    _check_batch_layout(config)
     _check_on_policy_shortcut(config)
     _check_async(config)
 
@@ -39,6 +40,54 @@ def _check_async(config: Any) -> None:
         f"generation.{generation.backend}.colocated is true (or the backend has no separate "
         "engines); set generation.colocated=false"
     )
+
+
+def _model_parallel_size(options: Any) -> tuple[str, int]:
+    # The ranks one data shard spans, under the usual option names (as nrl_core.policy's
+    # policy_layout reads them; that module imports torch, this one must not).
+    names, size = [], 1
+    for name in (
+        "tensor_parallel_size",
+        "tensor_model_parallel_size",
+        "pipeline_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        value = getattr(options, name, None)
+        if isinstance(value, int) and value > 1:
+            names.append(f"{name}={value}")
+            size *= value
+    return " x ".join(names), size
+
+
+def _check_batch_layout(config: Any) -> None:
+    # Micro batches cut one rank's share of a global batch, and every data-parallel rank takes
+    # an equal share: a layout that cannot hold is refused here, not by a worker after Ray.
+    policy = getattr(config, "policy", None)
+    if policy is None or not hasattr(policy, "train_global_batch_size"):
+        return
+    workers, global_batch = policy.num_workers, policy.train_global_batch_size
+    options = policy.options_for() if hasattr(policy, "options_for") else None
+    names, model_parallel = _model_parallel_size(options)
+    if model_parallel > 1 and workers % model_parallel:
+        raise ConfigError(
+            f"policy.{policy.selected}: {names} must divide policy.num_workers={workers}; set "
+            f"policy.num_workers to a multiple of {model_parallel} or lower the parallel size"
+        )
+    dp = max(1, workers // model_parallel)
+    if global_batch % dp:
+        raise ConfigError(
+            f"policy.train_global_batch_size={global_batch} does not split evenly over the "
+            f"{dp} data-parallel ranks (policy.num_workers={workers}); set it to a multiple "
+            f"of {dp}"
+        )
+    if policy.train_micro_batch_size > global_batch:
+        raise ConfigError(
+            f"policy.train_micro_batch_size={policy.train_micro_batch_size} is larger than "
+            f"policy.train_global_batch_size={global_batch} (a micro batch is part of one "
+            "optimizer step); lower policy.train_micro_batch_size or raise "
+            "policy.train_global_batch_size"
+        )
 
 
 def _check_response_room(config: Any) -> None:

@@ -149,6 +149,7 @@ def test_cli_exits_2_with_one_line_before_anything_starts(tmp_path):
             "grpo.num_prompts_per_step=1",
             "grpo.num_generations_per_prompt=2",
             "policy.train_global_batch_size=2",
+            "policy.train_micro_batch_size=2",
             "policy.num_workers=1",
             "checkpointing.enabled=false",
             "cluster.num_cpus=2",

@@ -165,6 +165,13 @@ def d(tmp_path_factory):
     _write(d / "plot_no_steps" / "metrics.jsonl", '[1, 2]\n{"train/loss": "high"}\n')
     (d / "plot_dir" / "metrics.jsonl").mkdir(parents=True)
     (d / "plot_none").mkdir()
+    # Issue 40, data rows: a lone surrogate, NaN and `true` as answers, a key twice, a blank
+    # problem (written by hand: json.dumps writes neither NaN rows nor duplicate keys).
+    _write(d / "surrogate.jsonl", _jsonl(good[:1]) + '{"problem": "1+\\ud800", "answer": "2"}\n')
+    _write(d / "answer_nan.jsonl", _jsonl(good[:2]) + '{"problem": "1+1", "answer": NaN}\n')
+    _write(d / "answer_true.jsonl", _jsonl([{"problem": "1+1", "answer": True}]))
+    _write(d / "dup_key.jsonl", '{"problem": "1+1", "answer": "2", "problem": "2+2"}\n')
+    _write(d / "blank_problem.jsonl", _jsonl([*good[:1], {"problem": "  ", "answer": "2"}]))
     return d
 
 
@@ -202,7 +209,7 @@ CASES = [
     ("sequence_packing", run("grpo", "policy.sequence_packing=maybe"), "policy.sequence_packing must be one of auto, true, false, got 'maybe'", {}),
     ("packing_megatron", run("sft", "policy.backend=megatron", "policy.sequence_packing=true"), "policy.sequence_packing=true, and policy.backend=megatron does not pack sequences; set policy.sequence_packing=auto (packs where supported) or false", {}),
     ("logprob_batch", run("grpo", "policy.logprob_batch_size=-1"), "policy.logprob_batch_size must be >= 1", {}),
-    ("max_seq_len", run("grpo", "policy.max_total_sequence_length=0"), "policy.max_total_sequence_length must be >= 1, got 0", {}),
+    ("max_seq_len", run("grpo", "policy.max_total_sequence_length=0"), "policy.max_total_sequence_length must be in [1, 16777216], got 0", {}),
     ("grad_norm", run("grpo", "policy.max_grad_norm=-1"), "policy.max_grad_norm must be >= 0", {}),
     ("lr_negative", run("grpo", "policy.optimizer.lr=-1"), "policy.optimizer.lr must be > 0, got -1", {}),
     ("lr_zero", run("sft", "policy.optimizer.lr=0"), "policy.optimizer.lr must be > 0, got 0", {}),
@@ -233,7 +240,7 @@ CASES = [
     ("sample_period", run("grpo", "logger.sample_period=-1"), "logger.sample_period must be >= 0", {}),
     ("run_name_empty", run("grpo", "logger.run_name="), "logger.run_name must be a non-empty string", {}),
     ("grpo_steps", run("grpo", "grpo.max_num_steps=-1"), "grpo.max_num_steps must be >= 0, got -1", {}),
-    ("prompts_per_step", run("grpo", "grpo.num_prompts_per_step=0"), "grpo.num_prompts_per_step must be >= 1, got 0", {}),
+    ("prompts_per_step", run("grpo", "grpo.num_prompts_per_step=0"), "grpo.num_prompts_per_step must be in [1, 1048576], got 0", {}),
     ("generations_0", run("grpo", "grpo.num_generations_per_prompt=0"), "grpo.num_generations_per_prompt must be >= 2, got 0", {}),
     ("generations_1", run("grpo", "grpo.num_generations_per_prompt=1"), "grpo.num_generations_per_prompt must be >= 2, got 1", {}),
     ("rollout_turns", run("grpo", "grpo.max_rollout_turns=0"), "grpo.max_rollout_turns must be >= 1", {}),
@@ -261,7 +268,7 @@ CASES = [
     ("replicate_with_offload", run("grpo", "policy.dtensor.data_parallel=replicate", "policy.dtensor.cpu_offload=true"), "policy.dtensor: cpu_offload is FSDP2's offload of sharded weights", {}),
     ("lora_rank", run("sft", "policy.dtensor.lora_rank=-1"), "policy.dtensor.lora_rank must be >= 0", {}),
     ("lora_dropout_above_max", run("sft", "policy.dtensor.lora_dropout=1"), "policy.dtensor.lora_dropout must be in [0, 1), got 1", {}),
-    ("torch_gen_batch", run("grpo", "generation.torch.generation_batch_size=0"), "generation.torch.generation_batch_size must be >= 1", {}),
+    ("torch_gen_batch", run("grpo", "generation.torch.generation_batch_size=0"), "generation.torch.generation_batch_size must be in [1, 65536], got 0", {}),
     ("vllm_memory_above_max", run("grpo", VLLM, "generation.vllm.gpu_memory_utilization=1.5"), "generation.vllm.gpu_memory_utilization must be in (0, 1], got 1.5", {}),
     ("vllm_sleep_level", run("grpo", VLLM, "generation.vllm.sleep_level=3"), "generation.vllm.sleep_level must be one of 1, 2, got 3", {}),
     ("vllm_dtype", run("grpo", VLLM, "generation.vllm.dtype=auto"), "generation.vllm.dtype must be one of bfloat16, float16, float32", {}),
@@ -362,6 +369,26 @@ CASES = [
     ("ckpt_rng_number", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_rng_number/step_2"), "`rng.python` is not a Python random state", {}),
     ("ckpt_epoch_text", ["convert", "{d}/ckpt_epoch_text/step_2", "{d}/converted"], "`data` must be the data stream's position", {}),
     ("ckpt_deep_state", ["convert", "{d}/ckpt_deep_state/step_2", "{d}/converted"], "is not a trainer state (JSON nested too deeply)", {}),
+    # Issue 40, round two: sizes and layouts that cannot run, refused before Ray.
+    ("prompts_per_step_absurd", run("grpo", "grpo.num_prompts_per_step=10000000000"), "grpo.num_prompts_per_step must be in [1, 1048576], got 10000000000", {}),
+    ("max_seq_len_absurd", run("grpo", "policy.max_total_sequence_length=100000000000"), "policy.max_total_sequence_length must be in [1, 16777216], got 100000000000", {}),
+    ("torch_gen_batch_absurd", run("grpo", "generation.torch.generation_batch_size=100000000000000"), "generation.torch.generation_batch_size must be in [1, 65536], got 100000000000000", {}),
+    ("micro_above_global", run("grpo", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=32"), "policy.train_micro_batch_size=32 is larger than policy.train_global_batch_size=16", {}),
+    ("global_batch_uneven_dp", run("grpo", "policy.num_workers=2", "policy.train_global_batch_size=7", "policy.train_micro_batch_size=1"), "policy.train_global_batch_size=7 does not split evenly over the 2 data-parallel ranks", {}),
+    ("tp_3_on_2_workers", run("grpo", "policy.num_workers=2", "policy.dtensor.tensor_parallel_size=3"), "policy.dtensor: tensor_parallel_size=3 must divide policy.num_workers=2", {}),
+    ("tp_4_on_2_workers", run("sft", "policy.num_workers=2", "policy.dtensor.tensor_parallel_size=4"), "policy.dtensor: tensor_parallel_size=4 must divide policy.num_workers=2", {}),
+    ("policy_workers_on_2_cpus", run("grpo", "cluster.num_cpus=2", "policy.num_workers=64"), "policy.num_workers=64: the workers need at least 6.65 CPUs and the local cluster has 2", {}),
+    ("env_workers_on_2_cpus", run("grpo", "cluster.num_cpus=2", "env.num_workers=50"), "env.num_workers=50: the workers need at least 12.7 CPUs and the local cluster has 2", {}),
+    ("engines_on_2_cpus", run("grpo", "cluster.num_cpus=2", "generation.torch.colocated=false", "generation.torch.num_engines=40"), "generation.torch.num_engines=40: the workers need at least 20.45 CPUs and the local cluster has 2", {}),
+    # More GPUs than any one machine has: the row holds on a GPU machine too.
+    ("gpus_per_node_absent", run("grpo", "cluster.gpus_per_node=4096"), "cluster.gpus_per_node=4096, and this machine has", {}),
+    ("algorithm_unknown", ["run", "ppo"], "nrl run: argument ALGO: invalid choice: 'ppo'", {}),
+    # Issue 40, round two: data rows.
+    ("data_lone_surrogate", run("grpo", "data.dataset={d}/surrogate.jsonl"), "{d}/surrogate.jsonl:2: field 'problem' holds a lone surrogate (\\ud800)", {}),
+    ("data_answer_nan", run("grpo", "data.dataset={d}/answer_nan.jsonl"), "{d}/answer_nan.jsonl:3: field 'answer' holds NaN, which is not a JSON value", {}),
+    ("data_answer_true", run("grpo", "data.dataset={d}/answer_true.jsonl"), "{d}/answer_true.jsonl:1: field 'answer' must be text or a number, got True", {}),
+    ("data_duplicate_key", run("grpo", "data.dataset={d}/dup_key.jsonl"), "{d}/dup_key.jsonl:1: duplicate key 'problem'", {}),
+    ("data_blank_problem", run("grpo", "data.dataset={d}/blank_problem.jsonl"), "{d}/blank_problem.jsonl:2: field 'problem' is blank", {}),
     # Metrics for `nrl plot`.
     ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
     ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),
@@ -379,6 +406,7 @@ SUBPROCESS_CASES = [
     "model_missing",
     "actor_env_not_python",
     "plot_garbage_line",
+    "algorithm_unknown",
 ]
 
 

@@ -15,8 +15,13 @@ from nrl_core.errors import ConfigError
 from nrl_core.losses.config import resolved_clipped_pg_config
 from nrl_core.plugins import PluginHost
 
-# 4 prompts x 8 generations = 32 samples per rollout.
-ROLLOUT = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8"]
+# 4 prompts x 8 generations = 32 samples per rollout; micro batches of 8 (the recipe's 128
+# would be larger than the global batches tried here, which is refused).
+ROLLOUT = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=8",
+    "policy.train_micro_batch_size=8",
+]
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,9 @@ class DTensorConfig:
 
 @attrs.define
 class TorchGenerationConfig:
-    generation_batch_size: int = option(64, "Prompts generated together per rank.", validator=ge(1))
+    generation_batch_size: int = option(
+        64, "Prompts generated together per rank (1 to 65,536).", validator=between(1, 2**16)
+    )
     stop_at_eos: bool = option(
         True, ("Stop a sample at the tokenizer's EOS token (off only for fixed-length benchmarks).")
     )

@@ -107,12 +107,18 @@ class JsonlDataset:
         fix = "set data.jsonl.problem_field / answer_field to the file's field names"
         samples = []
         for where, row in read_jsonl_rows(path, error=DataFileError):
-            require_text(row, o.problem_field, where, fix, DataFileError)
+            problem = require_text(row, o.problem_field, where, fix, DataFileError)
+            if not problem.strip():
+                raise DataFileError(
+                    f"{where}: field {o.problem_field!r} is blank; every row needs a problem"
+                )
             if o.answer_field not in row:
                 require_text(
                     row, o.answer_field, where, fix, DataFileError
                 )  # raises: names the fields
-            if not isinstance(row[o.answer_field], str | int | float):
+            answer = row[o.answer_field]
+            # bool is an int to Python, and JSON's true/false is no answer a verifier can match.
+            if isinstance(answer, bool) or not isinstance(answer, str | int | float):
                 raise DataFileError(
                     f"{where}: field {o.answer_field!r} must be text or a number, got "
                     f"{row[o.answer_field]!r:.60}"
