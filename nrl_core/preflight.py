@@ -143,9 +143,9 @@ def check_local_resources(config: Any) -> None:
             f"{cpus} ({source}); lower {key} or set cluster.num_cpus (or use cluster.backend=ray)"
         )
     if cluster.gpus_per_node:
-        from nrl_core.cli.doctor import _nvidia_gpus
+        from nrl_core.distributed.devices import nvidia_gpus
 
-        found = len(_nvidia_gpus() or [])
+        found = len(nvidia_gpus() or [])
         if cluster.gpus_per_node > found:
             raise ConfigError(
                 f"cluster.gpus_per_node={cluster.gpus_per_node}, and this machine has {found} "

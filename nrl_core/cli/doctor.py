@@ -6,8 +6,6 @@ import ast
 import importlib.util
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from nrl_core.distributed.actor_env import ACTOR_KINDS
+from nrl_core.distributed.devices import nvidia_gpus
 from nrl_core.plugins import PluginHost
 from nrl_core.registry import ComponentSpec
 
@@ -236,33 +235,6 @@ def check_component(spec: ComponentSpec, *, import_target: bool = False) -> Comp
     return ComponentCheck(escape(needs), False, "yes")
 
 
-def _nvidia_gpus() -> list[str] | None:
-    """The NVIDIA GPUs the driver lists (names), without importing torch; ``None`` when no
-    driver is found. ``CUDA_VISIBLE_DEVICES`` is not applied (``nrl doctor -v`` asks torch)."""
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        names = []
-        for info in sorted(proc.glob("*/information")):
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
-                 if ln.startswith("Model:")),
-                "NVIDIA GPU",
-            )  # fmt: skip
-            names.append(model)
-        return names
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-
-
 def _torch_cuda_build() -> str:
     """The CUDA version torch was built for (``torch.version.cuda``, read from its
     ``torch/version.py`` without importing torch), ``CPU``, or why it is unknown."""
@@ -298,7 +270,7 @@ def _cuda_row(verbose: bool) -> str:
             gpus = "none visible (CPU only: gloo; GPU-only engines cannot run here)"
         return f"torch built for {torch.version.cuda or 'CPU'}; GPUs: {gpus}"
     build = _torch_cuda_build()
-    gpus = _nvidia_gpus()
+    gpus = nvidia_gpus()
     if not gpus:
         seen = "none visible (CPU only: gloo; GPU-only engines cannot run here)"
     else:

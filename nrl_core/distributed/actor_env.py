@@ -435,21 +435,11 @@ def cpu_request(request: VenvRequest, install: CpuInstall) -> VenvRequest:
 
 
 def machine_has_gpus() -> bool:
-    """Whether Ray would find GPUs on this machine (its own detection: NVIDIA devices through
-    NVML / ``CUDA_VISIBLE_DEVICES``); what ``nrl venvs build`` and ``nrl doctor`` go by, where
-    no cluster is running. Runs decide by their cluster's GPUs instead."""
-    try:
-        from ray._private.accelerators import get_accelerator_manager_for_resource
+    """Whether this machine has GPUs (:func:`nrl_core.distributed.devices.machine_has_gpus`,
+    without importing Ray or torch)."""
+    from nrl_core.distributed.devices import machine_has_gpus as has_gpus
 
-        manager = get_accelerator_manager_for_resource("GPU")
-        return bool(manager and manager.get_current_node_num_accelerators())
-    except Exception:  # a Ray without this private module: ask torch
-        try:
-            import torch
-
-            return torch.cuda.is_available()
-        except ImportError:
-            return False
+    return has_gpus()
 
 
 def component_request(

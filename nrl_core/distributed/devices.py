@@ -20,6 +20,51 @@ from typing import Any
 from nrl_core.errors import NrlError
 
 
+def nvidia_gpus() -> list[str] | None:
+    """The NVIDIA GPUs the driver lists (names), without importing torch; ``None`` when no
+    driver is found. ``CUDA_VISIBLE_DEVICES`` is not applied (``nrl doctor -v`` asks torch).
+    Light: imports neither torch nor Ray, so config-only commands can call it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        names = []
+        for info in sorted(proc.glob("*/information")):
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
+                 if ln.startswith("Model:")),
+                "NVIDIA GPU",
+            )  # fmt: skip
+            names.append(model)
+        return names
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def machine_has_gpus() -> bool:
+    """Whether this machine has NVIDIA GPUs a Ray node started here would count: the driver's
+    list (:func:`nvidia_gpus`) narrowed by ``CUDA_VISIBLE_DEVICES`` when it is set, as Ray's
+    own detection does. What ``nrl venvs build`` and ``nrl doctor`` go by, where no cluster is
+    running (runs decide by their cluster's GPUs instead); imports neither torch nor Ray."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if not ids or ids[0] in ("-1", "NoDevFiles"):
+            return False
+    return bool(nvidia_gpus())
+
+
 def ray_gpu_ids() -> list[str]:
     """The GPU ids Ray assigned to this process (strings, Ray's physical numbering), or an
     empty list outside a Ray worker or when no GPU was asked for."""
