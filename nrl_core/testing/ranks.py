@@ -72,6 +72,11 @@ def _serve(rank: int, world_size: int, port: int, conn, preload: Sequence[str] =
             conn.send(("error", traceback.format_exc()))
 
 
+def _nothing(_worker: object) -> None:
+    """What the ranks :meth:`SpawnGroup.run_one` does not call run (module level: pickled by
+    reference)."""
+
+
 class SpawnPool:
     """N spawned processes forming one torch.distributed world (see the module docstring)."""
 
@@ -141,6 +146,14 @@ class SpawnGroup:
     def run_all(self, method, *args) -> list:
         """Call ``method(*args)`` on every rank; return the per-rank results."""
         return self.pool._call("call", self.key, [(method, args)] * self.pool.num_workers)
+
+    def run_one(self, rank: int, method, *args):
+        """Call ``method(*args)`` on ``rank`` only (the others answer with nothing), like
+        ``WorkerGroup.run_one``."""
+        payloads = [
+            (method, args) if r == rank else (_nothing, ()) for r in range(self.pool.num_workers)
+        ]
+        return self.pool._call("call", self.key, payloads)[rank]
 
     def run_sharded(self, method, items: list, *args) -> list:
         """Call ``method(items[dp_rank], *args)`` on every rank; like ``WorkerGroup``, return
