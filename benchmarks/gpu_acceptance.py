@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -218,48 +218,37 @@ PROFILES = {
             "grpo_step": 420,
         },
     ),
-    # The default on a GPU: the same Qwen2.5-0.5B shape with workloads sized so that the whole
-    # acceptance, the wheel install included, is one device command of at most 8 minutes
-    # (QUICK_PLAN_S; tests/benchmarks/test_gpu_acceptance.py checks the sum).
-    "quick": Profile(
-        name="quick",
-        hidden_size=896,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        dtype="bfloat16",
-        lr=1e-4,
-        train_batch=16,
-        train_seq=512,
-        micro_batch=4,
-        train_steps=2,
-        gen_prompts=32,
-        gen_prompt_len=32,
-        gen_new_tokens=64,
-        refit_bucket_mb=256,
-        refit_repeats=2,
-        grpo_overrides=(
-            "grpo.num_prompts_per_step=8",
-            "grpo.num_generations_per_prompt=4",
-            "policy.train_global_batch_size=32",
-            "policy.train_micro_batch_size=8",
-            "policy.logprob_batch_size=16",
-            "generation.max_new_tokens=48",
-            "generation.torch.generation_batch_size=32",
-            "policy.max_total_sequence_length=128",
-        ),
-        limits={
-            "model": 50,
-            "dtensor": 70,
-            "generation": 40,
-            "cuda_ipc_refit": 60,
-            "megatron": 70,
-            "grpo_step": 110,
-        },
-    ),
 }
+# The default on a GPU: the same Qwen2.5-0.5B shape with workloads sized so that the whole
+# acceptance, the wheel install included, is one device command of at most 8 minutes
+# (QUICK_PLAN_S; tests/benchmarks/test_gpu_acceptance.py checks the sum).
+PROFILES["quick"] = replace(
+    PROFILES["qwen2-0.5b"],
+    name="quick",
+    train_seq=512,
+    train_steps=2,
+    gen_prompts=32,
+    gen_new_tokens=64,
+    refit_repeats=2,
+    grpo_overrides=(
+        "grpo.num_prompts_per_step=8",
+        "grpo.num_generations_per_prompt=4",
+        "policy.train_global_batch_size=32",
+        "policy.train_micro_batch_size=8",
+        "policy.logprob_batch_size=16",
+        "generation.max_new_tokens=48",
+        "generation.torch.generation_batch_size=32",
+        "policy.max_total_sequence_length=128",
+    ),
+    limits={
+        "model": 50,
+        "dtensor": 70,
+        "generation": 40,
+        "cuda_ipc_refit": 60,
+        "megatron": 70,
+        "grpo_step": 110,
+    },
+)
 DEFAULT_PROFILE = {"cpu": "tiny", "cuda": "quick"}
 
 QUICK_PLAN_S = 480
