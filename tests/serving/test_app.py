@@ -68,20 +68,25 @@ def tool_model(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tool_model):
+    yield from _torch_server(tool_model, batch_window_ms=50)
+
+
+def _torch_server(model_path, batch_window_ms: float):
+    """A started endpoint over ``model_path`` with real torch generation; stopped after."""
     from nrl_dtensor.generation import TorchGenerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nrl_core.serving.server import PolicyServer
 
-    tokenizer = AutoTokenizer.from_pretrained(tool_model)
-    model = AutoModelForCausalLM.from_pretrained(tool_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     generator = TorchGenerator(model=model, tokenizer=tokenizer)
     server = PolicyServer(
         generator.generate,
         tokenizer,
         model_id="tool-tiny",
         max_model_len=512,
-        config=ServerConfig(batch_window_ms=50),
+        config=ServerConfig(batch_window_ms=batch_window_ms),
     )
     server.start()
     yield server
@@ -401,24 +406,7 @@ HOSTILE = [
 def plain_server(tiny_model_path):
     """The endpoint over the untrained tiny model (real torch generation): enough for requests
     whose answers are not read."""
-    from nrl_dtensor.generation import TorchGenerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nrl_core.serving.server import PolicyServer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    generator = TorchGenerator(model=model, tokenizer=tokenizer)
-    server = PolicyServer(
-        generator.generate,
-        tokenizer,
-        model_id="tool-tiny",
-        max_model_len=512,
-        config=ServerConfig(batch_window_ms=0),
-    )
-    server.start()
-    yield server
-    server.stop()
+    yield from _torch_server(tiny_model_path, batch_window_ms=0)
 
 
 def test_each_hostile_request_fails_alone_and_the_next_good_one_is_answered(plain_server):
