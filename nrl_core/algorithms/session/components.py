@@ -170,7 +170,7 @@ class Components:
         return int(getattr(generation.options_for(), "num_engines", 1))
 
     def start_cluster(self) -> Any:
-        """Start the configured cluster (stopped by :meth:`close`); returns its resources."""
+        """Start the configured cluster (stopped by ``RunSession.close``); returns its resources."""
         config = self.config
         spec = self.registry.get("cluster", config.cluster.backend, key="cluster.backend")
         self.cluster = spec.load()(config.cluster.options_for(), self.context)
@@ -190,7 +190,7 @@ class Components:
 
         One bundle of 1 GPU + 1 CPU per policy rank; each group takes
         :data:`~nrl_core.generation.COLOCATED_SHARE` of every bundle, so Ray puts a policy rank
-        and its engine on the same GPU. Removed by :meth:`close` after both groups stopped.
+        and its engine on the same GPU. Removed by ``RunSession.close`` after both groups stopped.
         """
         from nrl_core.generation import engines_colocated
 
@@ -450,7 +450,7 @@ class Components:
     def start_policy_only(self):
         """Start the cluster and the policy workers, nothing else (no run directory, data or
         environments): what ``nrl convert`` needs to load a checkpoint and export it.
-        Stopped by :meth:`close`."""
+        Stopped by ``RunSession.close``."""
         resources = self.start_cluster()
         self.policy = self.start_policy(resources, 0.0)
         return self.policy
@@ -458,7 +458,7 @@ class Components:
     def start_server_only(self):
         """What ``nrl serve`` needs: the cluster, the generation backend (the policy ranks for
         ``torch`` generation; else the engines, loaded with the policy's weights) and the
-        endpoint in front of it, started and returned. Stopped by :meth:`close`."""
+        endpoint in front of it, started and returned. Stopped by ``RunSession.close``."""
         self.data.chat_codec()  # the tokenizer, before anything heavy starts
         self.start_policy_and_generation(self.start_cluster(), 0.0)
         self.refit()
@@ -466,7 +466,7 @@ class Components:
 
     def start_server(self):
         """The policy endpoint (``server.*``) in front of :attr:`generate`, serving; stopped
-        by :meth:`close`."""
+        by ``RunSession.close``."""
         from nrl_core.serving.server import PolicyServer
 
         server_config = self.config.server
