@@ -13,7 +13,8 @@ One module per part, every name re-exported here:
 
 - :mod:`.fields`: ``option``, the validators, :class:`ComponentSection`;
 - :mod:`.policy`: ``policy`` and ``loss``;
-- :mod:`.generation`: ``generation`` and ``server``;
+- :mod:`.generation`: ``generation`` (and :class:`EngineOptions`, the base of the engine
+  plugins' options) and ``server``;
 - :mod:`.data`: ``data`` (and ``data.tasks``), ``env`` and ``agent``;
 - :mod:`.infrastructure`: ``cluster``, ``checkpointing`` and ``logger``;
 - :mod:`.algorithms`: ``grpo``, ``distill`` and ``teacher``, ``sft``, ``dpo``, ``rm``, ``eval``;
@@ -56,6 +57,9 @@ from nrl_core.config.schema.fields import (
     show_value,
 )
 from nrl_core.config.schema.generation import (
+    ENGINE_DTYPES,
+    REFIT_TRANSPORTS,
+    EngineOptions,
     GenerationConfig,
     ServerConfig,
 )
@@ -86,11 +90,13 @@ from nrl_core.config.schema.runs import (
 
 __all__ = [
     "ALGORITHM_CONFIGS",
+    "ENGINE_DTYPES",
     "FINITE",
     "NON_EMPTY",
     "NO_ENVIRONMENT",
     "OPTIMIZERS",
     "PRECISIONS",
+    "REFIT_TRANSPORTS",
     "RUN_NAME",
     "AgentConfig",
     "AsyncSection",
@@ -102,6 +108,7 @@ __all__ = [
     "DataConfig",
     "DistillConfig",
     "DistillSection",
+    "EngineOptions",
     "EnvConfig",
     "EvalConfig",
     "EvalSection",

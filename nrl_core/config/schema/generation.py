@@ -97,3 +97,42 @@ class ServerConfig:
         ),
         validator=one_of("auto", "hermes", "none"),
     )
+
+
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
+"""Engine dtypes: torch dtype names, since refit casts the policy's tensors to it."""
+REFIT_TRANSPORTS = ("auto", "cuda_ipc", "nccl", "shm")
+"""``refit_transport`` values (see :func:`nrl_core.generation.resolve_transport`)."""
+
+
+@attrs.define
+class EngineOptions:
+    """The options of a separate generation engine that the core reads to place the engines and
+    refit them (:func:`nrl_core.generation.start_generation_engines`): the base of an engine
+    plugin's config class (``generation.vllm``, ``generation.sglang``), which adds its own.
+
+    A plugin may redeclare a field to change its default or words; it then keeps the same
+    meaning and valid range.
+    """
+
+    tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
+    num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
+    colocated: bool = option(
+        True,
+        "Share GPUs with the policy (the engines sleep between phases). On CPU engines are "
+        "separate actors either way.",
+    )
+    refit_bucket_mb: int = option(
+        512, "Size bound of each weight bucket during refit.", validator=ge(1)
+    )
+    dtype: str = option(
+        "bfloat16",
+        "Engine weight and activation dtype on GPUs (refit casts to it). Engines on CPU run "
+        "float32, the dtype CPU policies train in and send.",
+        validator=one_of(*ENGINE_DTYPES),
+    )
+    refit_transport: str = option(
+        "auto",
+        "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`.",
+        validator=one_of(*REFIT_TRANSPORTS),
+    )
