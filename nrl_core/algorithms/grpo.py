@@ -262,22 +262,46 @@ class GRPOTrainer:
                 "last checkpoint with a lower policy.optimizer.lr or policy.max_grad_norm > 0"
             )
 
-        metrics = {f"train/{k}": v for k, v in train.items()}
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
-        metrics.setdefault("train/kl", float("nan"))
-        metrics.update(episode_metrics("train", data.episodes, s))
+        train.setdefault("kl", float("nan"))
+        return self.end_step(
+            step,
+            data,
+            train,
+            step_start=step_start,
+            generation_s=generation_s,
+            timings={"logprobs_s": logprobs_s, "train_s": train_s, "refit_s": refit_s},
+        )
+
+    def end_step(
+        self,
+        step: int,
+        data: StepData,
+        train: dict[str, float],
+        *,
+        step_start: float,
+        generation_s: float | None,
+        timings: dict[str, float],
+    ) -> dict[str, float]:
+        """The end of a training step, shared by GRPO and distillation: the policy's training
+        results ``train`` as ``train/*`` metrics, the rollouts' metrics
+        (:meth:`rollout_metrics`), then :meth:`close_step` with the step's generation time
+        (``generation_s``, default: the time collecting the rollouts took) and ``timings``."""
+        metrics = {f"train/{k}": v for k, v in train.items()}
+        metrics.update(self.rollout_metrics("train", data.episodes))
+        generation = data.generation_s if generation_s is None else generation_s
         return self.close_step(
             step,
             data,
             metrics,
             step_start=step_start,
-            timings={
-                "generation_s": data.generation_s if generation_s is None else generation_s,
-                "logprobs_s": logprobs_s,
-                "train_s": train_s,
-                "refit_s": refit_s,
-            },
+            timings={"generation_s": generation, **timings},
         )
+
+    def rollout_metrics(self, prefix: str, episodes: Sequence[Episode]) -> dict[str, float]:
+        """The rollouts' metrics under ``prefix`` (``train``, ``val``): see
+        :func:`episode_metrics`."""
+        return episode_metrics(prefix, episodes, self.session)
 
     def close_step(
         self,
@@ -409,10 +433,7 @@ class GRPOTrainer:
                 with s.phase(f"validating step 0 ({len(s.val_samples)} prompts)") as done:
                     metrics.update(self.validate(0))
                     done(f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}")
-            # What loading the data dropped (overlong prompts), once per run.
-            metrics.update(getattr(s, "data_metrics", {}))
-            if metrics:
-                s.log(0, metrics)
+            self.log_start(metrics)
         if self.async_options.enabled:
             self.producer = RolloutProducer(
                 self.collect,
@@ -431,6 +452,14 @@ class GRPOTrainer:
                 self.producer.stop()
         s.summary()
         return 0
+
+    def log_start(self, metrics: dict[str, float]) -> None:
+        """Log step 0 (a fresh run's warm-up and first validation, ``metrics``) with what loading
+        the data dropped (overlong prompts), once per run; nothing when there is neither."""
+        s = self.session
+        metrics.update(getattr(s, "data_metrics", {}))
+        if metrics:
+            s.log(0, metrics)
 
     def _steps(self, start_step: int) -> None:
         s, grpo, producer = self.session, self.grpo, self.producer
