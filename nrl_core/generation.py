@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# The engine plugins' options extend this base (it lives with the config schema: import-light).
+from nrl_core.config.schema.generation import EngineOptions as EngineOptions
 from nrl_core.data import split_even
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError

@@ -59,14 +59,15 @@ def _session(tmp_path, registry, engine: RecordingEngineConfig, policy_ranks: in
 
 
 def _start(session, resources):
-    """What ``RunSession._setup`` does for the policy and the generation engines."""
+    """What the run's set-up (``Components.start``) does for the policy and the generation
+    engines."""
     session.cluster_resources = resources
-    shared = session._colocation_bundles(resources)
+    shared = session.components.colocation_bundles(resources)
     if shared is not None:
-        session.generate, session.refit = session._generation_backend(shared)
-    session.policy = session._start_policy(resources, 0.0, shared)
+        session.generate, session.refit = session.components.generation_backend(shared)
+    session.policy = session.components.start_policy(resources, 0.0, shared)
     if shared is None:
-        session.generate, session.refit = session._generation_backend(None)
+        session.generate, session.refit = session.components.generation_backend(None)
     return session.policy, session.generation_engines
 
 

@@ -27,14 +27,7 @@ import nrl_core
 Edges = dict[str, dict[str, set[str]]]
 """importer -> imported -> the kinds of import between them."""
 
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # Scheduled to go (issue 38, next round): config/loader.py is being edited elsewhere this
-    # round. The loader reads an embedded recipe (a `defaults:` entry) and the recipes parse
-    # their YAML with the loader's parse_yaml; both imports are inside functions.
-    frozenset({"nrl_core.config.loader", "nrl_core.algorithms.recipes"}): (
-        "loader <-> recipes: the YAML parsing moves below both"
-    ),
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:

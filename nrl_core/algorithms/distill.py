@@ -22,6 +22,7 @@ with it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -32,7 +33,7 @@ from nrl_core.algorithms.grpo import (
     episode_metrics,
     sampling_params,
 )
-from nrl_core.algorithms.rollout import episodes_to_batch, rollout, start_episodes
+from nrl_core.algorithms.rollout import Episode, episodes_to_batch, rollout, start_episodes
 from nrl_core.algorithms.runtime import RunSession
 from nrl_core.config.schema import DistillConfig
 from nrl_core.errors import ConfigError
@@ -122,22 +123,16 @@ class DistillTrainer(GRPOTrainer):
         train = s.policy.train(batch, s.loss_fn)
         train_s = time.perf_counter() - start
 
-        metrics = {f"train/{k}": v for k, v in train.items()}
-        metrics.update(self.rollout_metrics("train", data.episodes))
-        return self.close_step(
+        return self.end_step(
             step,
             data,
-            metrics,
+            train,
             step_start=step_start,
-            timings={
-                "generation_s": data.generation_s if generation_s is None else generation_s,
-                "teacher_s": teacher_s,
-                "train_s": train_s,
-                "refit_s": refit_s,
-            },
+            generation_s=generation_s,
+            timings={"teacher_s": teacher_s, "train_s": train_s, "refit_s": refit_s},
         )
 
-    def rollout_metrics(self, prefix: str, episodes: list) -> dict[str, float]:
+    def rollout_metrics(self, prefix: str, episodes: Sequence[Episode]) -> dict[str, float]:
         """GRPO's episode metrics with an environment; lengths only without one."""
         if self.has_environment:
             return episode_metrics(prefix, episodes, self.session)
@@ -203,9 +198,7 @@ class DistillTrainer(GRPOTrainer):
             if distill.val_period > 0:
                 metrics.update(self.teacher_accuracy())
                 metrics.update(self.validate(0))
-            metrics.update(getattr(s, "data_metrics", {}))
-            if metrics:
-                s.log(0, metrics)
+            self.log_start(metrics)
         self._steps(start_step)
         s.summary(self.summary_rows())
         return 0

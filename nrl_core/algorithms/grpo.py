@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -34,8 +33,9 @@ from nrl_core.algorithms.rollout import (
     start_episodes,
 )
 from nrl_core.algorithms.runtime import RunSession, train_in_session
+from nrl_core.algorithms.samples import sample_records
+from nrl_core.algorithms.warmup import answer_warmup
 from nrl_core.config.schema import GRPOConfig
-from nrl_core.data import Batch, pad_sequences
 from nrl_core.errors import NonFiniteError, NrlError
 from nrl_core.interfaces import SamplingParams
 from nrl_core.metrics import samples_console_table, samples_due
@@ -262,22 +262,46 @@ class GRPOTrainer:
                 "last checkpoint with a lower policy.optimizer.lr or policy.max_grad_norm > 0"
             )
 
-        metrics = {f"train/{k}": v for k, v in train.items()}
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
-        metrics.setdefault("train/kl", float("nan"))
-        metrics.update(episode_metrics("train", data.episodes, s))
+        train.setdefault("kl", float("nan"))
+        return self.end_step(
+            step,
+            data,
+            train,
+            step_start=step_start,
+            generation_s=generation_s,
+            timings={"logprobs_s": logprobs_s, "train_s": train_s, "refit_s": refit_s},
+        )
+
+    def end_step(
+        self,
+        step: int,
+        data: StepData,
+        train: dict[str, float],
+        *,
+        step_start: float,
+        generation_s: float | None,
+        timings: dict[str, float],
+    ) -> dict[str, float]:
+        """The end of a training step, shared by GRPO and distillation: the policy's training
+        results ``train`` as ``train/*`` metrics, the rollouts' metrics
+        (:meth:`rollout_metrics`), then :meth:`close_step` with the step's generation time
+        (``generation_s``, default: the time collecting the rollouts took) and ``timings``."""
+        metrics = {f"train/{k}": v for k, v in train.items()}
+        metrics.update(self.rollout_metrics("train", data.episodes))
+        generation = data.generation_s if generation_s is None else generation_s
         return self.close_step(
             step,
             data,
             metrics,
             step_start=step_start,
-            timings={
-                "generation_s": data.generation_s if generation_s is None else generation_s,
-                "logprobs_s": logprobs_s,
-                "train_s": train_s,
-                "refit_s": refit_s,
-            },
+            timings={"generation_s": generation, **timings},
         )
+
+    def rollout_metrics(self, prefix: str, episodes: Sequence[Episode]) -> dict[str, float]:
+        """The rollouts' metrics under ``prefix`` (``train``, ``val``): see
+        :func:`episode_metrics`."""
+        return episode_metrics(prefix, episodes, self.session)
 
     def close_step(
         self,
@@ -409,10 +433,7 @@ class GRPOTrainer:
                 with s.phase(f"validating step 0 ({len(s.val_samples)} prompts)") as done:
                     metrics.update(self.validate(0))
                     done(f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}")
-            # What loading the data dropped (overlong prompts), once per run.
-            metrics.update(getattr(s, "data_metrics", {}))
-            if metrics:
-                s.log(0, metrics)
+            self.log_start(metrics)
         if self.async_options.enabled:
             self.producer = RolloutProducer(
                 self.collect,
@@ -431,6 +452,14 @@ class GRPOTrainer:
                 self.producer.stop()
         s.summary()
         return 0
+
+    def log_start(self, metrics: dict[str, float]) -> None:
+        """Log step 0 (a fresh run's warm-up and first validation, ``metrics``) with what loading
+        the data dropped (overlong prompts), once per run; nothing when there is neither."""
+        s = self.session
+        metrics.update(getattr(s, "data_metrics", {}))
+        if metrics:
+            s.log(0, metrics)
 
     def _steps(self, start_step: int) -> None:
         s, grpo, producer = self.session, self.grpo, self.producer
@@ -528,107 +557,6 @@ def episode_metrics(
             )
             metrics.update({f"{key}{k}": float(v) for k, v in env.items()})
     return metrics
-
-
-def answer_warmup(
-    session: RunSession,
-    policy: Any,
-    steps: int,
-    *,
-    template: str,
-    batch_size: int,
-    shuffle_answers: bool = False,
-) -> list[float]:
-    """``steps`` supervised optimizer steps of ``policy`` (a :class:`~nrl_core.policy.Policy`)
-    on the training prompts and their answers, each rendered with ``template`` (``{answer}``),
-    ``batch_size`` prompts per step; the training stream is rewound afterwards. With
-    ``shuffle_answers`` each prompt gets another prompt's answer. Returns the step losses."""
-    s = session
-    rng = random.Random(f"{s.config.seed}-sft-warmup")
-    nll = s.registry.get("loss", "nll").load()(None, None)
-    losses = []
-    for _ in range(steps):
-        prompts = s.train_stream.take(batch_size)
-        answers = [str(p.answer) for p in prompts]
-        if shuffle_answers:
-            rng.shuffle(answers)
-        rows = []
-        for sample, answer in zip(prompts, answers, strict=True):
-            prompt = s.codec.encode_prompt(s.codec.prompt_messages(sample))
-            text = template.format(answer=answer)
-            response = [
-                *s.tokenizer(text, add_special_tokens=False)["input_ids"],
-                s.tokenizer.eos_token_id,
-            ]
-            rows.append((prompt, response))
-        batch = supervised_batch(rows, s.tokenizer.pad_token_id)
-        losses.append(policy.train(batch, nll)["loss"])
-    # The warm-up drew from the training stream; the run starts from its beginning.
-    s.train_stream.rewind()
-    return losses
-
-
-def supervised_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
-    """(prompt ids, response ids) pairs as a training batch with the loss on the responses."""
-    return Batch(
-        {
-            "input_ids": pad_sequences([p + r for p, r in rows], pad_value=pad_token_id),
-            "lengths": torch.tensor([len(p) + len(r) for p, r in rows]),
-            "loss_mask": pad_sequences(
-                [[0.0] * len(p) + [1.0] * len(r) for p, r in rows], dtype=torch.float32
-            ),
-        }
-    )
-
-
-def sample_records(
-    episodes: Sequence[Episode], advantages: Sequence[float] | None = None
-) -> list[dict[str, Any]]:
-    """The ``samples.jsonl`` fields of ``episodes``: ``task``, ``prompt`` (the chat messages
-    before the response), ``completion`` (the response text; a multi-turn one as ``role:
-    content`` lines with the observations between), ``answer`` (the sample's reference, None
-    without one), ``reward``, ``advantage`` (when ``advantages``, aligned with ``episodes``, are
-    given) and ``finish_reason``."""
-    records = []
-    for index, e in enumerate(episodes):
-        cut = response_start(e.messages)
-        response = e.messages[cut:]
-        record: dict[str, Any] = {
-            "task": e.task,
-            "prompt": [{"role": m["role"], "content": m["content"]} for m in e.messages[:cut]],
-            "completion": (
-                str(response[0]["content"])
-                if len(response) == 1
-                else "\n".join(f"{m['role']}: {m['content']}" for m in response)
-            ),
-            "answer": e.metadata.get("answer"),
-            "reward": float(e.reward),
-        }
-        if advantages is not None:
-            record["advantage"] = float(advantages[index])
-        record["finish_reason"] = e.finish_reason
-        records.append(record)
-    return records
-
-
-def response_start(messages: Sequence[dict[str, Any]]) -> int:
-    """Index of the first message of the response in an episode's ``messages``.
-
-    The rollout gives every message it appends (responses, observations) its ``token_ids``; an
-    agent's trajectory appends ``context`` messages between its responses (see
-    :func:`~nrl_core.algorithms.rollout.apply_trajectory`). The response starts at the first
-    such message, or at the trailing assistant messages before it: an agent's responses carry
-    no ids, while a prompt (even one with few-shot assistant turns) ends with a user turn.
-    """
-    cut = next(
-        (i for i, m in enumerate(messages) if "token_ids" in m or m.get("role") == "context"),
-        len(messages),
-    )
-    if cut < len(messages) and "token_ids" in messages[cut]:
-        return cut
-    while cut > 0 and messages[cut - 1].get("role") == "assistant":
-        cut -= 1
-    return cut
 
 
 run = GRPOTrainer.run

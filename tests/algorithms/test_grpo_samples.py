@@ -12,8 +12,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from nrl_core.algorithms.grpo import GRPOTrainer, StepData, response_start, sample_records
+from nrl_core.algorithms.grpo import GRPOTrainer, StepData
 from nrl_core.algorithms.rollout import Episode
+from nrl_core.algorithms.samples import response_start, sample_records
 from nrl_core.config.schema import GRPOConfig, GRPOSection, LoggerConfig
 from nrl_core.metrics import MetricsLogger, read_samples
 

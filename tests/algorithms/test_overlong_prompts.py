@@ -66,7 +66,7 @@ def test_overlong_prompts_are_dropped_and_counted_per_split(
         "data.shuffle=false",
     )
     session = RunSession(config, registry, algorithm="grpo", console=Console())
-    session._load_data()
+    session.data.load()
 
     problems = [s.metadata["problem"] for s in session.train_stream.take(3)]
     assert problems == ["7" * 2, "7" * 5, "7" * 10]
@@ -88,7 +88,7 @@ def test_a_dataset_with_no_prompt_that_fits_is_a_config_error(tmp_path, registry
     config = grpo_config(tmp_path, registry, tiny_model_path, f"data.dataset={train}")
     session = RunSession(config, registry, algorithm="grpo", console=Console(quiet=True))
     with pytest.raises(ConfigError) as error:
-        session._load_data()
+        session.data.load()
     message = str(error.value)
     assert "\n" not in message
     assert "every one of the" in message and "longer than 14 tokens" in message

@@ -15,9 +15,8 @@ class _ClusterReached(Exception):
     """Raised where the run would start its cluster: the set-up before it is what is tested."""
 
 
-class _NoCluster(RunSession):
-    def _start_cluster(self):
-        raise _ClusterReached
+def _no_cluster():
+    raise _ClusterReached
 
 
 def test_the_sinks_get_the_resolved_run_config(tmp_path, tiny_model_path):
@@ -38,7 +37,8 @@ def test_the_sinks_get_the_resolved_run_config(tmp_path, tiny_model_path):
         ],
         registry,
     )
-    session = _NoCluster(config, registry, algorithm="grpo", console=Console(quiet=True))
+    session = RunSession(config, registry, algorithm="grpo", console=Console(quiet=True))
+    session.components.start_cluster = _no_cluster
     with pytest.raises(_ClusterReached):
         session._setup()
     session.close()

@@ -29,22 +29,22 @@ def test_checkpoints_default_to_the_run_folder(tmp_path):
 
 def test_a_live_run_folder_is_refused_to_a_second_run(tmp_path):
     first, second = session(tmp_path), session(tmp_path)
-    first._lock_run_dir()
+    first.folder.lock()
     assert (tmp_path / "run" / RUN_LOCK).read_text().strip() == str(os.getpid())
     with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()}\)"):
-        second._lock_run_dir()
-    session(tmp_path, "other")._lock_run_dir()  # another run folder is free
+        second.folder.lock()
+    session(tmp_path, "other").folder.lock()  # another run folder is free
     first.close()
-    second._lock_run_dir()  # released with the first run
+    second.folder.lock()  # released with the first run
     second.close()
 
 
 def test_an_explicit_checkpoint_folder_is_locked_too(tmp_path):
     shared = str(tmp_path / "shared-ckpt")
     first = session(tmp_path, "a", checkpoint_dir=shared)
-    first._lock_run_dir()
+    first.folder.lock()
     with pytest.raises(ConfigError, match=r"shared-ckpt is in use by another run"):
-        session(tmp_path, "b", checkpoint_dir=shared)._lock_run_dir()
+        session(tmp_path, "b", checkpoint_dir=shared).folder.lock()
     first.close()
 
 

@@ -95,7 +95,7 @@ def test_on_policy_shortcut_auto_skips_prev_logprobs_only_with_one_optimizer_ste
     assert config.loss.options_for().on_policy_shortcut == (
         "auto" if value is None else value == "true"
     )
-    # What the driver builds the run's loss from (RunSession._build_loss).
+    # What the driver builds the run's loss from (Components.build_loss).
     options = loss_options(config, registry)
     assert options.on_policy_shortcut is skips_prev_logprobs
     assert ClippedPGLoss(options).needs_prev_logprobs is not skips_prev_logprobs

@@ -51,7 +51,7 @@ def test_environment_actors_run_in_the_plugins_venv(
     )
     session = RunSession(config, nrl_registry, algorithm="grpo", console=Console(quiet=True))
     try:
-        pool = session._start_environments(config.env)  # the path GRPO's set-up takes
+        pool = session.components.start_environments(config.env)  # the path GRPO's set-up takes
         group = pool.groups["default"]
         reported = _interpreter(group.actors[0])
 

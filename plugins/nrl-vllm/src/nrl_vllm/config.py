@@ -2,24 +2,28 @@
 
 import attrs
 
-from nrl_core.config.schema import between, ge, one_of, option, optional
+from nrl_core.config.schema import (
+    ENGINE_DTYPES,
+    REFIT_TRANSPORTS,
+    EngineOptions,
+    between,
+    ge,
+    one_of,
+    option,
+    optional,
+)
 
-ENGINE_DTYPES = ("bfloat16", "float16", "float32")
-"""Engine dtypes: torch dtype names, since refit casts the policy's tensors to it."""
-REFIT_TRANSPORTS = ("auto", "cuda_ipc", "nccl", "shm")
+__all__ = ["ENGINE_DTYPES", "LOGPROBS_MODES", "REFIT_TRANSPORTS", "VllmConfig"]
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 """vLLM's ``logprobs_mode`` values (``nrl_vllm.translate`` maps ``auto`` to one of them)."""
 
 
 @attrs.define
-class VllmConfig:
-    tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
-    num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
-    colocated: bool = option(
-        True,
-        "Share GPUs with the policy (sleep/wake between phases). On CPU engines are separate "
-        "actors either way, and vLLM has no sleep mode there.",
-    )
+class VllmConfig(EngineOptions):
+    """The engine fields the core reads come from
+    :class:`~nrl_core.config.schema.EngineOptions`; vLLM's own follow."""
+
     gpu_memory_utilization: float = option(
         0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
     )
@@ -27,15 +31,6 @@ class VllmConfig:
         False, "Disable CUDA graphs (GPUs; CPU engines always run eager: no torch.compile)."
     )
     async_engine: bool = option(False, "Use vLLM's async engine.")
-    refit_bucket_mb: int = option(
-        512, "Size bound of each weight bucket during refit.", validator=ge(1)
-    )
-    dtype: str = option(
-        "bfloat16",
-        "Engine weight and activation dtype on GPUs (refit casts to it). CPU engines run "
-        "float32, the dtype CPU policies train in and send.",
-        validator=one_of(*ENGINE_DTYPES),
-    )
     cpu_kv_cache_mb: int = option(
         256,
         "CPU engines only: KV cache size in MiB (vLLM's kv_cache_memory_bytes; on CPU "
@@ -61,9 +56,4 @@ class VllmConfig:
         "for the refit to overwrite it: host memory and two copies per step for nothing. "
         "Ignored on CPU (vLLM has no sleep mode there).",
         validator=one_of(1, 2),
-    )
-    refit_transport: str = option(
-        "auto",
-        "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`.",
-        validator=one_of(*REFIT_TRANSPORTS),
     )

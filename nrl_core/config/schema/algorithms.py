@@ -1,0 +1,213 @@
+"""Each algorithm's own section: ``grpo`` (with ``grpo.async``), ``distill`` (and its
+``teacher``), ``sft``, ``dpo``, ``rm`` and ``eval``."""
+
+from __future__ import annotations
+
+import attrs
+
+from nrl_core.config.schema.fields import FINITE, between, each, ge, gt, one_of, option
+from nrl_core.config.schema.policy import PolicyConfig
+
+
+@attrs.define
+class AsyncSection:
+    """Asynchronous GRPO (``grpo.async``): separate engines generate the next steps' rollouts
+    while the trainer trains (see docs/async-grpo.md)."""
+
+    enabled: bool = option(
+        False,
+        "Generate rollouts on a background producer while training. Needs separate generation "
+        "engines (`generation.colocated=false`, or vLLM/SGLang engines that are not colocated).",
+    )
+    max_trajectory_age_steps: int = option(
+        1,
+        "How many optimizer steps older than the trainer the weights that generated a trained "
+        "trajectory may be (>= 0). The producer generates the batch of step k only once the "
+        "engines hold weights of step k - this or newer; a batch found older when it is "
+        "trained is dropped and counted (`async/dropped_stale`). 0 is the synchronous loop.",
+        validator=ge(0),
+    )
+    max_buffer_size: int = option(
+        2,
+        "Most finished batches (one step's rollouts each) waiting for the trainer (>= 1); the "
+        "producer pauses when the buffer is full.",
+        validator=ge(1),
+    )
+
+
+@attrs.define
+class GRPOSection:
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    num_prompts_per_step: int = option(
+        8, "Prompts drawn per step (1 to 1,048,576).", validator=between(1, 2**20)
+    )
+    num_generations_per_prompt: int = option(
+        8,
+        (
+            "Responses per prompt (the group size); at least 2, since a sample's advantage is "
+            "its reward against the rest of its group (a group of one learns nothing)."
+        ),
+        validator=ge(2),
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
+    val_period: int = option(
+        10, "Validate every N steps (0 disables); step 0 is validated too.", validator=ge(0)
+    )
+    normalize_rewards: bool = option(True, "Divide advantages by the group's std.")
+    use_leave_one_out_baseline: bool = option(True, "Baseline = mean of the other samples.")
+    dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
+    dynamic_sampling_max_batches: int = option(
+        4, "Most extra generation rounds per step.", validator=ge(0)
+    )
+    overlong_filtering: bool = option(False, "Mask out samples truncated by max_new_tokens.")
+    on_nonfinite: str = option(
+        "stop",
+        (
+            "A step whose rewards or advantages are NaN or infinite: `stop` the run in one line "
+            "naming the environment and the first bad sample, or `skip` the step (nothing is "
+            "trained on it; `train/skipped_nonfinite` is 1). A non-finite loss or gradient "
+            "always stops the run, before anything is saved."
+        ),
+        validator=one_of("stop", "skip"),
+    )
+    sft_warmup_steps: int = option(
+        0,
+        (
+            "Supervised optimizer steps on the training prompts before GRPO (0 disables): a short "
+            "warm start that teaches the answer format. Step 0's validation runs after it, so the "
+            "metrics show where GRPO starts from."
+        ),
+        validator=ge(0),
+    )
+    sft_warmup_shuffle_answers: bool = option(
+        False,
+        (
+            "Pair each warm-up prompt with the answer of another, random prompt: the model learns "
+            "what an answer looks like and where it ends, but not which one is right."
+        ),
+    )
+    sft_warmup_template: str = option(
+        "{answer}",
+        ("Response text of the warm-up examples; `{answer}` is the (possibly shuffled) answer."),
+    )
+    async_: AsyncSection = attrs.field(
+        factory=AsyncSection,
+        metadata={
+            "doc": "Asynchronous GRPO: overlap rollout generation with training.",
+            "key": "async",  # a Python keyword: the attribute is `async_`, the key `async`
+        },
+    )
+
+
+@attrs.define
+class TeacherConfig(PolicyConfig):
+    """The frozen teacher of ``nrl run distill``: a second policy worker group that only scores
+    the student's rollouts (top-k logprobs per position). It must share the student's
+    tokenizer. Its batch-size and optimizer fields matter only for
+    ``distill.teacher_warmup_steps``."""
+
+    num_workers: int = option(
+        1, "Number of teacher ranks (Ray actors), one per GPU on GPU.", validator=ge(1)
+    )
+
+
+@attrs.define
+class DistillSection:
+    """On-policy distillation (``nrl run distill``): the student generates, the teacher scores
+    the student's own tokens, the student minimises the per-token divergence (the
+    ``distillation`` loss)."""
+
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    num_prompts_per_step: int = option(16, "Prompts drawn per step.", validator=ge(1))
+    num_generations_per_prompt: int = option(
+        1, "Student responses per prompt (>= 1; no group baseline is needed).", validator=ge(1)
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
+    val_period: int = option(
+        10,
+        "Validate every N steps (0 disables; needs an environment); step 0 is validated too.",
+        validator=ge(0),
+    )
+    topk: int = option(
+        64,
+        (
+            "Teacher logprobs kept per position (>= 1): the k most likely tokens, plus the "
+            "rest of the mass as one bucket. At or above the vocabulary size the full "
+            "distribution is kept and the divergence is exact; below it only k numbers per "
+            "position cross Ray."
+        ),
+        validator=ge(1),
+    )
+    teacher_warmup_steps: int = option(
+        0,
+        (
+            "Supervised optimizer steps that first train the teacher on the training prompts' "
+            "answers (>= 0; 0 for a teacher that is already trained). The CPU demo trains its "
+            "teacher this way; the result is kept beside the checkpoints for resuming."
+        ),
+        validator=ge(0),
+    )
+    teacher_warmup_template: str = option(
+        "{answer}", "Response text of the teacher's warm-up examples; `{answer}` is the answer."
+    )
+
+
+@attrs.define
+class SFTSection:
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
+
+
+@attrs.define
+class DPOSection:
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
+    beta: float = option(0.1, "DPO temperature.", validator=gt(0))
+    sft_loss_weight: float = option(
+        0.0, "Weight of an NLL term on the chosen response.", validator=ge(0)
+    )
+    average_logprobs: bool = option(False, "Average (not sum) response logprobs.")
+
+
+@attrs.define
+class RMSection:
+    max_num_steps: int = option(100, "Training steps.", validator=ge(0))
+    val_period: int = option(10, "Validate every N steps (0 disables).", validator=ge(0))
+
+
+@attrs.define
+class EvalSection:
+    checkpoint: str | None = option(
+        None,
+        (
+            "An nrl checkpoint to evaluate: a `step_N` folder, or a checkpoint directory (its "
+            "newest step). The policy's model keys (backend, model_name, tokenizer_name, "
+            "precision, backend options) come from the config saved in it; unset: evaluate "
+            "`policy.model_name` (a Hugging Face name or folder, or a checkpoint folder)."
+        ),
+    )
+    num_samples: int = option(
+        1,
+        "Responses sampled per problem (n), at `generation.temperature`.",
+        validator=ge(1),
+    )
+    pass_k: list[int] = option(
+        [],
+        (
+            "The k of each reported pass@k (each at most num_samples); empty: 1 and num_samples. "
+            "Unbiased estimator of Chen et al. (2021) when n > k, any-correct when n == k."
+        ),
+        validator=each(ge(1)),
+    )
+    correct_threshold: float = option(
+        1.0,
+        "A response is correct when its episode reward is at least this.",
+        validator=FINITE,
+    )
+    max_rollout_turns: int = option(1, "Most turns per episode (1 = single turn).", validator=ge(1))
+    batch_size: int = option(
+        256, "Responses rolled out together in one rollout call (0: all at once).", validator=ge(0)
+    )
+    output: str | None = option(
+        None, "Where eval.json is written (default: <logger.log_dir>/<logger.run_name>/eval.json)."
+    )

@@ -1,0 +1,138 @@
+"""The ``generation`` section (how responses are generated) and the ``server`` section (the
+OpenAI-compatible policy endpoint)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from nrl_core.config.schema.fields import (
+    NON_EMPTY,
+    ComponentSection,
+    between,
+    each,
+    ge,
+    gt,
+    one_of,
+    option,
+)
+from nrl_core.registry import ComponentKind
+
+
+@attrs.define
+class GenerationConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "generation"
+    selector: ClassVar[str] = "backend"
+
+    backend: str = option("torch", "Registered generation backend (`torch`, `vllm`, `sglang`).")
+    max_new_tokens: int = option(
+        128,
+        "Most tokens generated per turn (less than policy.max_total_sequence_length).",
+        validator=ge(1),
+    )
+    temperature: float = option(1.0, "Sampling temperature; 0 is greedy.", validator=ge(0))
+    top_p: float = option(
+        1.0, "Nucleus sampling threshold (1 disables).", validator=between(0, 1, low_open=True)
+    )
+    top_k: int = option(0, "Top-k sampling (0 disables).", validator=ge(0))
+    stop_strings: list[str] = option(
+        [],
+        "Strings that end a turn (matched on decoded text).",
+        validator=each(NON_EMPTY, "a list of non-empty strings"),
+    )
+    stop_token_ids: list[int] = option(
+        [], "Token ids that end a turn (EOS is always one).", validator=each(ge(0))
+    )
+
+
+@attrs.define
+class ServerConfig:
+    """The OpenAI-compatible policy endpoint (`nrl serve`, and agent-driven runs)."""
+
+    host: str = option(
+        "127.0.0.1",
+        "Address to bind; loopback by default (use 0.0.0.0 to expose it, with api_key).",
+        validator=NON_EMPTY,
+    )
+    port: int = option(
+        0, "Port to bind (0: a free port, printed at start).", validator=between(0, 65535)
+    )
+    api_key: str | None = option(
+        None, "Bearer token every request must carry (Authorization: Bearer ...); null: none."
+    )
+    batch_window_ms: float = option(
+        20.0,
+        (
+            "How long the server collects concurrent requests before one backend call serves "
+            "them all, in milliseconds (>= 0)."
+        ),
+        validator=ge(0),
+    )
+    max_batch_size: int = option(256, "Most requests served by one backend call.", validator=ge(1))
+    max_request_bytes: int = option(
+        16 << 20,
+        (
+            "Largest request body accepted, in bytes (>= 1024; a larger one is answered 413). "
+            "The default, 16 MiB, holds a long multi-turn history with its carried token ids."
+        ),
+        validator=ge(1024),
+    )
+    read_timeout_s: float = option(
+        30.0,
+        (
+            "Seconds a client has to send a request's headers, and again its body (> 0): a "
+            "slower connection is closed (headers) or answered 408 (body)."
+        ),
+        validator=gt(0),
+    )
+    model_id: str | None = option(
+        None, "The model id that /v1/models lists (default: policy.model_name)."
+    )
+    tool_parser: str = option(
+        "auto",
+        (
+            "How tool calls are parsed out of generated text: `auto` (by model family), "
+            "`hermes` (<tool_call>JSON</tool_call>), or `none`."
+        ),
+        validator=one_of("auto", "hermes", "none"),
+    )
+
+
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
+"""Engine dtypes: torch dtype names, since refit casts the policy's tensors to it."""
+REFIT_TRANSPORTS = ("auto", "cuda_ipc", "nccl", "shm")
+"""``refit_transport`` values (see :func:`nrl_core.generation.resolve_transport`)."""
+
+
+@attrs.define
+class EngineOptions:
+    """The options of a separate generation engine that the core reads to place the engines and
+    refit them (:func:`nrl_core.generation.start_generation_engines`): the base of an engine
+    plugin's config class (``generation.vllm``, ``generation.sglang``), which adds its own.
+
+    A plugin may redeclare a field to change its default or words; it then keeps the same
+    meaning and valid range.
+    """
+
+    tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
+    num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
+    colocated: bool = option(
+        True,
+        "Share GPUs with the policy (the engines sleep between phases). On CPU engines are "
+        "separate actors either way.",
+    )
+    refit_bucket_mb: int = option(
+        512, "Size bound of each weight bucket during refit.", validator=ge(1)
+    )
+    dtype: str = option(
+        "bfloat16",
+        "Engine weight and activation dtype on GPUs (refit casts to it). Engines on CPU run "
+        "float32, the dtype CPU policies train in and send.",
+        validator=one_of(*ENGINE_DTYPES),
+    )
+    refit_transport: str = option(
+        "auto",
+        "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`.",
+        validator=one_of(*REFIT_TRANSPORTS),
+    )

@@ -1,0 +1,118 @@
+"""The ``policy`` section (model, precision, batch sizes, optimizer) and the ``loss`` section."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import attrs
+
+from nrl_core.config.schema.fields import (
+    NON_EMPTY,
+    ComponentSection,
+    Valid,
+    between,
+    ge,
+    gt,
+    one_of,
+    option,
+    optional,
+)
+from nrl_core.registry import ComponentKind
+
+OPTIMIZERS = ("adamw", "sgd")
+"""``policy.optimizer.name`` values."""
+
+
+PRECISIONS = ("float32", "bfloat16")
+"""``policy.precision`` values (``nrl_core.policy_setup.PRECISIONS`` maps them to dtypes)."""
+
+
+@attrs.define
+class OptimizerConfig:
+    name: str = option(
+        "adamw", "Optimizer: `adamw` (torch.optim.AdamW) or `sgd`.", validator=one_of(*OPTIMIZERS)
+    )
+    lr: float = option(1e-5, "Peak learning rate.", validator=gt(0))
+    weight_decay: float = option(0.0, "Decoupled weight decay.", validator=ge(0))
+    betas: list[float] = option(
+        [0.9, 0.999],
+        "Adam betas.",
+        validator=Valid(
+            "two numbers in [0, 1)",
+            lambda b: isinstance(b, list) and len(b) == 2 and all(0 <= x < 1 for x in b),
+        ),
+    )
+    eps: float = option(1e-8, "Adam epsilon.", validator=gt(0))
+    warmup_steps: int = option(
+        0, "Linear warm-up steps from 0 to `lr`; constant afterwards.", validator=ge(0)
+    )
+
+
+@attrs.define
+class PolicyConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "policy"
+    selector: ClassVar[str] = "backend"
+
+    backend: str = option("dtensor", "Registered policy backend (`dtensor`, `megatron`).")
+    model_name: str = option(
+        "tiny",
+        "Hugging Face model name or local folder; `tiny` builds the bundled tiny model.",
+        validator=NON_EMPTY,
+    )
+    tokenizer_name: str | None = option(None, "Tokenizer name or folder (default: model_name).")
+    precision: str = option(
+        "float32",
+        "Parameter/compute precision: `float32` or `bfloat16`.",
+        validator=one_of(*PRECISIONS),
+    )
+    num_workers: int = option(
+        1, "Number of policy ranks (Ray actors), one per GPU on GPU.", validator=ge(1)
+    )
+    train_global_batch_size: int = option(
+        32, "Samples per optimizer step, over all ranks.", validator=ge(1)
+    )
+    train_micro_batch_size: int = option(
+        4,
+        "Samples per forward/backward on one rank (at most train_global_batch_size).",
+        validator=ge(1),
+    )
+    micro_batch_token_budget: int | None = option(
+        None,
+        (
+            "If set (>= 1), pack training micro batches up to this many unpadded tokens "
+            "(longest first) instead of train_micro_batch_size samples."
+        ),
+        validator=optional(ge(1)),
+    )
+    sequence_packing: Literal["auto", True, False] = option(
+        "auto",
+        (
+            "Pack each micro batch's samples into one padding-free row (restarted position "
+            "ids, per-sample boundaries) for training and logprob passes: `auto` packs where "
+            "the policy backend supports it (dtensor), `true` requires it, `false` computes on "
+            "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else "
+            "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length. See "
+            "docs/configuration.md, sequence packing, for when to turn it off."
+        ),
+        validator=Valid("`auto`, `true` or `false`", lambda v: v == "auto" or isinstance(v, bool)),
+    )
+    logprob_batch_size: int = option(
+        8, "Samples per forward when computing logprobs.", validator=ge(1)
+    )
+    max_total_sequence_length: int = option(
+        512,
+        "Longest prompt + response, in tokens (1 to 16,777,216: far beyond any model's context).",
+        validator=between(1, 2**24),
+    )
+    max_grad_norm: float = option(
+        1.0, "Gradient clipping norm (0 disables clipping).", validator=ge(0)
+    )
+    optimizer: OptimizerConfig = option(OptimizerConfig(), "Optimizer and LR schedule.")
+
+
+@attrs.define
+class LossConfig(ComponentSection):
+    component_kind: ClassVar[ComponentKind] = "loss"
+    selector: ClassVar[str] = "name"
+
+    name: str = option("clipped_pg", "Registered loss function.")
