@@ -51,6 +51,7 @@ from nrl_core.datasets import (
     load_splits,
     load_task_splits,
 )
+from nrl_core.distributed.inprocess import INPROCESS, cluster_backend
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_core.losses.config import ClippedPGConfig, resolved_clipped_pg_config
@@ -271,9 +272,14 @@ class RunSession:
         # <run dir>/nrl.log: error details, and (without -v) Ray's and the workers' output
         self._closers.append(open_run_log(self.run_dir))
 
-        with self.phase(f"starting Ray ({config.cluster.backend})") as done:
+        backend = cluster_backend(config, registry)
+        doing = "the in-process cluster" if backend == INPROCESS else f"Ray ({backend})"
+        with self.phase(f"starting {doing}") as done:
             resources = self._start_cluster()
-            done(f"Ray: {_resources_line(resources)}")
+            done(
+                f"{'in process, no Ray' if backend == INPROCESS else 'Ray'}: "
+                f"{_resources_line(resources)}"
+            )
 
         env = self._environment_section()
         reserved = ENV_CPUS_PER_WORKER * self._helper_actor_count()
@@ -388,8 +394,9 @@ class RunSession:
     def _start_cluster(self) -> Any:
         """Start the configured cluster (stopped by :meth:`close`); returns its resources."""
         config = self.config
-        spec = self.registry.get("cluster", config.cluster.backend, key="cluster.backend")
-        self.cluster = spec.load()(config.cluster.options_for(), self.context)
+        backend = cluster_backend(config, self.registry)  # `auto` resolved
+        spec = self.registry.get("cluster", backend, key="cluster.backend")
+        self.cluster = spec.load()(config.cluster.options_for(backend), self.context)
         if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
             self.cluster.keep_temp_on_failure = self.verbose
         if hasattr(self.cluster, "console_output"):
