@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import math
 import os
 import random
@@ -47,6 +46,7 @@ import attrs
 
 from nrl_core.distributed.errors import ClusterError, WorkerError, WorkerTimeoutError
 from nrl_core.errors import ConfigError, NrlError
+from nrl_core.run_log import RunLogWriter
 
 INPROCESS = "inprocess"
 AUTO = "auto"
@@ -531,7 +531,7 @@ def _as_worker(slot: _Slot, output_source: str | None):
         numpy.random.set_state(slot.numpy_rng)
     if torch.get_num_threads() != slot.threads:
         torch.set_num_threads(slot.threads)
-    redirect = _RunLogOutput(output_source) if output_source else None
+    redirect = RunLogWriter(output_source) if output_source else None
     try:
         if redirect is None:
             yield
@@ -557,30 +557,3 @@ def _as_worker(slot: _Slot, output_source: str | None):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-class _RunLogOutput(io.TextIOBase):
-    """A text stream whose complete lines go to the run log after ``source``; carriage-return
-    redraws (progress bars) keep their last state only."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self._pending = ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        from nrl_core.run_log import log_output
-
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        log_output(self.source, [line.rsplit("\r", 1)[-1] for line in lines if line.strip()])
-        return len(text)
-
-    def flush(self) -> None:
-        from nrl_core.run_log import log_output
-
-        if self._pending.strip():
-            log_output(self.source, [self._pending.rsplit("\r", 1)[-1]])
-        self._pending = ""

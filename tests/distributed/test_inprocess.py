@@ -117,13 +117,27 @@ def metrics_of(run: Path) -> list[dict]:
 
 
 def weights_of(step: Path) -> dict:
-    """The policy's tensors of a checkpoint (its DCP folder, read as torch does)."""
+    """The policy's state of a checkpoint (its DCP folder, read as torch does: the model's
+    and the optimizer's tensors), flattened to ``{"model/name": value}``."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = step.parent / f"{step.name}.pt"
     dcp_to_torch_save(step / "policy", out)
-    return torch.load(out, weights_only=True)
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(f"{prefix}[{index}]", item)
+        else:
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=True))
+    return flat
 
 
 @pytest.mark.slow
@@ -147,10 +161,14 @@ def test_main_recipe_in_process_equals_ray_bit_for_bit(tmp_path):
     assert [timeless(m) for m in ours] == [timeless(m) for m in theirs]
     assert any("train/loss" in m for m in ours) and any("val/accuracy" in m for m in ours)
     mine, yours = (weights_of(results[b] / "ckpt" / "step_3") for b in ("inprocess", "local"))
-    assert mine.keys() == yours.keys() and len(mine) > 5
+    assert mine.keys() == yours.keys()
+    tensors = [name for name in mine if isinstance(mine[name], torch.Tensor)]
+    assert any(n.startswith("/model/") for n in tensors) and len(tensors) > 10
     for name in mine:
         if isinstance(mine[name], torch.Tensor):
             assert torch.equal(mine[name], yours[name]), name
+        else:
+            assert mine[name] == yours[name], name
     # The run said where it ran, and started no Ray.
     log = (results["inprocess"] / "run" / "nrl.log").read_text()
     assert "in process" in log and "Started a local Ray instance" not in log
