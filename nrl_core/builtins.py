@@ -6,6 +6,19 @@ from nrl_core import hookimpl
 @hookimpl
 def nrl_register_clusters(register):
     register(
+        "auto",
+        # Resolved by the run (nrl_core.distributed.inprocess.cluster_backend); built directly,
+        # it is the local cluster.
+        "nrl_core.distributed.cluster:LocalCluster",
+        description="inprocess where that is exact (1 CPU policy rank, generation in it, no "
+        "agents/teacher/async), else local",
+    )
+    register(
+        "inprocess",
+        "nrl_core.distributed.inprocess:InProcessCluster",
+        description="no Ray: the policy rank, generation and environments in this process",
+    )
+    register(
         "local",
         "nrl_core.distributed.cluster:LocalCluster",
         description="starts a Ray head in this process; shut down when the run ends",

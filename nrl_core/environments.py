@@ -93,6 +93,11 @@ class EnvironmentActor(ComponentActor):
     def _checked_step(self, conversations, metadata) -> list[EnvStep]:
         return self.checked(self.env.step(conversations, metadata), "step", len(conversations))
 
+    def defines_correctness(self) -> bool:
+        """The hosted environment's ``defines_correctness`` (see
+        :class:`~nrl_core.interfaces.Environment`; False when it does not say)."""
+        return bool(getattr(self.env, "defines_correctness", False))
+
     def metrics(self, batch: dict[str, Any]) -> dict[str, float]:
         """The environment's own metrics of a finished batch ({} when it defines none)."""
         fn = getattr(self.env, "metrics", None)
@@ -103,6 +108,9 @@ class ExactMatchEnvironment:
     """The core's built-in environment: reward 1.0 when the last line of the response, stripped,
     equals the sample's answer, else 0.0. Single turn. Registered as ``exact_match``; it needs
     no plugin, so the whole loop can be tested with the core alone."""
+
+    defines_correctness = True
+    """Reward 1.0 is a correct response, 0.0 a wrong one."""
 
     def __init__(self, options: Any = None, context: Any = None) -> None:
         self.context = context
@@ -129,6 +137,7 @@ class EnvironmentPool:
 
     def __init__(self, groups: dict[str, Any], step_timeout_s: float | None = None) -> None:
         self.groups = groups
+        self._correctness: dict[int, bool] = {}
         if step_timeout_s is not None:
             for group in groups.values():
                 # In-process groups (tests, single process) have no timeouts to set.
@@ -163,6 +172,15 @@ class EnvironmentPool:
             for i, result in zip(index, [r for out in outputs for r in out], strict=True):
                 results[i] = result
         return [r for r in results if r is not None]
+
+    def defines_correctness(self, task: str) -> bool:
+        """Whether ``task``'s environment says its reward is correctness (asked once)."""
+        group = self.groups.get(task) or self.groups.get("default")
+        if group is None:
+            return False
+        if id(group) not in self._correctness:
+            self._correctness[id(group)] = bool(group.run_one(0, "defines_correctness"))
+        return self._correctness[id(group)]
 
     def metrics(self, task: str, batch: dict[str, Any]) -> dict[str, float]:
         group = self.groups.get(task) or self.groups.get("default")

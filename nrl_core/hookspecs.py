@@ -109,8 +109,9 @@ def nrl_register_clusters(register: Register) -> None:
 
     The target is a class honouring :class:`nrl_core.interfaces.Cluster`: it starts or connects
     to Ray, reports the resources it has, and shuts down what it started. The core registers
-    ``local`` (an embedded Ray head) and ``ray`` (an existing cluster). Options come from
-    ``cluster.<name>``.
+    ``local`` (an embedded Ray head), ``ray`` (an existing cluster), ``inprocess`` (no Ray:
+    the worker groups are objects in the driver process) and ``auto`` (``inprocess`` where it
+    is exact, else ``local``). Options come from ``cluster.<name>``.
     """
 
 

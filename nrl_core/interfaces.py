@@ -292,6 +292,12 @@ class Environment(Protocol):
     # Optional: ``def metrics(self, batch: dict[str, Any]) -> dict[str, float]`` — environment
     # level metrics from the rewards, conversations and metadata of a finished batch.
 
+    defines_correctness: bool = False
+    """Optional (default False): the reward says whether a response is correct (1.0 correct,
+    0.0 wrong). Only then does validation report ``val/accuracy`` and ``nrl eval`` accuracy and
+    pass@k; otherwise they report the mean reward (``val/reward_mean``), which for partial
+    credit is no accuracy. Read from the environment object, so it may depend on its options."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Agent

@@ -22,6 +22,7 @@ from typing import Any
 from nrl_core import atomic
 from nrl_core.config.schema import LoggerConfig
 from nrl_core.errors import ConfigError
+from nrl_core.run_log import output_to_run_log
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -456,7 +457,10 @@ class _WandB:
         }
         if run_id:
             options.update(id=run_id, resume="allow")
-        self.run = self.wandb.init(**options)
+        # Its "wandb: ..." lines (the run's folder at init; history and summary at finish) are
+        # third-party output: to the run log, like Ray's (docs/runtime.md).
+        with output_to_run_log("(wandb)"):
+            self.run = self.wandb.init(**options)
         # Set after init: a resumed run's config may differ (e.g. a raised max_num_steps).
         self.run.config.update(run_config, allow_val_change=True)
         self.id = self.run.id
@@ -469,7 +473,8 @@ class _WandB:
         self.run.log({f"samples/{split}": table}, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        with output_to_run_log("(wandb)"):
+            self.run.finish()
 
 
 _MLFLOW_BAD_KEY = re.compile(r"[^\w\-. :/]")

@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from nrl_core.config.schema import NO_ENVIRONMENT, ComponentSection
+from nrl_core.distributed.inprocess import check_inprocess
 from nrl_core.errors import ConfigError
 from nrl_core.registry import Registry
 
@@ -99,6 +100,7 @@ def preflight(config: Any, registry: Registry) -> None:
                 model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
     check_local_resources(config)
+    check_inprocess(config, registry)
     check_actor_envs(config)
     check_component_requirements(config, registry)
     check_component_options(config)
@@ -118,7 +120,7 @@ def check_local_resources(config: Any) -> None:
     the CPUs Ray will have (``cluster.num_cpus``, else this machine's) and
     ``cluster.gpus_per_node`` above the GPUs the driver lists, before Ray starts."""
     cluster = getattr(config, "cluster", None)
-    if cluster is None or cluster.backend != "local":
+    if cluster is None or cluster.backend not in ("local", "auto"):
         return
     cpus = cluster.num_cpus or os.cpu_count() or 1
     source = f"cluster.num_cpus={cluster.num_cpus}" if cluster.num_cpus else "this machine"

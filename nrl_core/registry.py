@@ -203,5 +203,8 @@ class Registry:
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             message += f"; did you mean {close[0]!r}?"
-        message += " (`nrl plugins` shows every plugin and its errors)"
+        from nrl_core.first_party import install_hint
+
+        hint = install_hint(kind, name)  # a plugin of this repository that is not installed
+        message += hint or " (`nrl plugins` shows every plugin and its errors)"
         raise UnknownComponentError(message)

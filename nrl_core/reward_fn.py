@@ -64,6 +64,12 @@ class RewardFnConfig:
         "starts in, or absolute): `FUNCTION(prompt, completion, **row)` returns a float.",
         validator=REFERENCE,
     )
+    correctness: bool = option(
+        False,
+        "The function returns 1.0 for a correct completion and 0.0 for a wrong one: validation "
+        "then reports `val/accuracy` and `nrl eval` accuracy and pass@k (else the mean reward "
+        "only, as partial credit is no accuracy).",
+    )
 
     def preflight(self, key: str) -> None:
         """Driver-side check before anything starts, without running the file: it exists,
@@ -170,6 +176,7 @@ class RewardFunctionEnvironment:
                 "env.reward_fn.path=FILE.py:FUNCTION"
             )
         self.reference = options.path
+        self.defines_correctness = options.correctness
         self.fn = load_reward_function(options.path)
         self.name = f"{split_reference(options.path)[0].name}:{self.fn.__name__}"
         self.fields = _accepted_fields(self.fn, options.path)

@@ -16,10 +16,12 @@ costs nothing at ``nrl`` start-up.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 RUN_LOG_FILE = "nrl.log"
@@ -93,3 +95,43 @@ class RunLogHandler(logging.Handler):
             self.handleError(record)
             return
         _logger.log(record.levelno, "%s: %s", record.name, message)
+
+
+class RunLogWriter(io.TextIOBase):
+    """A text stream whose complete lines go to the run log after ``source`` (dropped when no
+    run log is open); carriage-return redraws (progress bars) keep their last state only. For
+    output a library prints in this process (``contextlib.redirect_stderr``)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        log_output(self.source, [line.rsplit("\r", 1)[-1] for line in lines if line.strip()])
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip():
+            log_output(self.source, [self._pending.rsplit("\r", 1)[-1]])
+        self._pending = ""
+
+
+@contextlib.contextmanager
+def output_to_run_log(source: str) -> Iterator[None]:
+    """While open, what Python code in this process prints (``sys.stdout``, ``sys.stderr``)
+    goes to the run log after ``source`` instead of the console; nothing changes when no run
+    log is open (outside a run the console is the only place)."""
+    if run_log_path() is None:
+        yield
+        return
+    writer = RunLogWriter(source)
+    try:
+        with contextlib.redirect_stdout(writer), contextlib.redirect_stderr(writer):
+            yield
+    finally:
+        writer.flush()

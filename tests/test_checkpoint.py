@@ -168,7 +168,7 @@ def test_a_saved_config_is_data_and_names_no_interpreter_cluster_or_other_file(t
     assert algorithm == "grpo"
     for section in ("policy", "generation", "env", "agent", "data", "cluster"):
         assert getattr(config, section).actor_env is None, section
-    assert (config.cluster.backend, config.cluster.address) == ("local", None)
+    assert (config.cluster.backend, config.cluster.address) == ("auto", None)  # the default
     assert config.logger.log_dir != "/elsewhere"
     assert config.policy.model_name == resolve_config("grpo").policy.model_name  # the model: kept
 

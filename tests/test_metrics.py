@@ -5,7 +5,10 @@ MLflow (a local store) receive, read back with their own readers."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -410,3 +413,36 @@ def test_logger_options_out_of_range_are_config_errors(override, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_config("grpo", None, [override], None)
+
+
+def test_wandb_lines_go_to_the_run_log_not_the_console(tmp_path, wandb_offline):
+    """Issue 39: W&B's "wandb: ..." lines (its folder at init, the run's history and summary at
+    finish) reached the console of a run, which keeps third-party output in nrl.log."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from nrl_core.config.schema import LoggerConfig\n"
+        "from nrl_core.metrics import MetricsLogger\n"
+        "from nrl_core.run_log import open_run_log\n"
+        "run_dir = Path(sys.argv[1])\n"
+        "run_dir.mkdir(parents=True)\n"
+        "close_log = open_run_log(run_dir)\n"
+        "config = LoggerConfig(wandb=True, run_name='r', wandb_project='p')\n"
+        "logger = MetricsLogger(run_dir, config, run_config={'seed': 1})\n"
+        "logger.log(1, {'train/reward_mean': 0.25})\n"
+        "logger.close()\n"
+        "close_log()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SILENT"}  # W&B as users have it
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wandb" not in done.stdout + done.stderr, done.stdout + done.stderr
+    log = (tmp_path / "run" / "nrl.log").read_text()
+    assert "(wandb) wandb: Run summary:" in log and "offline-run-" in log

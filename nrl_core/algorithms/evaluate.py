@@ -54,9 +54,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def score(
-    episodes: Sequence[Episode], ks: Sequence[int], correct_threshold: float
+    episodes: Sequence[Episode],
+    ks: Sequence[int],
+    correct_threshold: float,
+    correctness: bool = True,
 ) -> dict[str, float]:
-    """Accuracy, pass@k, reward and length statistics of finished episodes.
+    """Accuracy, pass@k, reward and length statistics of finished episodes; without
+    ``correctness`` (an environment whose reward does not say what is correct: partial credit),
+    no accuracy and no pass@k.
 
     Episodes of one problem share their ``group``; every problem must have the same number of
     responses ``n`` (and every ``k`` must be at most ``n``).
@@ -69,11 +74,10 @@ def score(
     if len(sizes) != 1:
         raise ValueError(f"problems have different numbers of responses: {sorted(sizes)}")
     (n,) = sizes
-    metrics = {
-        "num_problems": float(len(by_problem)),
-        "accuracy": fmean(correct),
-    }
-    for k in ks:
+    metrics = {"num_problems": float(len(by_problem))}
+    if correctness:
+        metrics["accuracy"] = fmean(correct)
+    for k in ks if correctness else ():
         metrics[f"pass@{k}"] = fmean(pass_at_k(n, sum(v), k) for v in by_problem.values())
     metrics.update(
         {
@@ -226,9 +230,10 @@ def build_record(
     """What ``eval.json`` holds: what was evaluated, how, and the metrics."""
     threshold = config.eval.correct_threshold
     tasks: dict[str, Any] = {}
-    for task in sorted({e.task for e in episodes}):
+    correct = {t: session.env_pool.defines_correctness(t) for t in {e.task for e in episodes}}
+    for task in sorted(correct):
         chosen = [e for e in episodes if e.task == task]
-        metrics = score(chosen, ks, threshold)
+        metrics = score(chosen, ks, threshold, correct[task])
         # The environment's own metrics (e.g. math's timeout fraction), as in training.
         env = session.env_pool.metrics(
             task,
@@ -251,6 +256,8 @@ def build_record(
         "num_samples": config.eval.num_samples,
         "pass_k": list(ks),
         "correct_threshold": threshold,
+        # The environment says its reward is correctness (else no accuracy, no pass@k).
+        "defines_correctness": all(correct.values()),
         "generation": {
             "backend": gen.backend,
             "temperature": gen.temperature,
@@ -259,7 +266,7 @@ def build_record(
             "max_new_tokens": gen.max_new_tokens,
         },
         "seed": config.seed,
-        "metrics": score(episodes, ks, threshold),
+        "metrics": score(episodes, ks, threshold, all(correct.values())),
         "tasks": tasks,
     }
 
@@ -296,9 +303,10 @@ def results_table(record: dict[str, Any], *, verbose: bool = False):
     rows += ["reward_mean", "response_length_mean", "truncated_fraction", "finished_fraction"]
     rows += ["turns_mean"]
     rows += ["env_errors"]
+    values = [record["metrics"]] + [record["tasks"][t] for t in columns[1:]]
     for key in rows:
-        values = [record["metrics"]] + [record["tasks"][t] for t in columns[1:]]
-        table.add_row(key, *(_fmt(key, v[key]) for v in values))
+        if any(key in v for v in values):  # accuracy, pass@k: where correctness is defined
+            table.add_row(key, *(_fmt(key, v[key]) if key in v else "-" for v in values))
     if verbose:
         for task, values in record["tasks"].items():
             for key, value in values["env"].items():

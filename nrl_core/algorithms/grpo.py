@@ -32,7 +32,7 @@ from nrl_core.algorithms.rollout import (
     rollout,
     start_episodes,
 )
-from nrl_core.algorithms.runtime import RunSession, train_in_session
+from nrl_core.algorithms.runtime import PROGRESS_FIELDS, RunSession, train_in_session
 from nrl_core.algorithms.samples import sample_records
 from nrl_core.algorithms.warmup import answer_warmup
 from nrl_core.config.schema import GRPOConfig
@@ -346,8 +346,10 @@ class GRPOTrainer:
             s.console.print(samples_console_table(step, records, split=split))
 
     def validate(self, step: int) -> dict[str, float]:
-        """Greedy responses to the validation prompts; ``val/accuracy`` is their mean reward
-        (the accuracy for 0/1 rewards)."""
+        """Greedy responses to the validation prompts: their ``val/reward_mean``, and
+        ``val/accuracy`` (the same mean) only where the environment says its reward is
+        correctness (:attr:`~nrl_core.interfaces.Environment.defines_correctness`; overall:
+        when every validated task's does). Partial credit is no accuracy."""
         s = self.session
         if not s.val_samples:
             return {}
@@ -357,10 +359,33 @@ class GRPOTrainer:
         if self.config.logger.sample_period:
             self.log_samples(step, episodes, "validation")
         metrics = episode_metrics("val", episodes, s)
-        metrics["val/accuracy"] = metrics["val/reward_mean"]
-        for task in {e.task for e in episodes}:
-            metrics.setdefault(f"val/{task}/accuracy", metrics[f"val/{task}/reward_mean"])
+        correct = {task: self.defines_correctness(task) for task in {e.task for e in episodes}}
+        if all(correct.values()):
+            metrics["val/accuracy"] = metrics["val/reward_mean"]
+        for task, defined in correct.items():
+            if defined:
+                metrics.setdefault(f"val/{task}/accuracy", metrics[f"val/{task}/reward_mean"])
         return metrics
+
+    def defines_correctness(self, task: str) -> bool:
+        """Whether ``task``'s rewards are correctness (its environment says so; an agent's
+        task, or a run without environments, is scored by reward only)."""
+        pool = self.session.env_pool
+        if pool is None or self.session.agent_for(task) != BUILTIN_AGENT:
+            return False
+        return pool.defines_correctness(task)
+
+    def honest_fields(self) -> tuple[tuple[str, str], ...]:
+        """The progress fields, with the validation accuracy shown as the validation reward
+        where the environment does not define correctness."""
+        fields = self.progress_fields or PROGRESS_FIELDS
+        tasks = {s.task for s in self.session.val_samples} or {"default"}
+        if all(self.defines_correctness(task) for task in tasks):
+            return fields
+        return tuple(
+            ("val/reward_mean", "val reward") if key == "val/accuracy" else (key, label)
+            for key, label in fields
+        )
 
     def sft_warmup(self) -> dict[str, float]:
         """Supervised steps before GRPO (``grpo.sft_warmup_steps``) on the training prompts'
@@ -432,7 +457,11 @@ class GRPOTrainer:
             if grpo.val_period > 0:
                 with s.phase(f"validating step 0 ({len(s.val_samples)} prompts)") as done:
                     metrics.update(self.validate(0))
-                    done(f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}")
+                    done(
+                        f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}"
+                        if "val/accuracy" in metrics
+                        else f"validation at step 0: mean reward {metrics['val/reward_mean']:.3f}"
+                    )
             self.log_start(metrics)
         if self.async_options.enabled:
             self.producer = RolloutProducer(
@@ -464,7 +493,7 @@ class GRPOTrainer:
     def _steps(self, start_step: int) -> None:
         s, grpo, producer = self.session, self.grpo, self.producer
         step_fn = self.train_step if producer is None else self.async_step
-        with s.progress(grpo.max_num_steps, start_step, self.progress_fields) as advance:
+        with s.progress(grpo.max_num_steps, start_step, self.honest_fields()) as advance:
             for step in range(start_step + 1, grpo.max_num_steps + 1):
                 try:
                     metrics = step_fn(step)

@@ -30,6 +30,8 @@ class Chart:
     keys: tuple[str, ...]
     title: str
     ylabel: str
+    unless: tuple[str, ...] = ()
+    """A run that logged one of these keys is drawn by another chart instead."""
 
 
 CHARTS = {
@@ -37,6 +39,10 @@ CHARTS = {
     # distill: the teacher's own accuracy (step 0) next to the student's
     "val_accuracy": Chart(
         ("val/accuracy", "val/teacher_accuracy"), "validation accuracy", "accuracy"
+    ),
+    # Environments whose reward is not correctness (partial credit) log no val/accuracy.
+    "val_reward": Chart(
+        ("val/reward_mean",), "validation mean reward", "mean reward", unless=("val/accuracy",)
     ),
     "kl": Chart(("train/kl",), "KL to the reference policy", "KL"),
     "entropy": Chart(("train/entropy",), "entropy", "nats per token"),
@@ -269,7 +275,12 @@ def draw_charts(runs: Sequence[Run], smooth: float = DEFAULT_SMOOTH) -> Charts:
     """Draw every chart that at least one run has data for; nothing is written."""
     figures, skipped = {}, []
     for name, chart in CHARTS.items():
-        drawn = [r for r in runs if any(r.series(k)[0] for k in chart.keys)]
+        drawn = [
+            r
+            for r in runs
+            if any(r.series(k)[0] for k in chart.keys)
+            and not any(k in r.logged for k in chart.unless)
+        ]
         missing = [(r, why) for r in runs if r not in drawn and (why := _why_missing(r, name))]
         skipped += _skip_lines(name, missing, bool(drawn))
         if drawn:
@@ -288,6 +299,8 @@ def _why_missing(run: Run, name: str) -> str | None:
     """Why a chart the run was expected to have has no data; None when it was not expected
     (a GRPO run has no KL to a teacher)."""
     keys = CHARTS[name].keys
+    if any(k in run.logged for k in CHARTS[name].unless):
+        return None
     kl_coef = _kl_coef(run) if name == "kl" else None
     if not any(k in run.logged for k in keys) and kl_coef is None:
         return None

@@ -441,7 +441,10 @@ def _unknown_key_message(
         alts = [f"{path}.{n}" if path else n for n in inside[:3]]
         message += f"; did you mean {' or '.join(alts)}?"
     elif kind:
+        from nrl_core.first_party import install_hint
+
         message += f" (not an option here, and no {kind} named {key!r} is registered)"
+        message += install_hint(kind, key)
     return message
 
 

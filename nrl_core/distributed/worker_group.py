@@ -184,6 +184,14 @@ class WorkerGroup:
         (an actor venv, see :mod:`nrl_core.distributed.actor_env`); ``env_vars`` are set in
         each actor's environment.
         """
+        from nrl_core.distributed import inprocess
+
+        if inprocess.active() is not None:  # cluster.backend=inprocess: no actor, no Ray
+            return inprocess.InProcessWorkerGroup.start(  # type: ignore[return-value]
+                target, num_workers, args, kwargs, name=name, env_vars=env_vars, python=python,
+                num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker,
+                placement_group=placement_group, layout=layout, timeout_s=timeout_s,
+            )  # fmt: skip
         layout = layout or ParallelLayout()
         layout.dp_size(num_workers)  # fails early on an impossible layout
         if num_workers < 1:

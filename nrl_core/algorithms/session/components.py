@@ -18,6 +18,7 @@ from nrl_core.algorithms.session.run_data import RunData
 from nrl_core.algorithms.session.run_folder import RunFolder
 from nrl_core.config.schema import NO_ENVIRONMENT, RunConfig, portable_config
 from nrl_core.config.validation import optimizer_steps_per_rollout
+from nrl_core.distributed.inprocess import INPROCESS, cluster_backend
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import ComponentContext
 from nrl_core.losses.config import ClippedPGConfig, resolved_clipped_pg_config
@@ -86,9 +87,14 @@ class Components:
         endpoint; then build the loss. ``phase``: the console's
         :meth:`~nrl_core.algorithms.session.console.RunConsole.phase` (a line per start-up)."""
         config = self.config
-        with phase(f"starting Ray ({config.cluster.backend})") as done:
+        backend = cluster_backend(config, self.registry)
+        doing = "the in-process cluster" if backend == INPROCESS else f"Ray ({backend})"
+        with phase(f"starting {doing}") as done:
             resources = self.start_cluster()
-            done(f"Ray: {_resources_line(resources)}")
+            done(
+                f"{'in process, no Ray' if backend == INPROCESS else 'Ray'}: "
+                f"{_resources_line(resources)}"
+            )
 
         env = self.environment_section()
         reserved = ENV_CPUS_PER_WORKER * self.helper_actor_count()
@@ -172,8 +178,9 @@ class Components:
     def start_cluster(self) -> Any:
         """Start the configured cluster (stopped by ``RunSession.close``); returns its resources."""
         config = self.config
-        spec = self.registry.get("cluster", config.cluster.backend, key="cluster.backend")
-        self.cluster = spec.load()(config.cluster.options_for(), self.context)
+        backend = cluster_backend(config, self.registry)  # `auto` resolved
+        spec = self.registry.get("cluster", backend, key="cluster.backend")
+        self.cluster = spec.load()(config.cluster.options_for(backend), self.context)
         if hasattr(self.cluster, "keep_temp_on_failure"):  # the local cluster's Ray logs
             self.cluster.keep_temp_on_failure = self.verbose
         if hasattr(self.cluster, "console_output"):

@@ -137,7 +137,11 @@ class RunConsole:
         self.console.print(table)
 
     def _grpo_rows(self) -> list[tuple[str, str]]:
-        vals = [h for h in self.history if "val/accuracy" in h]
+        # Accuracy only where the environment defines correctness; else the mean reward.
+        key = (
+            "val/accuracy" if any("val/accuracy" in h for h in self.history) else "val/reward_mean"
+        )
+        vals = [h for h in self.history if key in h]
         trains = [h for h in self.history if "train/reward_mean" in h]
         rows = [("steps this session", str(len(trains)))]
         if trains:
@@ -151,9 +155,9 @@ class RunConsole:
         if vals:
             rows.append(
                 (
-                    "val accuracy (first -> last)",
-                    f"{vals[0]['val/accuracy']:.3f} (step {vals[0]['step']}) -> "
-                    f"{vals[-1]['val/accuracy']:.3f} (step {vals[-1]['step']})",
+                    f"val {'accuracy' if key == 'val/accuracy' else 'reward'} (first -> last)",
+                    f"{vals[0][key]:.3f} (step {vals[0]['step']}) -> "
+                    f"{vals[-1][key]:.3f} (step {vals[-1]['step']})",
                 )
             )
         return rows

@@ -25,7 +25,16 @@ class ClusterConfig(ComponentSection):
     component_kind: ClassVar[ComponentKind] = "cluster"
     selector: ClassVar[str] = "backend"
 
-    backend: str = option("local", "`local` starts Ray here; `ray` joins a running cluster.")
+    backend: str = option(
+        "auto",
+        (
+            "`auto`, `inprocess`, `local`, `ray` (or a plugin's). `inprocess` runs the policy "
+            "rank, generation and environments in this process, without Ray: 1 policy rank, "
+            "CPU, generation in the policy, no teacher, agents or async GRPO. `auto` picks it "
+            "where it hosts the run, else `local`, which starts Ray here; `ray` joins a "
+            "running cluster."
+        ),
+    )
     address: str | None = option(None, "Ray address for `ray` (default: $RAY_ADDRESS).")
     num_cpus: int | None = option(
         None, "CPUs Ray may use (default: all of this machine).", validator=optional(ge(1))

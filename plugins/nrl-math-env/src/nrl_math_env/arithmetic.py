@@ -72,6 +72,9 @@ class ArithmeticEnvironment:
     integer after the last ``=``, so "19", "12+7=19" and "it is 19" all answer 19.
     """
 
+    defines_correctness = True
+    """Reward 1.0 is a correct response, 0.0 a wrong one."""
+
     def __init__(self, options: None, context: ComponentContext) -> None:
         self.context = context
 

@@ -57,6 +57,9 @@ class GuessNumberEnvironment:
     ``options.max_turns`` guesses; rewards of the turns before the last are 0.
     """
 
+    defines_correctness = True
+    """Reward 1.0 is a correct response, 0.0 a wrong one."""
+
     def __init__(self, options: GuessNumberEnvConfig, context: ComponentContext) -> None:
         self.options = options
 

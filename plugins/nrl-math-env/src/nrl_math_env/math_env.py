@@ -27,6 +27,9 @@ class MathEnvironment:
     ``ok``, ``timeout``, ``error`` or ``crashed`` (see :class:`~nrl_math_env.workers.Verdict`).
     """
 
+    defines_correctness = True
+    """Reward 1.0 is a correct response, 0.0 a wrong one."""
+
     def __init__(self, options: MathEnvConfig, context: ComponentContext) -> None:
         self.options = options
         self._pool = VerifierPool(options.verify_fn, options.num_workers, options.timeout_s)
