@@ -586,14 +586,14 @@ def actor_python(
             CPU variant of a component that registered one (:class:`CpuInstall`); None:
             whether this machine has GPUs.
     """
-    from nrl_core.distributed import inprocess
+    from nrl_core.distributed import hosting_here
 
     setting = actor_env_setting(
         getattr(section, "actor_env", None),
         getattr(getattr(config, "cluster", None), "actor_env", None),
     )
     # The in-process cluster runs every component here (an interpreter path is refused first).
-    if setting == "system" or spec.distribution is None or inprocess.active() is not None:
+    if setting == "system" or spec.distribution is None or hosting_here.active() is not None:
         return sys.executable
     if setting not in ("venv", "auto"):
         path = Path(setting).expanduser()

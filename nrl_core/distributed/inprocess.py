@@ -44,6 +44,7 @@ from typing import Any
 
 import attrs
 
+from nrl_core.distributed import hosting_here
 from nrl_core.distributed.errors import ClusterError, WorkerError, WorkerTimeoutError
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.run_log import RunLogWriter
@@ -51,7 +52,6 @@ from nrl_core.run_log import RunLogWriter
 INPROCESS = "inprocess"
 AUTO = "auto"
 LOOPBACK = "127.0.0.1"
-_ACTIVE: InProcessCluster | None = None
 # One worker call at a time: the swaps of random state, environment and threads are
 # process-wide (``nrl serve`` calls the policy from its server thread).
 _CALL_LOCK = threading.RLock()
@@ -59,7 +59,7 @@ _CALL_LOCK = threading.RLock()
 
 def active() -> InProcessCluster | None:
     """The in-process cluster this process runs, or None (a Ray cluster, or none)."""
-    return _ACTIVE
+    return hosting_here.active()  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,26 +166,28 @@ class InProcessCluster:
         self._previous: Any = None
 
     def start(self) -> Any:
-        global _ACTIVE
         from nrl_core.interfaces import ClusterResources
 
-        if _ACTIVE is not None and _ACTIVE is not self:
+        if active() not in (None, self):
             raise ClusterError("an in-process cluster is already running in this process")
         config = getattr(self.context, "config", None)
         cpus = getattr(getattr(config, "cluster", None), "num_cpus", None) or os.cpu_count() or 1
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        _ACTIVE = self
+        hosting_here.set_active(self)
         return ClusterResources(num_nodes=1, cpus_per_node=[float(cpus)], gpus_per_node=[0.0])
 
     def shutdown(self) -> None:
         """Forget this cluster (idempotent); the groups were shut down by the run before."""
-        global _ACTIVE
-        if _ACTIVE is self:
-            _ACTIVE = None
+        if active() is self:
+            hosting_here.set_active(None)
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+    def start_worker_group(self, target: str, num_workers: int, *args: Any, **kwargs: Any) -> Any:
+        """``WorkerGroup.start`` while this cluster is active: an :class:`InProcessWorkerGroup`."""
+        return InProcessWorkerGroup.start(target, num_workers, *args, **kwargs)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -184,10 +184,11 @@ class WorkerGroup:
         (an actor venv, see :mod:`nrl_core.distributed.actor_env`); ``env_vars`` are set in
         each actor's environment.
         """
-        from nrl_core.distributed import inprocess
+        from nrl_core.distributed import hosting_here
 
-        if inprocess.active() is not None:  # cluster.backend=inprocess: no actor, no Ray
-            return inprocess.InProcessWorkerGroup.start(  # type: ignore[return-value]
+        here = hosting_here.active()
+        if here is not None:  # cluster.backend=inprocess: no actor, no Ray
+            return here.start_worker_group(  # type: ignore[no-any-return]
                 target, num_workers, args, kwargs, name=name, env_vars=env_vars, python=python,
                 num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker,
                 placement_group=placement_group, layout=layout, timeout_s=timeout_s,
