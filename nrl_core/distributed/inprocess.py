@@ -266,7 +266,8 @@ class InProcessWorkerGroup:
     ) -> InProcessWorkerGroup:
         """Build ``target(*args, **kwargs)`` ``num_workers`` times in this process, each with
         the environment a Ray actor of that rank would get (see the module's docstring)."""
-        from nrl_core.distributed.worker_group import ParallelLayout, _serve_store
+        from nrl_core.distributed.worker_actor import _serve_store
+        from nrl_core.distributed.worker_group import ParallelLayout
         from nrl_core.registry import resolve_target
 
         layout = layout or ParallelLayout()
@@ -341,7 +342,7 @@ class InProcessWorkerGroup:
     def run_sharded(self, method: Any, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
         """``method(data[dp_rank], *args, **kwargs)`` on every worker (arguments wrapped in
         ``Sharded`` split alike); the first rank of each shard's result, in DP order."""
-        from nrl_core.distributed.worker_group import Sharded, _method_name, _shard_of
+        from nrl_core.distributed.worker_actor import Sharded, _method_name, _shard_of
 
         sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
         for what in (data, *(v.items for v in sharded)):
@@ -394,7 +395,7 @@ class InProcessWorkerGroup:
     # -- one call, as if in the worker's own process ----------------------------------------
 
     def _invoke(self, slot: _Slot, method: Any, args: tuple, kwargs: dict) -> Any:
-        from nrl_core.distributed.worker_group import _invoke, _method_name
+        from nrl_core.distributed.worker_actor import _invoke, _method_name
 
         what = _method_name(method)
         return self._call(
