@@ -49,6 +49,9 @@ class NemoGymAgent:
                 list(self.options.config_paths),
                 endpoint,
                 timeout_s=self.options.startup_timeout_s,
+                ray_address=_run_ray_address(),
+                host=self.options.host,
+                python=self.options.gym_python,
             )
         self.servers, self._endpoint = servers, endpoint
 
@@ -85,6 +88,18 @@ class NemoGymAgent:
         if self.servers is not None:
             self.servers.stop()
             self.servers = None
+
+
+def _run_ray_address() -> str | None:
+    """The GCS address of the run's Ray cluster when this agent runs in it (an agent actor),
+    which Gym joins; None outside Ray (Gym then starts a cluster of its own)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().gcs_address
 
 
 def trajectory_of(result: Any) -> Trajectory:
