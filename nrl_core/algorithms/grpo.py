@@ -333,8 +333,12 @@ class GRPOTrainer:
         if self.config.logger.sample_period:
             self.log_samples(step, episodes, "validation")
         metrics = episode_metrics("val", episodes, s)
-        metrics["val/accuracy"] = metrics["val/reward_mean"]
-        for task in {e.task for e in episodes}:
+        # A registered agent's reward (NeMo Gym's: -1/0/+1, any float) is no accuracy: such
+        # tasks log their reward only, and the run no overall accuracy.
+        by_agent = {e.task for e in episodes if s.agent_for(e.task) != BUILTIN_AGENT}
+        if not by_agent:
+            metrics["val/accuracy"] = metrics["val/reward_mean"]
+        for task in {e.task for e in episodes} - by_agent:
             metrics.setdefault(f"val/{task}/accuracy", metrics[f"val/{task}/reward_mean"])
         return metrics
 
@@ -408,7 +412,8 @@ class GRPOTrainer:
             if grpo.val_period > 0:
                 with s.phase(f"validating step 0 ({len(s.val_samples)} prompts)") as done:
                     metrics.update(self.validate(0))
-                    done(f"validation at step 0: accuracy {metrics['val/accuracy']:.3f}")
+                    shown = "accuracy" if "val/accuracy" in metrics else "reward_mean"
+                    done(f"validation at step 0: {shown} {metrics[f'val/{shown}']:.3f}")
             # What loading the data dropped (overlong prompts), once per run.
             metrics.update(getattr(s, "data_metrics", {}))
             if metrics:
@@ -511,11 +516,13 @@ def episode_metrics(
             metrics[f"{key}truncated_fraction"] = sum(e.truncated for e in chosen) / len(chosen)
             metrics[f"{key}env_errors"] = float(sum(e.env_errors for e in chosen))
             metrics[f"{key}turns_mean"] = sum(e.turns for e in chosen) / len(chosen)
-            if getattr(session, "agent_pool", None) is not None:
-                # Agent-driven episodes the loss skips (see apply_trajectory).
-                metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
-                metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
-        else:
+        if getattr(session, "agent_pool", None) is not None and (
+            task is None or session.agent_for(task) != BUILTIN_AGENT
+        ):
+            # Agent-driven episodes the loss skips (see apply_trajectory), overall and per task.
+            metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
+            metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
+        if task is not None:
             env = session.env_pool.metrics(
                 task,
                 {
