@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +32,7 @@ class NemoGymAgent:
         self.options = options or NemoGymAgentConfig()
         self.servers: Any = None
         self._endpoint: Endpoint | None = None
+        self._keep_log = _run_log(context)
 
     def _ensure_servers(self, endpoint: Endpoint) -> None:
         if self.servers is not None and self._endpoint == endpoint:
@@ -39,7 +41,7 @@ class NemoGymAgent:
         from nrl_gym.servers import GymServers
 
         self.close()
-        servers = GymServers()
+        servers = GymServers(keep_log=self._keep_log)
         if self.options.head_server_url:
             servers.join(self.options.head_server_url, timeout_s=self.options.startup_timeout_s)
         else:
@@ -88,6 +90,17 @@ class NemoGymAgent:
         if self.servers is not None:
             self.servers.stop()
             self.servers = None
+
+
+def _run_log(context: Any) -> Path | None:
+    """``<run folder>/nemo_gym.log`` (``nemo_gym-<rank>.log`` for agent actors after the
+    first), where Gym's log is kept; None without a run folder."""
+    logger = getattr(getattr(context, "config", None), "logger", None)
+    if logger is None or not getattr(logger, "log_dir", None):
+        return None
+    rank = getattr(context, "rank", 0)
+    name = "nemo_gym.log" if not rank else f"nemo_gym-{rank}.log"
+    return Path(logger.log_dir) / logger.run_name / name
 
 
 def _run_ray_address() -> str | None:

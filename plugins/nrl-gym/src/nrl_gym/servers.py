@@ -42,7 +42,10 @@ class GymServers:
     """The server instances of a Gym head server, by instance name (the name rows put in
     ``agent_ref.name``), started by :meth:`start` or joined by :meth:`join`."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_log: Path | None = None) -> None:
+        self.keep_log = keep_log
+        """Where Gym's log is copied when the servers stop (the run folder's
+        ``nemo_gym.log``); None: it goes with the temporary folder."""
         self.process: subprocess.Popen | None = None
         self.head_url: str | None = None
         self.instances: dict[str, str] = {}
@@ -141,11 +144,12 @@ class GymServers:
         """``: <first error line of ng_run.log>`` (empty without a log or an error in it)."""
         if self.log_path is None:
             return ""
+        kept = f"; Gym's log: {self.keep_log}" if self.keep_log is not None else ""
         try:
             line = first_error_line(self.log_path.read_text(errors="replace"))
         except OSError:
             return ""
-        return f": {line}" if line else ""
+        return (f": {line}" if line else "") + kept
 
     def url_of(self, name: str) -> str:
         try:
@@ -174,6 +178,12 @@ class GymServers:
             # Children that outlived ng_run (the servers, Gym's Ray) are in its session.
             _kill_session(process.pid)
         if self._dir is not None:
+            if self.keep_log is not None and self.log_path is not None:
+                try:
+                    self.keep_log.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(self.log_path, self.keep_log)
+                except OSError:
+                    pass  # a log we cannot keep must not fail the run's shutdown
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
