@@ -489,7 +489,12 @@ class TaskConfig:
         validator=NON_EMPTY,
     )
     dataset: str = option(
-        "arithmetic", "Registered dataset name, or a path to a JSONL file.", validator=NON_EMPTY
+        "arithmetic",
+        (
+            "Registered dataset name, a path to a JSONL file, or `<dataset>:<file>` (that "
+            "registered dataset reading that file, e.g. `nemo_gym_jsonl:rows.jsonl`)."
+        ),
+        validator=NON_EMPTY,
     )
     weight: float = option(
         1.0,

@@ -1,7 +1,7 @@
 """GRPO driven by a real NeMo Gym environment, as users run it: `nrl run grpo` with the
 plugin's example config, which mixes the core's `arithmetic` task with Gym's
 example_single_tool_call (resources server + simple_agent, started from PyPI's nemo-gym in its
-own Python 3.13 venv, built on first use)."""
+own venv with the run's Python and Ray, built on first use; Gym joins the run's Ray)."""
 
 from __future__ import annotations
 
