@@ -523,6 +523,10 @@ def episode_metrics(
             metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
             metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
         if task is not None:
+            # The agent's own numbers (e.g. NeMo Gym's verifier fields), mean per task.
+            for name in sorted({n for e in chosen for n in e.agent_metrics}):
+                values = [e.agent_metrics[name] for e in chosen if name in e.agent_metrics]
+                metrics[f"{key}agent/{name}"] = float(sum(values) / len(values))
             env = session.env_pool.metrics(
                 task,
                 {

@@ -86,6 +86,8 @@ def test_an_agent_task_and_a_core_loop_task_train_together(tmp_path):
         # ... per agent-driven task too (the core's loop has no such counts).
         assert record["train/chat/noncontiguous"] == record["train/chat/agent_failures"] == 0
         assert "train/arith/noncontiguous" not in record
+        # The agent's own numbers, per task (Trajectory.metrics).
+        assert record["train/chat/agent/final_lines"] >= 1
         assert record["train/loss"] == record["train/loss"]  # a number, not NaN
     last = records[-1]
     # An agent's reward is not taken for an accuracy: that task logs its reward only, and

@@ -84,7 +84,7 @@ class NemoGymAgent:
                 calls=[],
                 failure_reason=f"/run answered {response.status_code}: {response.text:.300}",
             )
-        return trajectory_of(response.json())
+        return trajectory_of(response.json(), row)
 
     def close(self) -> None:
         if self.servers is not None:
@@ -115,9 +115,14 @@ def _run_ray_address() -> str | None:
     return ray.get_runtime_context().gcs_address
 
 
-def trajectory_of(result: Any) -> Trajectory:
+RESULT_FIELDS = frozenset({"response", "reward", "mask_sample", "failure_kind", "failure_reason"})
+
+
+def trajectory_of(result: Any, row: dict[str, Any] | None = None) -> Trajectory:
     """A Gym ``/run`` result (the row plus ``response``, ``reward``, ``mask_sample``,
-    ``failure_kind``, ``failure_reason``) as a :class:`Trajectory`."""
+    ``failure_kind``, ``failure_reason``, and what the verifier adds) as a
+    :class:`Trajectory`; the verifier's numbers (fields of the result that are numbers and not
+    fields of ``row``, e.g. reasoning_gym's ``score``) become its ``metrics``."""
     if not isinstance(result, dict) or not isinstance(result.get("response"), dict):
         return Trajectory(calls=[], failure_reason=f"not a NeMo Gym result: {result!s:.300}")
     calls = []
@@ -134,8 +139,18 @@ def trajectory_of(result: Any) -> Trajectory:
     if failure is None and result.get("mask_sample"):
         failure = f"masked by NeMo Gym ({result.get('failure_kind') or 'no reason given'})"
     incomplete = result["response"].get("incomplete_details") or {}
+    row = row or {}
+    metrics = {
+        name: float(value)
+        for name, value in result.items()
+        if name not in RESULT_FIELDS
+        and name not in row
+        and isinstance(value, int | float)
+        and value == value  # not NaN
+    }
     return Trajectory(
         calls=calls,
+        metrics=metrics,
         reward=float(result.get("reward") or 0.0),
         failure_reason=failure,
         finish_reason="length" if incomplete.get("reason") == "max_output_tokens" else "stop",

@@ -93,7 +93,8 @@ class GymServers:
             env.pop(var, None)
         if ray_address:
             command.append(f"+ray_head_node_address={ray_address}")
-            if "RAY_AUTH_MODE" not in env and (Path.home() / ".ray" / "auth_token").exists():
+            token = env.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").exists()
+            if "RAY_AUTH_MODE" not in env and token:
                 # A cluster started while a token exists requires it; a driver joining by
                 # address sends it only in token mode.
                 env["RAY_AUTH_MODE"] = "token"
