@@ -79,3 +79,25 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_no_folder(tmp_path):
     assert servers.process is None
     assert not Path(servers.log_path).parent.exists()
     assert "was not found" in (tmp_path / "nemo_gym.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_server_with_requirements_gets_a_venv_with_them():
+    """reasoning_gym's requirements.txt asks for reasoning-gym: its server directory links to
+    a venv that has it (built once, keyed by the requirements); the others to Gym's own."""
+    import subprocess
+
+    from nrl_gym.install import gym_venv, server_venvs
+
+    venv = gym_venv("0.7.0")
+    root = server_venvs(venv, ["resources_servers/reasoning_gym/configs/reasoning_gym.yaml"])
+    own = (root / "resources_servers" / "reasoning_gym" / ".venv").resolve()
+    assert own != venv.resolve() and own.name.startswith(f"{venv.name}-req-")
+    done = subprocess.run(
+        [str(own / "bin" / "python"), "-c", "import reasoning_gym, nemo_gym"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (root / "resources_servers" / "blackjack" / ".venv").resolve() == venv.resolve()
