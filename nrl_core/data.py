@@ -257,3 +257,7 @@ class Trajectory:
     out of the loss and counted in ``train/agent_failures``."""
     finish_reason: str = "stop"
     """How the LAST call ended: ``"stop"`` or ``"length"`` (for overlong filtering)."""
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    """The environment's own numbers for this row (NeMo Gym: what its verifier returned next
+    to the reward), logged per task as ``<split>/<task>/agent/<name>`` (mean over the rows
+    that have it)."""

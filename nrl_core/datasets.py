@@ -20,9 +20,22 @@ JSONL_DATASET = "jsonl"
 
 
 def reading_dataset(name: str) -> str:
-    """The registered dataset that reads ``data.dataset=name``: ``name`` itself, or
-    :data:`JSONL_DATASET` for a path to a ``.jsonl`` file."""
+    """The registered dataset that reads ``data.dataset=name``: ``name`` itself,
+    :data:`JSONL_DATASET` for a path to a ``.jsonl`` file, or ``<dataset>`` for
+    ``<dataset>:<file>`` (that registered dataset reading that file, e.g.
+    ``nemo_gym_jsonl:rows.jsonl``: several tasks may each read their own file with it)."""
+    named = dataset_file(name)
+    if named is not None:
+        return named[0]
     return JSONL_DATASET if name.endswith(".jsonl") else name
+
+
+def dataset_file(name: str) -> tuple[str, str] | None:
+    """``(dataset, file)`` for ``<dataset>:<file>``, else None."""
+    head, sep, tail = name.partition(":")
+    if sep and tail and head.replace("_", "a").replace("-", "a").isalnum():
+        return head, tail
+    return None
 
 
 # -- JSONL files ---------------------------------------------------------------------------------
@@ -196,11 +209,23 @@ def _loader(
     spec = registry.get("dataset", registered, key=key)
     if registered == name:
         options = data.options_or_defaults(name, spec)
-    else:  # a file path: the jsonl dataset's options, reading that file
+    else:  # a file: the options of the dataset that reads it (data.<dataset>), with its path
         import attrs
 
-        options = data.options_for(registered) or spec.load_config_class()()
-        options = attrs.evolve(options, path=name)
+        named = dataset_file(name)
+        path = named[1] if named is not None else name
+        options = data.options_for(registered)
+        try:
+            options = (
+                attrs.evolve(options, path=path)
+                if options is not None
+                else spec.load_config_class()(path=path)
+            )
+        except TypeError:
+            raise ConfigError(
+                f"{key}={name}: dataset {registered!r} does not read a file (it has no `path` "
+                "option); name a dataset that does, or the dataset alone"
+            ) from None
     return spec.load()(options, context)
 
 

@@ -569,11 +569,19 @@ def episode_metrics(
             metrics[f"{key}truncated_fraction"] = sum(e.truncated for e in chosen) / len(chosen)
             metrics[f"{key}env_errors"] = float(sum(e.env_errors for e in chosen))
             metrics[f"{key}turns_mean"] = sum(e.turns for e in chosen) / len(chosen)
-            if getattr(session, "agent_pool", None) is not None:
-                # Agent-driven episodes the loss skips (see apply_trajectory).
-                metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
-                metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
-        else:
+        agents = getattr(session, "agent_pool", None) is not None
+        by_agent = agents and task is not None and session.agent_for(task) != BUILTIN_AGENT
+        if agents and (task is None or by_agent):
+            # Agent-driven episodes the loss skips (see apply_trajectory), overall and per task.
+            metrics[f"{key}noncontiguous"] = float(sum(e.noncontiguous for e in chosen))
+            metrics[f"{key}agent_failures"] = float(sum(e.failure is not None for e in chosen))
+        if by_agent:
+            # The agent's own numbers (e.g. NeMo Gym's verifier fields), mean per task; the
+            # environment did not score these episodes, so its metrics would misname them.
+            for name in sorted({n for e in chosen for n in e.agent_metrics}):
+                values = [e.agent_metrics[name] for e in chosen if name in e.agent_metrics]
+                metrics[f"{key}agent/{name}"] = float(sum(values) / len(values))
+        elif task is not None:
             env = session.env_pool.metrics(
                 task,
                 {

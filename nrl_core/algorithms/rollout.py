@@ -168,6 +168,8 @@ class Episode:
     sequence is not what was sampled, so the episode is masked out of the loss."""
     failure: str | None = None
     """Why an agent-driven episode failed (masked out of the loss), or None."""
+    agent_metrics: dict[str, float] = attrs.field(factory=dict)
+    """The agent's own numbers for this episode (:attr:`Trajectory.metrics`)."""
 
     def __attrs_post_init__(self) -> None:
         if not self.loss_mask:
@@ -308,6 +310,7 @@ def apply_trajectory(
     episode.finish_reason = trajectory.finish_reason
     episode.done = True
     episode.turns = len(trajectory.calls)
+    episode.agent_metrics = dict(getattr(trajectory, "metrics", None) or {})
     if trajectory.failure_reason is not None or not trajectory.calls:
         episode.failure = trajectory.failure_reason or "the agent made no model call"
         episode.reward = 0.0

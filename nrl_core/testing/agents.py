@@ -52,7 +52,9 @@ class TwoTurnAgent:
         lines = (message.get("content") or "").strip().splitlines() or [""]
         reward = float(lines[-1].strip() == str(row.get("answer", "")).strip())
         finish = "length" if reply["choices"][0]["finish_reason"] == "length" else "stop"
-        return Trajectory(calls=calls, reward=reward, finish_reason=finish)
+        # An environment number of its own (logged as <split>/<task>/agent/final_lines).
+        metrics = {"final_lines": float(len(lines))}
+        return Trajectory(calls=calls, reward=reward, finish_reason=finish, metrics=metrics)
 
 
 def _chat(endpoint: Endpoint, messages: list[dict[str, Any]]) -> dict[str, Any]:

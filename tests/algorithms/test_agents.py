@@ -83,9 +83,17 @@ def test_an_agent_task_and_a_core_loop_task_train_together(tmp_path):
         # Every agent trajectory continued exactly the ids sampled before it.
         assert record["train/noncontiguous"] == 0
         assert record["train/agent_failures"] == 0
+        # ... per agent-driven task too (the core's loop has no such counts).
+        assert record["train/chat/noncontiguous"] == record["train/chat/agent_failures"] == 0
+        assert "train/arith/noncontiguous" not in record
+        # The agent's own numbers, per task (Trajectory.metrics).
+        assert record["train/chat/agent/final_lines"] >= 1
         assert record["train/loss"] == record["train/loss"]  # a number, not NaN
     last = records[-1]
-    assert {"val/arith/accuracy", "val/chat/accuracy", "val/accuracy"} <= set(last)
+    # An agent's reward is not taken for an accuracy: that task logs its reward only, and
+    # the run no overall accuracy.
+    assert {"val/arith/accuracy", "val/chat/reward_mean"} <= set(last)
+    assert "val/chat/accuracy" not in last and "val/accuracy" not in last
     # The agent's episodes are two model calls each.
     assert any(r.get("train/turns_mean", 1) > 1 for r in steps)
 

@@ -70,7 +70,12 @@ class TaskConfig:
         validator=NON_EMPTY,
     )
     dataset: str = option(
-        "arithmetic", "Registered dataset name, or a path to a JSONL file.", validator=NON_EMPTY
+        "arithmetic",
+        (
+            "Registered dataset name, a path to a JSONL file, or `<dataset>:<file>` (that "
+            "registered dataset reading that file, e.g. `nemo_gym_jsonl:rows.jsonl`)."
+        ),
+        validator=NON_EMPTY,
     )
     weight: float = option(
         1.0,
@@ -94,7 +99,12 @@ class DataConfig(ComponentSection):
     selector: ClassVar[str] = "dataset"
 
     dataset: str = option(
-        "arithmetic", "Registered dataset name, or a path to a JSONL file.", validator=NON_EMPTY
+        "arithmetic",
+        (
+            "Registered dataset name, a path to a JSONL file, or `<dataset>:<file>` (that "
+            "registered dataset reading that file, e.g. `nemo_gym_jsonl:rows.jsonl`)."
+        ),
+        validator=NON_EMPTY,
     )
     val_dataset: str | None = option(None, "Validation JSONL file (default: split off a fraction).")
     val_fraction: float = option(

@@ -42,3 +42,10 @@ def test_a_response_cut_by_max_output_tokens_finishes_by_length():
     cut["response"]["incomplete_details"] = {"reason": "max_output_tokens"}
     assert trajectory_of(cut).finish_reason == "length"
     assert trajectory_of(RESULT).finish_reason == "stop"
+
+
+def test_the_verifier_numbers_become_metrics_the_row_fields_do_not():
+    row = {"responses_create_params": RESULT["responses_create_params"], "source_index": 3}
+    result = {**RESULT, "source_index": 3, "score": 0.5, "won": True, "task_name": "sum"}
+    assert trajectory_of(result, row).metrics == {"score": 0.5, "won": 1.0}
+    assert trajectory_of(RESULT).metrics == {}

@@ -1,7 +1,7 @@
 """GRPO driven by a real NeMo Gym environment, as users run it: `nrl run grpo` with the
 plugin's example config, which mixes the core's `arithmetic` task with Gym's
 example_single_tool_call (resources server + simple_agent, started from PyPI's nemo-gym in its
-own Python 3.13 venv, built on first use)."""
+own venv with the run's Python and Ray, built on first use; Gym joins the run's Ray)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,14 @@ def test_two_grpo_steps_on_a_gym_task_and_arithmetic(tmp_path):
         # Every Gym row ran, and every model call continued exactly the ids before it.
         assert record["train/agent_failures"] == 0
         assert record["train/noncontiguous"] == 0
-    assert "val/weather/accuracy" in records[-1]
+        assert record["train/weather/agent_failures"] == record["train/weather/noncontiguous"] == 0
+    # Gym's reward is logged as a reward, not taken for an accuracy.
+    assert "val/weather/reward_mean" in records[-1]
+    assert "val/weather/accuracy" not in records[-1] and "val/accuracy" not in records[-1]
+    # Gym joined the run's own Ray cluster instead of starting one (its log is kept).
+    gym_log = (tmp_path / "weather-cpu" / "nemo_gym.log").read_text()
+    assert "Connecting to Ray cluster at specified address" in gym_log
+    assert "starting a new Ray cluster" not in gym_log
     # Validation went through Gym too, greedy (the endpoint enforced temperature 0).
     assert records[-1]["val/agent_failures"] == 0
     # Gym's servers (and its own Ray) were stopped with the run.

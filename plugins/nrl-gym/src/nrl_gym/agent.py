@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +32,7 @@ class NemoGymAgent:
         self.options = options or NemoGymAgentConfig()
         self.servers: Any = None
         self._endpoint: Endpoint | None = None
+        self._keep_log = _run_log(context)
 
     def _ensure_servers(self, endpoint: Endpoint) -> None:
         if self.servers is not None and self._endpoint == endpoint:
@@ -39,7 +41,7 @@ class NemoGymAgent:
         from nrl_gym.servers import GymServers
 
         self.close()
-        servers = GymServers()
+        servers = GymServers(keep_log=self._keep_log)
         if self.options.head_server_url:
             servers.join(self.options.head_server_url, timeout_s=self.options.startup_timeout_s)
         else:
@@ -49,6 +51,9 @@ class NemoGymAgent:
                 list(self.options.config_paths),
                 endpoint,
                 timeout_s=self.options.startup_timeout_s,
+                ray_address=_run_ray_address(),
+                host=self.options.host,
+                python=self.options.gym_python,
             )
         self.servers, self._endpoint = servers, endpoint
 
@@ -79,7 +84,7 @@ class NemoGymAgent:
                 calls=[],
                 failure_reason=f"/run answered {response.status_code}: {response.text:.300}",
             )
-        return trajectory_of(response.json())
+        return trajectory_of(response.json(), row)
 
     def close(self) -> None:
         if self.servers is not None:
@@ -87,9 +92,37 @@ class NemoGymAgent:
             self.servers = None
 
 
-def trajectory_of(result: Any) -> Trajectory:
+def _run_log(context: Any) -> Path | None:
+    """``<run folder>/nemo_gym.log`` (``nemo_gym-<rank>.log`` for agent actors after the
+    first), where Gym's log is kept; None without a run folder."""
+    logger = getattr(getattr(context, "config", None), "logger", None)
+    if logger is None or not getattr(logger, "log_dir", None):
+        return None
+    rank = getattr(context, "rank", 0)
+    name = "nemo_gym.log" if not rank else f"nemo_gym-{rank}.log"
+    return Path(logger.log_dir) / logger.run_name / name
+
+
+def _run_ray_address() -> str | None:
+    """The GCS address of the run's Ray cluster when this agent runs in it (an agent actor),
+    which Gym joins; None outside Ray (Gym then starts a cluster of its own)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().gcs_address
+
+
+RESULT_FIELDS = frozenset({"response", "reward", "mask_sample", "failure_kind", "failure_reason"})
+
+
+def trajectory_of(result: Any, row: dict[str, Any] | None = None) -> Trajectory:
     """A Gym ``/run`` result (the row plus ``response``, ``reward``, ``mask_sample``,
-    ``failure_kind``, ``failure_reason``) as a :class:`Trajectory`."""
+    ``failure_kind``, ``failure_reason``, and what the verifier adds) as a
+    :class:`Trajectory`; the verifier's numbers (fields of the result that are numbers and not
+    fields of ``row``, e.g. reasoning_gym's ``score``) become its ``metrics``."""
     if not isinstance(result, dict) or not isinstance(result.get("response"), dict):
         return Trajectory(calls=[], failure_reason=f"not a NeMo Gym result: {result!s:.300}")
     calls = []
@@ -106,8 +139,18 @@ def trajectory_of(result: Any) -> Trajectory:
     if failure is None and result.get("mask_sample"):
         failure = f"masked by NeMo Gym ({result.get('failure_kind') or 'no reason given'})"
     incomplete = result["response"].get("incomplete_details") or {}
+    row = row or {}
+    metrics = {
+        name: float(value)
+        for name, value in result.items()
+        if name not in RESULT_FIELDS
+        and name not in row
+        and isinstance(value, int | float)
+        and value == value  # not NaN
+    }
     return Trajectory(
         calls=calls,
+        metrics=metrics,
         reward=float(result.get("reward") or 0.0),
         failure_reason=failure,
         finish_reason="length" if incomplete.get("reason") == "max_output_tokens" else "stop",

@@ -35,9 +35,18 @@ class NemoGymAgentConfig:
     gym_python: str | None = option(
         None,
         (
-            "A Python >= 3.13 to build the Gym virtualenv with (NeMo Gym needs it; default: "
-            "found on PATH and in ~/.pyenv)."
+            "The Python the Gym virtualenvs are built with (default: the run's own). Gym's "
+            "processes join the run's Ray cluster, so it must be the run's Python version."
         ),
+    )
+    host: str = option(
+        "127.0.0.1",
+        (
+            "Address Gym's head server and servers bind (its `default_host`): loopback by "
+            "default, which serves a 1-node cluster (they are started beside the agent actor). "
+            "Bind a reachable address only on a trusted network: Gym's servers take no key."
+        ),
+        validator=NON_EMPTY,
     )
     max_concurrency: int = option(
         32, "Rows in flight at once, over all of an actor's share of a batch.", validator=ge(1)

@@ -1,17 +1,32 @@
-"""The NeMo Gym virtualenv: built once per version, reused by every run on the machine.
+"""The NeMo Gym virtualenvs: built once per (Gym, Python, Ray) version, reused by every run.
 
-NeMo Gym needs Python >= 3.13 while the Ray cluster runs 3.11, so Gym runs as subprocesses in
-its own virtualenv and talks HTTP to nrl's endpoint. Gym would also build one venv per server,
-downloading a Python when offline fails; instead every server directory of the package gets a
-link to this venv (Gym's ``uv_venv_dir`` + ``skip_venv_if_present``), so starting servers
-installs nothing.
+Gym joins the run's own Ray cluster (``ray_head_node_address``), and Ray wants one Python and
+one Ray version across a cluster (a 3.13 process joining a 3.11 cluster is refused: "Version
+mismatch", measured). So the Gym venv is built with the run's own Python and the run's Ray
+version. nemo-gym 0.7.0 declares ``Requires-Python >= 3.13.14`` but its code and its
+dependencies run on 3.11 (checked: every module of the servers nrl uses compiles and imports,
+and its example environments train); pip-style resolution refuses that declaration, so the
+package is installed without its dependencies and they are installed from its metadata.
+
+Gym would also build one venv per server directory (``uv venv`` + the server's
+``requirements.txt``), downloading a Python when offline fails; instead every server directory
+gets a link to a venv of ours (Gym's ``uv_venv_dir`` + ``skip_venv_if_present``): the shared
+one, or, for a server whose ``requirements.txt`` asks for more than nemo-gym, a venv with those
+requirements too, keyed by them (see :func:`server_venvs`). Starting servers installs nothing
+once these are built.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import re
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterable
+from email.parser import Parser
 from pathlib import Path
 
 from nrl_core.errors import ConfigError
@@ -22,88 +37,120 @@ SERVER_KINDS = (
     "responses_api_models",
     "environment_servers",
 )
-# NeMo Gym 0.7.0 declares Requires-Python >= 3.13.14; its code runs on any 3.13.
+# NeMo Gym 0.7.0 declares Requires-Python >= 3.13.14 (see the module's docstring).
 PYTHON_VERSION_CLAIM = "3.13.14"
+COMPLETE = ".nrl-complete"
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("NRL_CACHE_DIR", Path.home() / ".cache" / "nrl"))
 
 
-def find_python(configured: str | None) -> str:
-    """A Python >= 3.13: ``configured`` (``agent.nemo_gym.gym_python``), else the first found."""
-    candidates = (
-        [configured]
-        if configured
-        else [
-            shutil.which("python3.13"),
-            shutil.which("python3.14"),
-            *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.1[34]*/bin/python3")),
-            "/usr/bin/python3.13",
-        ]
-    )
-    for candidate in candidates:
-        if candidate and _version(candidate) >= (3, 13):
-            return candidate
-    raise ConfigError(
-        "NeMo Gym needs Python >= 3.13 and none was found"
-        + (f" (agent.nemo_gym.gym_python={configured} is not one)" if configured else "")
-        + "; install one (e.g. `uv python install 3.13`) and set agent.nemo_gym.gym_python"
-    )
+def ray_version() -> str:
+    """The Ray version of this process (the run's): Gym's venv gets exactly this one."""
+    from importlib.metadata import version
+
+    return version("ray")
 
 
-def _version(python: str) -> tuple[int, int]:
+def run_python(configured: str | None) -> str:
+    """The interpreter the Gym venv is built with: ``configured`` (``agent.nemo_gym.gym_python``)
+    or the one running this process; it must be this process's Python version, since Gym's
+    processes join the run's Ray cluster."""
+    mine = platform.python_version()
+    if not configured:
+        return getattr(sys, "_base_executable", None) or sys.executable
+    theirs = _version(configured)
+    if theirs != mine:
+        raise ConfigError(
+            f"agent.nemo_gym.gym_python={configured} is Python {theirs or 'unknown'}, but the "
+            f"run's Ray cluster runs Python {mine} and Gym joins it; leave gym_python unset "
+            f"(the run's own Python) or name a Python {mine}"
+        )
+    return configured
+
+
+def _version(python: str) -> str | None:
     try:
         out = subprocess.run(
-            [python, "-c", "import sys; print(sys.version_info[0], sys.version_info[1])"],
+            [python, "-c", "import platform; print(platform.python_version())"],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=60,
         )
-        major, minor = out.stdout.split()
-        return int(major), int(minor)
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return (0, 0)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def gym_venv(version: str, python: str | None = None) -> Path:
-    """The venv with ``nemo-gym==version`` (built under a file lock on first use)."""
+    """The venv with ``nemo-gym==version`` and its dependencies, for this Python and Ray
+    (built under a file lock on first use)."""
+    return _venv(
+        f"nemo-gym-{version}-py{platform.python_version()}-ray{ray_version()}",
+        version,
+        python,
+        requirements=[],
+    )
+
+
+def _venv(name: str, version: str, python: str | None, requirements: list[str]) -> Path:
     from filelock import FileLock
 
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    venv = root / f"nemo-gym-{version}"
-    marker = venv / ".nrl-complete"
+    venv = root / name
     with FileLock(str(venv) + ".lock"):
-        if marker.exists():
+        if (venv / COMPLETE).exists():
             return venv
-        interpreter = find_python(python)
+        interpreter = run_python(python)
         shutil.rmtree(venv, ignore_errors=True)
-        uv = _uv()
-        for command in (
-            [uv, "venv", "--quiet", "--python", interpreter, str(venv)],
+        target = ["--python", str(venv / "bin" / "python")]
+        _uv(venv, ["venv", "--quiet", "--python", interpreter, str(venv)])
+        _uv(
+            venv,
             [
-                uv,
                 "pip",
                 "install",
                 "--quiet",
-                "--python",
-                str(venv / "bin" / "python"),
+                *target,
+                "--no-deps",
                 "--python-version",
                 PYTHON_VERSION_CLAIM,
                 f"nemo-gym=={version}",
             ],
-        ):
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
-                raise ConfigError(
-                    f"could not build the NeMo Gym venv {venv} ({' '.join(command[:3])}: "
-                    f"{tail[0]}); check agent.nemo_gym.nemo_gym_version and network access "
-                    "to the package index"
-                )
-        marker.touch()
+        )
+        deps = [*gym_requirements(venv), f"ray[default]=={ray_version()}", *requirements]
+        listed = venv / "nrl-requirements.txt"
+        listed.write_text("\n".join(deps) + "\n")
+        _uv(venv, ["pip", "install", "--quiet", *target, "-r", str(listed)])
+        (venv / COMPLETE).touch()
     return venv
+
+
+def gym_requirements(venv: Path) -> list[str]:
+    """nemo-gym's own dependencies (its metadata's ``Requires-Dist`` without extras), Ray
+    left out (pinned to the run's version instead)."""
+    (metadata,) = package_dir(venv).glob("nemo_gym-*.dist-info/METADATA")
+    message = Parser().parsestr(metadata.read_text())
+    out = []
+    for requirement in message.get_all("Requires-Dist") or []:
+        if "extra ==" in requirement or re.match(r"ray\b", requirement.strip()):
+            continue
+        out.append(requirement)
+    return out
+
+
+def _uv(venv: Path, args: list[str]) -> None:
+    command = [_uv_bin(), *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+        shutil.rmtree(venv, ignore_errors=True)
+        raise ConfigError(
+            f"could not build the NeMo Gym venv {venv} (uv {' '.join(args[:2])}: {tail[0]}); "
+            "check agent.nemo_gym.nemo_gym_version and network access to the package index"
+        )
 
 
 def package_dir(venv: Path) -> Path:
@@ -112,20 +159,80 @@ def package_dir(venv: Path) -> Path:
     return site
 
 
-def server_venvs(venv: Path) -> Path:
-    """A ``uv_venv_dir`` where every server directory of the package links to ``venv``."""
+def server_requirements(server_dir: Path) -> list[str]:
+    """What a Gym server's ``requirements.txt`` asks for beyond nemo-gym itself (its
+    ``-e nemo-gym @ ../../`` line, which Gym also drops when installed from PyPI), in order;
+    comments and blank lines left out."""
+    path = server_dir / "requirements.txt"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#") or "../.." in line:
+            continue
+        out.append(line)
+    return out
+
+
+def server_dirs(venv: Path, config_paths: Iterable[str]) -> list[Path]:
+    """The server directories (``<kind>/<name>``) the Gym config files name, in order."""
+    import yaml
+
+    site = package_dir(venv)
+    found: list[Path] = []
+    for config in config_paths:
+        path = Path(config) if Path(config).is_absolute() else site / config
+        try:
+            blocks = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # ng_run names the file in its own error
+        for block in blocks.values() if isinstance(blocks, dict) else ():
+            for kind, servers in block.items() if isinstance(block, dict) else ():
+                if kind in SERVER_KINDS and isinstance(servers, dict):
+                    for name in servers:
+                        if (site / kind / name).is_dir() and site / kind / name not in found:
+                            found.append(site / kind / name)
+    return found
+
+
+def server_venvs(venv: Path, config_paths: Iterable[str] = (), python: str | None = None) -> Path:
+    """A ``uv_venv_dir`` where every server directory of the package links to ``venv``, except
+    the configured servers whose ``requirements.txt`` asks for more: those link to a venv with
+    nemo-gym plus those requirements, built once and keyed by them (offline once built)."""
+    from filelock import FileLock
+
     root = Path(str(venv) + "-servers")
     site = package_dir(venv)
-    for kind in SERVER_KINDS:
-        for server in (site / kind).iterdir() if (site / kind).is_dir() else ():
-            link = root / kind / server.name / ".venv"
-            if server.is_dir() and not link.exists():
+    version = _installed_version(venv)
+    wanted: dict[Path, Path] = {}
+    for server in server_dirs(venv, config_paths):
+        extra = server_requirements(server)
+        if extra:
+            key = hashlib.sha256("\n".join(extra).encode()).hexdigest()[:12]
+            wanted[server] = _venv(f"{venv.name}-req-{key}", version, python, extra)
+    with FileLock(str(root) + ".lock"):
+        for kind in SERVER_KINDS:
+            for server in (site / kind).iterdir() if (site / kind).is_dir() else ():
+                if not server.is_dir():
+                    continue
+                link = root / kind / server.name / ".venv"
+                target = wanted.get(server, venv)
+                if link.is_symlink() and Path(os.readlink(link)) == target:
+                    continue
                 link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to(venv)
+                if link.is_symlink() or link.exists():
+                    link.unlink()
+                link.symlink_to(target)
     return root
 
 
-def _uv() -> str:
+def _installed_version(venv: Path) -> str:
+    (dist,) = package_dir(venv).glob("nemo_gym-*.dist-info")
+    return dist.name.removeprefix("nemo_gym-").removesuffix(".dist-info")
+
+
+def _uv_bin() -> str:
     try:
         from uv import find_uv_bin
 
