@@ -87,6 +87,39 @@ def restricted_load(path: str | os.PathLike, allowed: Allowed) -> Any:
         ) from None
 
 
+def torch_load_data(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True, **kwargs)``: tensors, numbers, strings and
+    containers only, so loading a planted file cannot run code.
+
+    Raises :class:`UnsafePickleError` (one line naming the file) where torch refuses a global
+    the file names, or the file is truncated or unreadable, instead of torch's multi-line
+    ``UnpicklingError`` text.
+    """
+    import torch
+
+    what = str(path)
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        # torch's message: "Weights only load failed. ... Unsupported global: GLOBAL io.open ..."
+        text = " ".join(str(exc).split())
+        marker = "Unsupported global: GLOBAL "
+        named = text[text.index(marker) + len(marker) :].split()[0] if marker in text else ""
+        detail = f"refers to {named}, which" if named else "holds an object that"
+        raise UnsafePickleError(
+            f"{what} {detail} nrl does not load from a file (unpickling it could run code); "
+            "use a checkpoint written by nrl, or re-create it"
+        ) from None
+    except OSError as exc:
+        raise UnsafePickleError(f"cannot read {what}: {exc.strerror or exc}") from None
+    except (RuntimeError, EOFError, ValueError) as exc:  # truncated or not a torch file
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UnsafePickleError(
+            f"{what} is not a readable torch file ({type(exc).__name__}: {first[:200]}); the "
+            "file is truncated or damaged: use another checkpoint or re-create it"
+        ) from None
+
+
 # -- torch.distributed.checkpoint ---------------------------------------------------------------
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
