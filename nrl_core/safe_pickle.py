@@ -181,6 +181,7 @@ def load_dcp_metadata(checkpoint: str | os.PathLike, rank: int | None = None) ->
             f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
             "metadata; use a checkpoint folder written by nrl"
         )
+    sizes: dict[Path, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = Path(str(getattr(info, "relative_path", "")))
         if relative.is_absolute() or ".." in relative.parts:
@@ -188,7 +189,35 @@ def load_dcp_metadata(checkpoint: str | os.PathLike, rank: int | None = None) ->
                 f"{path} points at {relative}, outside the checkpoint folder; use a checkpoint "
                 "folder written by nrl"
             )
+        _check_extent(path, relative, info, sizes)
     return metadata
+
+
+def _check_extent(path: Path, relative: Path, info: Any, sizes: dict[Path, int]) -> None:
+    """Refuse a storage entry of the metadata ``path`` whose byte range (``offset``,
+    ``length``) is not inside its data file ``relative``: DCP would seek past the end and
+    fail with a bare ``EOFError`` (or try to read a terabyte). ``sizes`` caches file sizes."""
+    if relative not in sizes:
+        try:
+            sizes[relative] = (path.parent / relative).stat().st_size
+        except OSError:
+            raise UnsafePickleError(
+                f"{path} names the data file {relative}, which is missing; the checkpoint is "
+                "incomplete: use another checkpoint"
+            ) from None
+    offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+    if (
+        not isinstance(offset, int)
+        or not isinstance(length, int)
+        or offset < 0
+        or length < 0
+        or offset + length > sizes[relative]
+    ):
+        raise UnsafePickleError(
+            f"{path} says {relative} holds bytes at offset {offset!r} (length {length!r}), "
+            f"outside the file's {sizes[relative]} bytes; the metadata is damaged: use another "
+            "checkpoint"
+        )
 
 
 @functools.cache
@@ -256,8 +285,15 @@ def dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> None:
         dcp.load(state_dict, storage_reader=reader_cls(checkpoint), planner=planner)
     except CheckpointException as exc:
         # DCP wraps each rank's error with its traceback; ours is the one line to show.
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        inners = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        for inner in inners:
             if isinstance(inner, UnsafePickleError):
                 raise UnsafePickleError(str(inner)) from None
-        raise
+        # A shard cut short or damaged: CheckpointException is a BaseException, so callers'
+        # `except Exception` would miss it and print DCP's per-rank tracebacks.
+        inner = inners[0] if inners else exc
+        first = (str(inner).strip().splitlines() or [""])[0][:200]
+        raise UnsafePickleError(
+            f"{checkpoint} cannot be read ({type(inner).__name__}{': ' + first if first else ''}"
+            "); its files are truncated or damaged: use another checkpoint"
+        ) from None
