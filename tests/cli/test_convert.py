@@ -249,7 +249,7 @@ def test_a_pickle_planted_in_the_rank_state_is_one_line_exit_2(tmp_path, capsys)
     write_manifest(step)
     capsys.readouterr()
     rc = main(["convert", str(step), str(tmp_path / "hf")])
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert not marker.exists(), "loading the checkpoint ran code from it"
     assert rc == 2, err[-3000:]
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]
