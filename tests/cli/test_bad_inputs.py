@@ -196,6 +196,8 @@ def d(tmp_path_factory):
     _write(d / "answer_true.jsonl", _jsonl([{"problem": "1+1", "answer": True}]))
     _write(d / "dup_key.jsonl", '{"problem": "1+1", "answer": "2", "problem": "2+2"}\n')
     _write(d / "blank_problem.jsonl", _jsonl([*good[:1], {"problem": "  ", "answer": "2"}]))
+    # Issue 40: one 5 MB prompt (tokenising it took about a minute; a 50 MB one, minutes).
+    _write(d / "huge_line.jsonl", _jsonl([{"problem": "1+" * 2_500_000, "answer": "2"}]))
     return d
 
 
@@ -409,12 +411,15 @@ CASES = [
     # More GPUs than any one machine has: the row holds on a GPU machine too.
     ("gpus_per_node_absent", run("grpo", "cluster.gpus_per_node=4096"), "cluster.gpus_per_node=4096, and this machine has", {}),
     ("algorithm_unknown", ["run", "ppo"], "nrl run: argument ALGO: invalid choice: 'ppo'", {}),
+    ("env_warn_failed_zero", run("grpo", "env.warn_failed_fraction=0"), "env.warn_failed_fraction must be in (0, 1], got 0", {}),
+    ("env_stop_failed_above_max", run("grpo", "env.stop_failed_fraction=1.5"), "env.stop_failed_fraction must be in (0, 1] or null, got 1.5", {}),
     # Issue 40, round two: data rows.
     ("data_lone_surrogate", run("grpo", "data.dataset={d}/surrogate.jsonl"), "{d}/surrogate.jsonl:2: field 'problem' holds a lone surrogate (\\ud800)", {}),
     ("data_answer_nan", run("grpo", "data.dataset={d}/answer_nan.jsonl"), "{d}/answer_nan.jsonl:3: field 'answer' holds NaN, which is not a JSON value", {}),
     ("data_answer_true", run("grpo", "data.dataset={d}/answer_true.jsonl"), "{d}/answer_true.jsonl:1: field 'answer' must be text or a number, got True", {}),
     ("data_duplicate_key", run("grpo", "data.dataset={d}/dup_key.jsonl"), "{d}/dup_key.jsonl:1: duplicate key 'problem'", {}),
     ("data_blank_problem", run("grpo", "data.dataset={d}/blank_problem.jsonl"), "{d}/blank_problem.jsonl:2: field 'problem' is blank", {}),
+    ("data_huge_line", run("grpo", "data.dataset={d}/huge_line.jsonl"), "every one of the 1 training prompts of data.dataset={d}/huge_line.jsonl is longer than", {}),
     # Metrics for `nrl plot`.
     ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
     ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),
