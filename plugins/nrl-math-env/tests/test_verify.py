@@ -86,12 +86,16 @@ def test_verify_fn_that_cannot_import_fails_at_construction():
         VerifierPool("no_such_module:verify", num_workers=1, timeout_s=1.0)
 
 
-def test_a_verifier_that_kills_its_process_stops_the_pool_quickly_in_one_line():
+HERE = __import__("pathlib").Path(__file__).parent
+
+
+def test_a_verifier_that_kills_its_process_stops_the_pool_quickly_in_one_line(monkeypatch):
     """Issue 40: a verify function calling os._exit scored every sample as "crashed" (reward 0,
     counted nowhere) after restarting its process for each one: 85-112 s steps. Now a run of
     crashes with no reply between them is a broken verifier: one line, within seconds."""
     from nrl_math_env.workers import VerifierCrashError
 
+    monkeypatch.syspath_prepend(str(HERE))  # broken_verifiers, for the worker processes
     pool = VerifierPool("broken_verifiers:exits", num_workers=2, timeout_s=5.0)
     start = time.monotonic()
     with pytest.raises(VerifierCrashError) as caught:
@@ -104,12 +108,13 @@ def test_a_verifier_that_kills_its_process_stops_the_pool_quickly_in_one_line():
     assert pool._workers == []  # every process stopped
 
 
-def test_a_verifier_that_raises_is_an_error_verdict_the_environment_reports(tmp_path):
+def test_a_verifier_that_raises_is_an_error_verdict_the_environment_reports(monkeypatch):
     """The math environment reports its verifier's failures to the core (EnvStep.failure),
     which counts them (train/env_error_frac) and may stop the run."""
     from nrl_math_env.config import MathEnvConfig
     from nrl_math_env.math_env import MathEnvironment
 
+    monkeypatch.syspath_prepend(str(HERE))
     env = MathEnvironment(MathEnvConfig(verify_fn="broken_verifiers:raises", num_workers=1), None)
     try:
         conversation = [{"role": "assistant", "content": "7"}]
