@@ -122,6 +122,9 @@ def verify(folder: Path) -> str | None:
         read_state(folder)
     except ConfigError as exc:
         return str(exc)
+    unsafe = unsafe_torch_file(folder / POLICY_CHECKPOINT)
+    if unsafe is not None:
+        return unsafe
     try:
         bad = nonfinite_dcp_tensor(folder / POLICY_CHECKPOINT)
     except ConfigError as exc:
@@ -131,6 +134,23 @@ def verify(folder: Path) -> str | None:
         return f"{POLICY_CHECKPOINT}/ cannot be read ({type(exc).__name__}: {first[:200]})"
     if bad is not None:
         return f"{POLICY_CHECKPOINT}/ holds non-finite values (NaN or infinity in {bad})"
+    return None
+
+
+def unsafe_torch_file(policy: Path) -> str | None:
+    """What is wrong with the first ``*.pt`` file of ``policy`` (the per-rank scheduler/RNG
+    states, megatron's ``rank{N}.pt`` and optimizer files) that does not load as plain data
+    with ``torch.load(weights_only=True)``, or ``None``: a planted pickle is refused here,
+    before any worker or Ray starts. Memory-mapped, so the tensors' bytes are not read."""
+    if not policy.is_dir():
+        return None
+    from nrl_core.safe_pickle import UnsafePickleError, torch_load_data
+
+    for path in sorted(policy.rglob("*.pt")):
+        try:
+            torch_load_data(path, mmap=True, map_location="cpu")
+        except UnsafePickleError as exc:
+            return str(exc)
     return None
 
 

@@ -275,6 +275,12 @@ class EnvStep:
     """Stop strings for the model's next turn."""
     metadata: dict[str, Any] | None = None
     """Carried to this sample's next ``step`` call (``None`` keeps the previous metadata)."""
+    failure: str | None = None
+    """Set when the environment could not score this sample and gave a stand-in reward
+    (normally 0): ``"error"`` (its check raised), ``"timeout"`` or ``"crashed"`` (a helper
+    process died), optionally followed by ``": <detail>"``. The core counts it in
+    ``train/env_<kind>_frac``, warns and may stop the run (``env.warn_failed_fraction``,
+    ``env.stop_failed_fraction``)."""
 
 
 class Environment(Protocol):

@@ -152,8 +152,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append ``metrics`` of ``step`` to ``metrics.jsonl`` and the sinks."""
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append(self.path, json.dumps(record) + "\n")
         for sink in self._sinks:
             sink.log(step, metrics)
 
@@ -170,9 +169,10 @@ class MetricsLogger:
         if not samples:
             return
         records = [{"step": step, "split": split, **sample} for sample in samples]
-        with self.samples_path.open("a") as f:
-            for record in records:
-                f.write(json.dumps(_clean_record(record), default=str) + "\n")
+        _append(
+            self.samples_path,
+            "".join(json.dumps(_clean_record(r), default=str) + "\n" for r in records),
+        )
         columns, rows = sample_table(records)
         for sink in self._sinks:
             sink.log_samples(step, split, columns, rows)
@@ -188,6 +188,18 @@ class MetricsLogger:
         while self._sinks:
             sink = self._sinks.pop()
             getattr(sink, "discard", sink.close)()
+
+
+def _append(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``; an OSError names the file (a failed write or close, e.g. a
+    full disk, does not say which file otherwise)."""
+    try:
+        with path.open("a") as f:
+            f.write(text)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def _clean_record(record: dict[str, Any]) -> dict[str, Any]:

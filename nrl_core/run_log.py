@@ -42,7 +42,7 @@ def open_run_log(run_dir: str | Path) -> Callable[[], None]:
     entries); returns the function that stops writing it."""
     path = Path(run_dir).absolute() / RUN_LOG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = _RunLogFile(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     _logger.addHandler(handler)
     _open.append(handler)
@@ -55,6 +55,39 @@ def open_run_log(run_dir: str | Path) -> Callable[[], None]:
         handler.close()
 
     return close
+
+
+class _RunLogFile(logging.FileHandler):
+    """The run log's file handler: a failed write (a full disk) is said once, in one stderr line
+    naming the file and why, and the run log stops; :mod:`logging`'s default prints a
+    traceback for every record that fails (135 lines on a full disk, none saying so)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self._stop(exc)
+
+    def close(self) -> None:
+        try:
+            super().close()  # flushes what is buffered: may fail the same way
+        except OSError as exc:
+            self._stop(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        if not self.failed:
+            self.failed = True
+            print(
+                f"warning: cannot write the run log {self.baseFilename} "
+                f"({exc.strerror or exc}); it stops here",
+                file=sys.stderr,
+            )
+        if self in _open:
+            _open.remove(self)
+        _logger.removeHandler(self)
 
 
 def run_log_path() -> Path | None:

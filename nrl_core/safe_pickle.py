@@ -87,6 +87,39 @@ def restricted_load(path: str | os.PathLike, allowed: Allowed) -> Any:
         ) from None
 
 
+def torch_load_data(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True, **kwargs)``: tensors, numbers, strings and
+    containers only, so loading a planted file cannot run code.
+
+    Raises :class:`UnsafePickleError` (one line naming the file) where torch refuses a global
+    the file names, or the file is truncated or unreadable, instead of torch's multi-line
+    ``UnpicklingError`` text.
+    """
+    import torch
+
+    what = str(path)
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        # torch's message: "Weights only load failed. ... Unsupported global: GLOBAL io.open ..."
+        text = " ".join(str(exc).split())
+        marker = "Unsupported global: GLOBAL "
+        named = text[text.index(marker) + len(marker) :].split()[0] if marker in text else ""
+        detail = f"refers to {named}, which" if named else "holds an object that"
+        raise UnsafePickleError(
+            f"{what} {detail} nrl does not load from a file (unpickling it could run code); "
+            "use a checkpoint written by nrl, or re-create it"
+        ) from None
+    except OSError as exc:
+        raise UnsafePickleError(f"cannot read {what}: {exc.strerror or exc}") from None
+    except (RuntimeError, EOFError, ValueError) as exc:  # truncated or not a torch file
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UnsafePickleError(
+            f"{what} is not a readable torch file ({type(exc).__name__}: {first[:200]}); the "
+            "file is truncated or damaged: use another checkpoint or re-create it"
+        ) from None
+
+
 # -- torch.distributed.checkpoint ---------------------------------------------------------------
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -148,6 +181,7 @@ def load_dcp_metadata(checkpoint: str | os.PathLike, rank: int | None = None) ->
             f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
             "metadata; use a checkpoint folder written by nrl"
         )
+    sizes: dict[Path, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = Path(str(getattr(info, "relative_path", "")))
         if relative.is_absolute() or ".." in relative.parts:
@@ -155,7 +189,35 @@ def load_dcp_metadata(checkpoint: str | os.PathLike, rank: int | None = None) ->
                 f"{path} points at {relative}, outside the checkpoint folder; use a checkpoint "
                 "folder written by nrl"
             )
+        _check_extent(path, relative, info, sizes)
     return metadata
+
+
+def _check_extent(path: Path, relative: Path, info: Any, sizes: dict[Path, int]) -> None:
+    """Refuse a storage entry of the metadata ``path`` whose byte range (``offset``,
+    ``length``) is not inside its data file ``relative``: DCP would seek past the end and
+    fail with a bare ``EOFError`` (or try to read a terabyte). ``sizes`` caches file sizes."""
+    if relative not in sizes:
+        try:
+            sizes[relative] = (path.parent / relative).stat().st_size
+        except OSError:
+            raise UnsafePickleError(
+                f"{path} names the data file {relative}, which is missing; the checkpoint is "
+                "incomplete: use another checkpoint"
+            ) from None
+    offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+    if (
+        not isinstance(offset, int)
+        or not isinstance(length, int)
+        or offset < 0
+        or length < 0
+        or offset + length > sizes[relative]
+    ):
+        raise UnsafePickleError(
+            f"{path} says {relative} holds bytes at offset {offset!r} (length {length!r}), "
+            f"outside the file's {sizes[relative]} bytes; the metadata is damaged: use another "
+            "checkpoint"
+        )
 
 
 @functools.cache
@@ -223,8 +285,15 @@ def dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> None:
         dcp.load(state_dict, storage_reader=reader_cls(checkpoint), planner=planner)
     except CheckpointException as exc:
         # DCP wraps each rank's error with its traceback; ours is the one line to show.
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        inners = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        for inner in inners:
             if isinstance(inner, UnsafePickleError):
                 raise UnsafePickleError(str(inner)) from None
-        raise
+        # A shard cut short or damaged: CheckpointException is a BaseException, so callers'
+        # `except Exception` would miss it and print DCP's per-rank tracebacks.
+        inner = inners[0] if inners else exc
+        first = (str(inner).strip().splitlines() or [""])[0][:200]
+        raise UnsafePickleError(
+            f"{checkpoint} cannot be read ({type(inner).__name__}{': ' + first if first else ''}"
+            "); its files are truncated or damaged: use another checkpoint"
+        ) from None

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 
+from nrl_core import env_failures
 from nrl_core.agents import BUILTIN_AGENT
 from nrl_core.algorithms.advantages import (
     group_relative_advantages,
@@ -229,6 +230,7 @@ class GRPOTrainer:
         """Train on one step's rollouts; the step's metrics. ``generation_s``: the time the
         step spent on its rollouts (default: the time collecting them took)."""
         s = self.session
+        env_failures.check(step, data.episodes, s.config.env, s._environment_routes())
         problem = nonfinite_inputs(step, data, s)
         if problem is not None:
             if self.grpo.on_nonfinite == "stop":
@@ -568,6 +570,7 @@ def episode_metrics(
             )
             metrics[f"{key}truncated_fraction"] = sum(e.truncated for e in chosen) / len(chosen)
             metrics[f"{key}env_errors"] = float(sum(e.env_errors for e in chosen))
+            metrics.update(env_failures.failure_metrics(prefix, chosen))
             metrics[f"{key}turns_mean"] = sum(e.turns for e in chosen) / len(chosen)
         agents = getattr(session, "agent_pool", None) is not None
         by_agent = agents and task is not None and session.agent_for(task) != BUILTIN_AGENT

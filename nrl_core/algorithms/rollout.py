@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from nrl_core.data import Batch, Message, Sample, pad_sequences
+from nrl_core.env_failures import failure_of
 from nrl_core.interfaces import GenerationOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -24,6 +25,30 @@ GenerateFn = Callable[
     [Sequence[Sequence[int]], SamplingParams, Sequence[Sequence[str] | None] | None],
     GenerationOutput,
 ]
+
+
+def interruptible(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a daemon thread, the calling thread waiting for it in short slices: a Ctrl-C
+    (KeyboardInterrupt) or SIGTERM handler runs at once, not when a long call into native
+    code that holds the signal (a tokenizer over megabytes of text) returns."""
+    import threading
+
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="nrl-interruptible", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 class ChatCodec:
@@ -62,22 +87,44 @@ class ChatCodec:
     def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
         return self._encode(self._render(messages, add_generation_prompt=True))
 
-    def prompt_lengths(self, samples: Sequence[Sample], chunk_size: int = 1024) -> list[int]:
+    def prompt_lengths(
+        self, samples: Sequence[Sample], chunk_size: int = 1024, longest: int | None = None
+    ) -> list[int]:
         """``len(encode_prompt(prompt_messages(sample)))`` for each sample.
 
         The texts are tokenised ``chunk_size`` (>= 1) at a time: one batched call of a fast
         tokenizer is much quicker than one call per prompt on a large dataset, and gives the
-        same ids (no padding, no special tokens added).
+        same ids (no padding, no special tokens added). With ``longest`` (tokens), a text too
+        long in characters to fit in it whatever its tokens (more characters than ``longest``
+        times the tokenizer's longest token) is not tokenised: its length is given as
+        ``longest + 1`` (tokenising a 50 MB line took minutes). A Ctrl-C stops the tokenizer
+        at once (it runs in a thread: the Rust call would hold the signal until it ends).
         """
         texts = [
             self._render(self.prompt_messages(sample), add_generation_prompt=True)
             for sample in samples
         ]
+        too_long = longest * self._longest_token_chars() if longest is not None else None
         lengths: list[int] = []
         for start in range(0, len(texts), max(1, chunk_size)):
-            encoded = self.tokenizer(texts[start : start + chunk_size], add_special_tokens=False)
-            lengths.extend(len(ids) for ids in encoded["input_ids"])
+            chunk = texts[start : start + chunk_size]
+            fits = [i for i, t in enumerate(chunk) if too_long is None or len(t) <= too_long]
+            found: dict[int, int] = {}
+            if fits:  # (a tokenizer refuses an empty batch)
+                encoded = interruptible(
+                    lambda fits=fits, chunk=chunk: self.tokenizer(
+                        [chunk[i] for i in fits], add_special_tokens=False
+                    )
+                )
+                found = dict(zip(fits, (len(ids) for ids in encoded["input_ids"]), strict=True))
+            lengths.extend(found.get(i, (longest or 0) + 1) for i in range(len(chunk)))
         return lengths
+
+    def _longest_token_chars(self) -> int:
+        """The most characters one token of the tokenizer stands for (its vocabulary's longest
+        entry, special tokens included; at least 1)."""
+        vocab = self.tokenizer.get_vocab()
+        return max(1, max((len(token) for token in vocab), default=1))
 
     def encode_observation(self, history: Sequence[Message], observation: Message) -> list[int]:
         """The ids that follow ``history`` when ``observation`` is appended and the model is
@@ -159,6 +206,9 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     env_errors: int = 0
+    env_failure: str | None = None
+    """The first environment failure of this episode (``kind: detail``, kind one of
+    :data:`nrl_core.env_failures.FAILURE_KINDS`), or None."""
     finish_reason: str = "stop"
     truncated: bool = False
     done: bool = False
@@ -272,6 +322,9 @@ def rollout(
             episode.reward += result.reward
             if result.error is not None:
                 episode.env_errors += 1
+            failure = failure_of(result)
+            if failure is not None and episode.env_failure is None:
+                episode.env_failure = failure
             if result.step.metadata is not None:
                 episode.metadata = dict(result.step.metadata)
             observation = result.step.observation

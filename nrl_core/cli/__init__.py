@@ -304,6 +304,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        import errno
+
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # A full disk (or quota) is the user's to fix: one line naming the file, not a traceback.
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(
+            f"error: {exc.strerror}{where}; free space there, or point logger.log_dir and "
+            "checkpointing.checkpoint_dir at another disk",
+            file=sys.stderr,
+        )
+        return 1
     except BrokenPipeError:  # `nrl plugins --json | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

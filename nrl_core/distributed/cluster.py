@@ -225,6 +225,49 @@ def _patient_raylet_wait(temp_dir: Path, deadline: float):
         services.get_node = original
 
 
+class _SignalDuringStart(BaseException):
+    """Raised by the handler :func:`_signals_stop_the_start` installs: a Ctrl-C or SIGTERM
+    within ``ray.init`` (a BaseException, so that no ``except Exception`` in Ray swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_the_start(cluster: LocalCluster):
+    """While the local head starts, a Ctrl-C or SIGTERM stops the start-up cleanly (exit 130 /
+    143, one line, no process or temp folder left) through
+    :meth:`LocalCluster._stopped_while_starting`.
+
+    ``ray.init`` installs SIGTERM handlers of its own midway (one calls ``sys.exit(15)``, one
+    kills its processes and calls ``sys.exit(1)``): exit 15 with no message and the temp
+    folder left. Ray installs them through ``ray._private.utils.set_sigterm_handler``, which
+    is made a no-op meanwhile, so this handler stays until the cluster installs its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    from ray._private import utils as ray_utils
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _SignalDuringStart(signum)
+
+    original = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+    try:
+        yield
+    except _SignalDuringStart as stop:
+        ray_utils.set_sigterm_handler = original
+        # A second signal meanwhile must not cut the clean-up short.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        cluster._stopped_while_starting(stop.signum)
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
 def _cluster_config(context: Any) -> Any:
     config = getattr(context, "config", None)
     cluster = getattr(config, "cluster", None)
@@ -347,9 +390,10 @@ class LocalCluster:
             signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)
         }
         atexit.register(self.shutdown)
-        self._start_with_retries(ray, kwargs)
-        # After ray.init, which installs its own SIGTERM handler that skips our clean-up.
-        self._install_signal_handlers()
+        with _signals_stop_the_start(self):
+            self._start_with_retries(ray, kwargs)
+            # After ray.init, which installs its own SIGTERM handler that skips our clean-up.
+            self._install_signal_handlers()
         self._link_logs()
         return ray_resources()
 
@@ -401,6 +445,23 @@ class LocalCluster:
             f"{longer} longer, or start Ray once yourself (`ray start --head`, retried until "
             f"it starts) and run with cluster.backend=ray; {where}"
         )
+
+    def _stopped_while_starting(self, signum: int) -> None:
+        """A Ctrl-C / SIGTERM arrived within ``ray.init``: stop what it started, remove the
+        temp folder (kept with ``-v``), say so in one line, and exit 130 / 143."""
+        import ray
+
+        self._stop_attempt(ray)
+        self.failed = True
+        self._shutdown(keep_temp=self.keep_temp_on_failure, say=True)
+        name = signal.Signals(signum).name
+        print(
+            f"stopped by {name} while the local Ray head was starting; its processes are stopped",
+            file=sys.stderr,
+        )
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + signum)
 
     def _stop_attempt(self, ray: Any) -> None:
         """Stop what a failed ``ray.init`` left running (its GCS, raylet, agents), found by

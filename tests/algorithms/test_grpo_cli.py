@@ -392,6 +392,54 @@ def test_a_nan_reward_stops_the_run_naming_the_environment_and_nothing_is_saved(
     assert result.stderr.count("step skipped (grpo.on_nonfinite=skip)") == 2
 
 
+RAISING_ENV = """
+    from nrl_core import hookimpl
+
+
+    class RaisingEnvironment:
+        def __init__(self, options=None, context=None):
+            pass
+
+        def step(self, conversations, metadata):
+            raise ZeroDivisionError("the verifier divides by zero")
+
+
+    @hookimpl
+    def nrl_register_environments(register):
+        register("always_raises", "nrl_raising_plugin:RaisingEnvironment")
+"""
+
+
+def test_an_environment_that_always_fails_is_counted_warned_about_and_can_stop_the_run(tmp_path):
+    """Issue 40: a verifier that always raises gave exit 0, reward 0 and no warning. Now every
+    step logs the failed shares, warns on the console, and env.stop_failed_fraction stops the
+    run in one line naming the environment and what failed."""
+    env = _plugin_site(tmp_path, "raising", RAISING_ENV)
+    overrides = ["env.name=always_raises", "grpo.max_num_steps=2", "grpo.val_period=0"]
+    overrides += ["grpo.sft_warmup_steps=0", "checkpointing.enabled=false"]
+    result = run_nrl(tmp_path, *overrides, env=env)
+    records = [r for r in metrics(tmp_path) if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train/env_error_frac"] == 1.0 for r in records)
+    assert all(r["train/env_failed_frac"] == 1.0 for r in records)
+    assert all(r["train/env_timeout_frac"] == 0.0 == r["train/env_crash_frac"] for r in records)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: step")]
+    assert len(warnings) == 2, result.stderr[-3000:]
+    assert "16 of 16 samples (100%) failed" in warnings[0]
+    assert "environment 'always_raises' (env.name): 16 error" in warnings[0]
+    assert "ZeroDivisionError: the verifier divides by zero" in warnings[0]
+
+    result = run_nrl(tmp_path / "stop", *overrides, "env.stop_failed_fraction=0.5", env=env,
+                     check=False)  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "step 1: 16 of 16 samples (100%) failed" in errors[0]
+    assert "environment 'always_raises' (env.name)" in errors[0]
+    assert "env.stop_failed_fraction=0.5" in errors[0]
+    assert [r["step"] for r in metrics(tmp_path / "stop") if r["step"] > 0] == []
+
+
 @pytest.mark.skipif(shutil.which("uv") is None, reason="needs the uv command (the README's way)")
 def test_uv_run_no_sync_with_relative_paths_writes_checkpoints_with_weights(tmp_path):
     """``uv run --no-sync nrl run grpo`` from another folder, with relative output paths: the

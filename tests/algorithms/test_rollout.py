@@ -412,3 +412,53 @@ def test_model_calls_refuse_unpaired_logprobs():
 
     with pytest.raises(ValueError, match="2 generated ids but 1 logprobs"):
         ModelCall([1], [2, 3], [-0.1])
+
+
+_TOKENISE_HUGE_PROMPT = """
+import sys
+from transformers import AutoTokenizer
+from nrl_core.algorithms.rollout import ChatCodec
+from nrl_core.data import Sample
+from nrl_core.testing.tiny import tiny_model_path
+
+codec = ChatCodec(AutoTokenizer.from_pretrained(tiny_model_path()), apply_chat_template=False)
+sample = Sample(messages=[{"role": "user", "content": "1+" * 10_000_000}])  # 20 MB
+print("READY", flush=True)
+try:
+    codec.prompt_lengths([sample])
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+print("tokenised", flush=True)
+"""
+
+
+def test_ctrl_c_stops_tokenising_a_huge_prompt_at_once(tmp_path):
+    """Issue 40: Ctrl-C was not honoured while a 50 MB data line loaded: the tokenizer's one
+    native call over it (minutes) held the signal until it returned. It now runs in a thread
+    the main thread waits on in short slices."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "tokenise.py"
+    script.write_text(_TOKENISE_HUGE_PROMPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-3000:]
+        time.sleep(3)  # well into the tokenizer (20 MB take minutes there)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        said = proc.stderr.readline()  # the moment the interrupt is handled
+        took = time.monotonic() - sent
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert said.strip() == "interrupted", said + err[-3000:]
+    assert proc.returncode == 130 and "tokenised" not in out, (out, err[-3000:])
+    # The old code handled it when the tokenizer returned: minutes for 20 MB.
+    assert took < 10, f"the interrupt took {took:.1f} s"

@@ -109,6 +109,29 @@ def _hostile_checkpoints(d):
     step("ckpt_deep_state", {"trainer_state.json": deep}, manifest=False)
 
 
+def _dcp_offsets_checkpoint(d):
+    """Issue 40: a real torch.distributed.checkpoint whose ``.metadata`` says its tensor lies
+    at byte 10^12 of a 2 kB shard (manifest rewritten to match)."""
+    import pickle
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from nrl_core.checkpoint import write_manifest
+
+    step = d / "ckpt_offsets" / "step_2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assumes a single-process save"
+        dcp.save({"model": {"w": torch.ones(4, 4)}}, checkpoint_id=str(step / "policy"))
+    _write(step / "trainer_state.json", json.dumps({"step": 2}))
+    metadata = pickle.loads((step / "policy" / ".metadata").read_bytes())  # written just now
+    for info in metadata.storage_data.values():
+        info.offset = 10**12
+    (step / "policy" / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_manifest(step)
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """A folder of broken inputs (and a few good ones), shared by the cases."""
@@ -155,6 +178,7 @@ def d(tmp_path_factory):
     (d / "out_dir").mkdir()
     _damaged_checkpoints(d)
     _hostile_checkpoints(d)
+    _dcp_offsets_checkpoint(d)
     os.mkfifo(d / "fifo.yaml")
     os.mkfifo(d / "fifo.jsonl")
     _write(d / "dup.yaml", "grpo:\n  max_num_steps: 3\nseed: 1\ngrpo:\n  val_period: 2\n")
@@ -172,6 +196,8 @@ def d(tmp_path_factory):
     _write(d / "answer_true.jsonl", _jsonl([{"problem": "1+1", "answer": True}]))
     _write(d / "dup_key.jsonl", '{"problem": "1+1", "answer": "2", "problem": "2+2"}\n')
     _write(d / "blank_problem.jsonl", _jsonl([*good[:1], {"problem": "  ", "answer": "2"}]))
+    # Issue 40: one 5 MB prompt (tokenising it took about a minute; a 50 MB one, minutes).
+    _write(d / "huge_line.jsonl", _jsonl([{"problem": "1+" * 2_500_000, "answer": "2"}]))
     return d
 
 
@@ -369,6 +395,8 @@ CASES = [
     ("ckpt_rng_number", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_rng_number/step_2"), "`rng.python` is not a Python random state", {}),
     ("ckpt_epoch_text", ["convert", "{d}/ckpt_epoch_text/step_2", "{d}/converted"], "`data` must be the data stream's position", {}),
     ("ckpt_deep_state", ["convert", "{d}/ckpt_deep_state/step_2", "{d}/converted"], "is not a trainer state (JSON nested too deeply)", {}),
+    ("ckpt_metadata_offsets", ["convert", "{d}/ckpt_offsets/step_2", "{d}/converted"], "policy/.metadata says __0_0.distcp holds bytes at offset 1000000000000 (length", {}),
+    ("ckpt_metadata_offsets_resume", run("sft", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_offsets/step_2"), "outside the file's", {}),
     # Issue 40, round two: sizes and layouts that cannot run, refused before Ray.
     ("prompts_per_step_absurd", run("grpo", "grpo.num_prompts_per_step=10000000000"), "grpo.num_prompts_per_step must be in [1, 1048576], got 10000000000", {}),
     ("max_seq_len_absurd", run("grpo", "policy.max_total_sequence_length=100000000000"), "policy.max_total_sequence_length must be in [1, 16777216], got 100000000000", {}),
@@ -383,12 +411,15 @@ CASES = [
     # More GPUs than any one machine has: the row holds on a GPU machine too.
     ("gpus_per_node_absent", run("grpo", "cluster.gpus_per_node=4096"), "cluster.gpus_per_node=4096, and this machine has", {}),
     ("algorithm_unknown", ["run", "ppo"], "nrl run: argument ALGO: invalid choice: 'ppo'", {}),
+    ("env_warn_failed_zero", run("grpo", "env.warn_failed_fraction=0"), "env.warn_failed_fraction must be in (0, 1], got 0", {}),
+    ("env_stop_failed_above_max", run("grpo", "env.stop_failed_fraction=1.5"), "env.stop_failed_fraction must be in (0, 1] or null, got 1.5", {}),
     # Issue 40, round two: data rows.
     ("data_lone_surrogate", run("grpo", "data.dataset={d}/surrogate.jsonl"), "{d}/surrogate.jsonl:2: field 'problem' holds a lone surrogate (\\ud800)", {}),
     ("data_answer_nan", run("grpo", "data.dataset={d}/answer_nan.jsonl"), "{d}/answer_nan.jsonl:3: field 'answer' holds NaN, which is not a JSON value", {}),
     ("data_answer_true", run("grpo", "data.dataset={d}/answer_true.jsonl"), "{d}/answer_true.jsonl:1: field 'answer' must be text or a number, got True", {}),
     ("data_duplicate_key", run("grpo", "data.dataset={d}/dup_key.jsonl"), "{d}/dup_key.jsonl:1: duplicate key 'problem'", {}),
     ("data_blank_problem", run("grpo", "data.dataset={d}/blank_problem.jsonl"), "{d}/blank_problem.jsonl:2: field 'problem' is blank", {}),
+    ("data_huge_line", run("grpo", "data.dataset={d}/huge_line.jsonl"), "every one of the 1 training prompts of data.dataset={d}/huge_line.jsonl is longer than", {}),
     # Metrics for `nrl plot`.
     ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
     ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),

@@ -216,3 +216,41 @@ def test_a_checkpoints_config_never_names_the_interpreter_convert_runs(tmp_path)
     assert len(notes) == 1, done.stderr[-3000:]
     assert f"policy.actor_env={step / 'python'}" in notes[0]
     assert "cluster.actor_env" in notes[0] and "NRL_ACTOR_ENV" in notes[0]
+
+
+class _RunsCode:
+    """Unpickling this calls ``open(marker, "w")``: the shape of every pickle exploit."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+def test_a_pickle_planted_in_the_rank_state_is_one_line_exit_2(tmp_path, capsys):
+    """Issue 40: `nrl convert` of a checkpoint whose `extra_rank0.pt` holds a pickle that
+    runs code (manifest rewritten to match) blocked it but printed torch's multi-line
+    UnpicklingError as a traceback. Now: one line naming the file and the global, exit 2."""
+    import yaml
+
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, write_manifest
+    from nrl_core.cli import main
+
+    step, _ = _planted_checkpoint(tmp_path)
+    raw = yaml.safe_load((step / CHECKPOINT_CONFIG).read_text())
+    raw["policy"].pop("actor_env")  # only the planted pickle: no warning line about these
+    raw["cluster"].pop("actor_env")
+    (step / CHECKPOINT_CONFIG).write_text(yaml.safe_dump(raw))
+    marker = tmp_path / "PWNED"
+    extra = step / POLICY_CHECKPOINT / "extra_rank0.pt"
+    torch.save({"scheduler": _RunsCode(str(marker)), "rng": {}}, extra)
+    write_manifest(step)
+    capsys.readouterr()
+    rc = main(["convert", str(step), str(tmp_path / "hf")])
+    _, err = capsys.readouterr()
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]
+    assert str(extra) in err and "io.open" in err, err

@@ -334,6 +334,57 @@ def test_a_signal_stops_the_run_once_and_leaves_no_process(tmp_path, signum, cod
         shutil.rmtree(tmp_root, ignore_errors=True)
 
 
+def test_sigterm_while_the_local_ray_head_starts_exits_143_with_one_line(tmp_path):
+    """Issue 40: a SIGTERM while ``ray.init`` ran exited 15 with no message (Ray's own handler
+    there calls ``sys.exit(15)``). Now: exit 143, one line saying what was stopped, and
+    nothing left (no Ray process, no temp folder)."""
+    tmp_root = Path(tempfile.mkdtemp(prefix="nrl-s-", dir="/tmp"))
+    command = [
+        sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-q",
+        f"logger.log_dir={tmp_path}", "logger.run_name=run", *TINY,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, "NRL_ACTOR_ENV": "system", "TMPDIR": str(tmp_root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen: set[int] = set()
+    try:
+        # The GCS is Ray's first process: ray.init has begun and waits for the raylet.
+        deadline = time.monotonic() + 300
+        gcs = False
+        while proc.poll() is None and time.monotonic() < deadline and not gcs:
+            for pid in descendants(proc.pid):
+                seen.add(pid)
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                        gcs = gcs or b"gcs_server" in cmdline.read()
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        assert gcs and proc.poll() is None, proc.stderr.read()[-3000:]
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        assert not (metrics.is_file() and metrics.read_text().strip()), "training had begun"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err[-3000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "SIGTERM" in lines[0] and "Traceback" not in err, err[-3000:]
+        deadline = time.monotonic() + 10
+        while (alive(seen) or processes_matching(str(tmp_root))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(seen) == [] and processes_matching(str(tmp_root)) == []
+        assert sorted(p.name for p in tmp_root.iterdir() if "ray" in p.name) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_processes(set(alive(seen)) | set(processes_matching(str(tmp_root))))
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
 def test_a_run_that_fails_under_v_keeps_rays_logs_and_says_where(tmp_path):
     """An error after Ray started (here an environment whose constructor raises, from a
     third-party plugin) fails the run; with ``-v`` Ray's temp folder stays for the post-mortem,

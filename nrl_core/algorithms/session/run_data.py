@@ -75,9 +75,10 @@ class RunData:
         config = self.config
         prompt_filter = None
         if hasattr(config, "grpo") and hasattr(config, "generation"):
+            longest = config.policy.max_total_sequence_length - config.generation.max_new_tokens
             prompt_filter = PromptLengthFilter(
-                lambda samples: self.chat_codec().prompt_lengths(samples),
-                config.policy.max_total_sequence_length - config.generation.max_new_tokens,
+                lambda samples: self.chat_codec().prompt_lengths(samples, longest=longest),
+                longest,
             )
         if config.data.tasks:
             self._load_tasks(prompt_filter)

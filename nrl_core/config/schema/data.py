@@ -7,7 +7,15 @@ from typing import ClassVar
 
 import attrs
 
-from nrl_core.config.schema.fields import NON_EMPTY, ComponentSection, between, ge, gt, option
+from nrl_core.config.schema.fields import (
+    NON_EMPTY,
+    ComponentSection,
+    between,
+    ge,
+    gt,
+    option,
+    optional,
+)
 from nrl_core.registry import ComponentKind
 
 NO_ENVIRONMENT = "none"
@@ -31,6 +39,24 @@ class EnvConfig(ComponentSection):
             "cluster.worker_timeout_s so that a hung environment is found quickly."
         ),
         validator=gt(0),
+    )
+    warn_failed_fraction: float = option(
+        0.5,
+        (
+            "A console warning when at least this share of a training step's samples failed in "
+            "their environment (its step raised, or it reported a timeout, error or crash), in "
+            "(0, 1]. The shares are logged every step as train/env_*_frac."
+        ),
+        validator=between(0, 1, low_open=True),
+    )
+    stop_failed_fraction: float | None = option(
+        None,
+        (
+            "Stop the run (one line naming the environment and what failed) when at least this "
+            "share of a training step's samples failed in their environment, in (0, 1]; null: "
+            "never stop for it (the failed samples get reward 0)."
+        ),
+        validator=optional(between(0, 1, low_open=True)),
     )
 
 

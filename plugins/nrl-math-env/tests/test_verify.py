@@ -84,3 +84,43 @@ def test_pathological_expression_times_out_within_the_limit(pool):
 def test_verify_fn_that_cannot_import_fails_at_construction():
     with pytest.raises(VerifierStartError, match="no_such_module"):
         VerifierPool("no_such_module:verify", num_workers=1, timeout_s=1.0)
+
+
+HERE = __import__("pathlib").Path(__file__).parent
+
+
+def test_a_verifier_that_kills_its_process_stops_the_pool_quickly_in_one_line(monkeypatch):
+    """Issue 40: a verify function calling os._exit scored every sample as "crashed" (reward 0,
+    counted nowhere) after restarting its process for each one: 85-112 s steps. Now a run of
+    crashes with no reply between them is a broken verifier: one line, within seconds."""
+    from nrl_math_env.workers import VerifierCrashError
+
+    monkeypatch.syspath_prepend(str(HERE))  # broken_verifiers, for the worker processes
+    pool = VerifierPool("broken_verifiers:exits", num_workers=2, timeout_s=5.0)
+    start = time.monotonic()
+    with pytest.raises(VerifierCrashError) as caught:
+        pool.map([("1", "1")] * 64)
+    assert time.monotonic() - start < 30
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1
+    assert "'broken_verifiers:exits' crashed on 4 samples in a row" in message
+    assert "exited with code 3" in message
+    assert pool._workers == []  # every process stopped
+
+
+def test_a_verifier_that_raises_is_an_error_verdict_the_environment_reports(monkeypatch):
+    """The math environment reports its verifier's failures to the core (EnvStep.failure),
+    which counts them (train/env_error_frac) and may stop the run."""
+    from nrl_math_env.config import MathEnvConfig
+    from nrl_math_env.math_env import MathEnvironment
+
+    monkeypatch.syspath_prepend(str(HERE))
+    env = MathEnvironment(MathEnvConfig(verify_fn="broken_verifiers:raises", num_workers=1), None)
+    try:
+        conversation = [{"role": "assistant", "content": "7"}]
+        steps = env.step([conversation], [{"answer": "7"}])
+    finally:
+        env.close()
+    assert steps[0].reward == 0.0
+    assert steps[0].failure == "error: ValueError: cannot parse the answer"
+    assert steps[0].metadata["verify_status"] == "error"

@@ -575,8 +575,11 @@ class DTensorPolicyWorker:
         if not extra_file.exists():
             extra_file = Path(path) / "extra_rank0.pt"
         # weights_only: a checkpoint is data; unpickling arbitrary objects from it could run
-        # code (the scheduler and RNG states are tensors, numbers, tuples and dicts).
-        extra = torch.load(extra_file, weights_only=True)
+        # code (the scheduler and RNG states are tensors, numbers, tuples and dicts). A refused
+        # file is one line naming it (torch_load_data), not torch's multi-line message.
+        from nrl_core.safe_pickle import torch_load_data
+
+        extra = torch_load_data(extra_file)
         self.scheduler.load_state_dict(extra["scheduler"])
         self._set_rng_state(extra["rng"])
         self._barrier()

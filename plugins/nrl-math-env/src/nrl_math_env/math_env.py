@@ -33,6 +33,7 @@ class MathEnvironment:
     def __init__(self, options: MathEnvConfig, context: ComponentContext) -> None:
         self.options = options
         self._pool = VerifierPool(options.verify_fn, options.num_workers, options.timeout_s)
+        self._what = f"env.math.verify_fn={options.verify_fn}"
 
     def step(
         self, conversations: Sequence[Sequence[Message]], metadata: Sequence[dict[str, Any]]
@@ -48,7 +49,12 @@ class MathEnvironment:
         ]
         verdicts = self._pool.map(pairs)
         return [
-            EnvStep(reward=v.reward, metadata={**m, "verify_status": v.status})
+            EnvStep(
+                reward=v.reward,
+                metadata={**m, "verify_status": v.status},
+                # Not a score: counted by the core (train/env_*_frac, env.stop_failed_fraction).
+                failure=None if v.status == "ok" else f"{v.status}: {v.error or self._what}",
+            )
             for v, m in zip(verdicts, metadata, strict=True)
         ]
 
@@ -58,11 +64,11 @@ class MathEnvironment:
         Args:
             batch: ``rewards``, ``group_ids``, ``finish_reasons`` and ``response_lengths`` as
                 :func:`~nrl_math_env.metrics.episode_metrics` documents, plus ``metadata``
-                (list[dict], each sample's final metadata) for ``timeout_fraction`` and
-                ``error_fraction``.
+                (list[dict], each sample's final metadata) for ``timeout_fraction``,
+                ``error_fraction`` and ``crashed_fraction``.
         """
         return episode_metrics(batch) | status_fractions(
-            batch, "verify_status", ("timeout", "error")
+            batch, "verify_status", ("timeout", "error", "crashed")
         )
 
     def close(self) -> None:

@@ -33,6 +33,10 @@ class VerifierStartError(NrlError):
     """A verifier worker could not start (its function does not import, for example)."""
 
 
+class VerifierCrashError(NrlError):
+    """The verifier's process died on every one of many samples in a row: it is broken."""
+
+
 class Verdict(NamedTuple):
     """The outcome of one verification."""
 
@@ -93,6 +97,11 @@ class VerifierPool:
 
     def __init__(self, fn: str, num_workers: int, timeout_s: float) -> None:
         self.fn, self.timeout_s = fn, timeout_s
+        # Crashes in a row, with no reply between them; at max_crashes_in_a_row the verifier
+        # is broken (each crash costs a fresh process and its imports: a whole batch of them
+        # took 85-112 s a step, scoring nothing).
+        self.crashes_in_a_row = 0
+        self.max_crashes_in_a_row = max(4, 2 * num_workers)
         self._workers = [_Worker(fn) for _ in range(num_workers)]
         # Waiting here makes a verifier that cannot import fail when the environment is built,
         # not at the first step.
@@ -139,8 +148,23 @@ class VerifierPool:
             worker.ready = True
             return
         task, worker.task = worker.task, None
-        if reply is None or reply.get("status") == "timeout":
-            results[task] = Verdict(0.0, "crashed" if reply is None else "timeout")
+        if reply is None:
+            worker.kill()
+            code = worker.proc.returncode
+            self.crashes_in_a_row += 1
+            if self.crashes_in_a_row >= self.max_crashes_in_a_row:
+                self.close()
+                raise VerifierCrashError(
+                    f"the verifier {self.fn!r} crashed on {self.crashes_in_a_row} samples in a "
+                    f"row (its process exited with code {code} while scoring): fix the verify "
+                    "function (a crash is a process exit: os._exit, a segfault, out of memory)"
+                )
+            results[task] = Verdict(0.0, "crashed", f"the verifier process exited with code {code}")
+            self._workers[self._workers.index(worker)] = _Worker(self.fn)
+            return
+        self.crashes_in_a_row = 0
+        if reply.get("status") == "timeout":
+            results[task] = Verdict(0.0, "timeout", f"over env.math.timeout_s={self.timeout_s}")
             worker.kill()
             self._workers[self._workers.index(worker)] = _Worker(self.fn)
         elif "error" in reply:

@@ -508,10 +508,11 @@ class MegatronPolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same world and tensor-parallel sizes)."""
-        # weights_only: a checkpoint is data; unpickling arbitrary objects could run code.
-        state = torch.load(
-            Path(path) / f"rank{self.rank}.pt", weights_only=True, map_location="cpu"
-        )
+        from nrl_core.safe_pickle import torch_load_data
+
+        # weights_only (torch_load_data): a checkpoint is data; unpickling arbitrary objects
+        # could run code. A refused file is one line naming it.
+        state = torch_load_data(Path(path) / f"rank{self.rank}.pt", map_location="cpu")
         layout = {"tp": self.tp_size, "world_size": self.world_size}
         if state["layout"] != layout:
             raise MegatronSetupError(
