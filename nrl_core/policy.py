@@ -277,6 +277,9 @@ class Policy:
             metrics = reduce_metrics(
                 [m for result in results for m in result.micro_batch_metrics], declared
             )
+            # The workers' own per-rank metrics (router statistics), reduced over ranks.
+            declared = {**declared, **results[0].step_reductions}
+            metrics.update(reduce_metrics([result.step_metrics for result in results], declared))
             metrics.update(grad_norm=results[0].grad_norm, lr=results[0].lr)
             per_step.append(metrics)
         return combine_optimizer_steps(per_step, declared)
