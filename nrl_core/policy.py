@@ -35,7 +35,9 @@ def policy_layout(options: Any) -> ParallelLayout:
 
     Policy option classes declare their sizes under the usual names (``tensor_parallel_size``
     or Megatron's ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``context_parallel_size``); model-parallel peers then receive the same data shard.
+    ``context_parallel_size``, ``expert_model_parallel_size``); model-parallel peers then
+    receive the same data shard (expert parallelism splits the data-parallel ranks' experts and
+    receives distinct data).
     """
 
     def size(*names: str) -> int:
@@ -49,6 +51,7 @@ def policy_layout(options: Any) -> ParallelLayout:
         tp=size("tensor_parallel_size", "tensor_model_parallel_size"),
         pp=size("pipeline_parallel_size", "pipeline_model_parallel_size"),
         cp=size("context_parallel_size"),
+        ep=size("expert_parallel_size", "expert_model_parallel_size"),
     )
 
 
