@@ -7,7 +7,7 @@ dimension like any other parameter. These layers are *dropless*: every token rea
 experts whatever their load (no capacity factor), so no token is ever dropped and there is no
 dropped-token fraction to report.
 
-Router auxiliary loss: not added (see docs/algorithms.md, "Mixture-of-experts models"). The HF
+Router auxiliary loss: not added (see docs/moe.md). The HF
 models add ``router_aux_loss_coef * aux_loss`` only when called with ``labels``; the policy calls
 them without, so the router learns from the RL (or SFT) loss alone, through the top-k weights.
 Its load-balancing value is still measured and logged (``moe/aux_loss``).
