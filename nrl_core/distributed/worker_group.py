@@ -7,12 +7,17 @@ and a worker that raises, dies or hangs becomes a one-line
 :class:`~nrl_core.distributed.errors.WorkerError` naming the group, rank and the file with the
 full traceback (the run log, :mod:`nrl_core.run_log`).
 
-Rank layout: tensor-parallel ranks vary fastest, then context-parallel, then pipeline-parallel,
-then data-parallel, so ``dp_rank = rank // (tp * cp * pp)`` and the first rank of DP shard ``d``
-is ``d * tp * cp * pp``. Expert parallelism takes no ranks of its own: the experts of a MoE layer
-are split over ``ep`` of the ``dp * cp`` ranks that hold the same dense weights (as in Megatron-Core),
-so it changes neither the shards nor who returns them. Each shard's result comes from one rank,
-:meth:`ParallelLayout.result_rank`: the last pipeline stage's first rank (where the logits are).
+Rank layout (Megatron-Core's default order, ``tp-cp-ep-dp-pp``): tensor-parallel ranks vary
+fastest, then context-parallel, then data-parallel, then pipeline stages, so a stage is a block
+of ``tp * cp * dp`` consecutive ranks and ``dp_rank = rank // (tp * cp) % dp``. Without pipeline
+stages the first rank of DP shard ``d`` is ``d * tp * cp``. Expert parallelism takes no ranks of
+its own: a MoE layer's experts are split over ``ep`` of the ``dp * cp`` ranks of a stage that
+hold the same dense weights (as in Megatron-Core), so it changes neither the shards nor who
+returns them. Each shard's result comes from one rank, :meth:`ParallelLayout.result_rank`: the
+first tp/cp rank of the shard in the last pipeline stage (where the logits are). Megatron-Core
+0.16.1 requires this pp-last order for pipeline and expert parallelism together
+(``parallel_state.initialize_model_parallel``: "When not using pp-last rank ordering, the data
+parallel size of the attention and moe layers must be the same").
 """
 
 from __future__ import annotations
@@ -103,9 +108,13 @@ class ParallelLayout:
             )
         return dp
 
-    def dp_rank(self, rank: int) -> int:
-        """The data shard rank ``rank`` works on."""
-        return rank // self.model_parallel_size
+    def _stage_size(self, num_workers: int) -> int:
+        # The ranks of one pipeline stage: tp * cp * dp.
+        return self.tp * self.cp * self.dp_size(num_workers)
+
+    def dp_rank(self, rank: int, num_workers: int) -> int:
+        """The data shard rank ``rank`` (of ``num_workers``) works on."""
+        return rank // (self.tp * self.cp) % self.dp_size(num_workers)
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
@@ -113,20 +122,21 @@ class ParallelLayout:
     def cp_rank(self, rank: int) -> int:
         return rank // self.tp % self.cp
 
-    def pp_rank(self, rank: int) -> int:
+    def pp_rank(self, rank: int, num_workers: int) -> int:
         """The pipeline stage of ``rank`` (0 holds the embeddings, ``pp - 1`` the logits)."""
-        return rank // (self.tp * self.cp) % self.pp
+        return rank // self._stage_size(num_workers)
 
-    def ep_rank(self, rank: int) -> int:
-        """Which slice of the experts ``rank`` holds: consecutive ranks of its ``dp * cp``
-        group (the ranks of one tp rank and pipeline stage) take consecutive slices."""
-        return (self.dp_rank(rank) * self.cp + self.cp_rank(rank)) % self.ep
+    def ep_rank(self, rank: int, num_workers: int) -> int:
+        """Which slice of the experts ``rank`` holds: the ``dp * cp`` ranks of one tp rank in
+        one stage take consecutive slices in rank order."""
+        return rank % self._stage_size(num_workers) // self.tp % self.ep
 
-    def result_rank(self, dp_rank: int) -> int:
-        """The one rank whose result stands for data shard ``dp_rank``: the first tensor and
-        context rank of the last pipeline stage, which computes the logits (and so the
+    def result_rank(self, dp_rank: int, num_workers: int) -> int:
+        """The one rank whose result stands for data shard ``dp_rank``: its first tensor and
+        context rank in the last pipeline stage, which computes the logits (and so the
         logprobs and the loss); the others' results are not read."""
-        return dp_rank * self.model_parallel_size + (self.pp - 1) * self.tp * self.cp
+        last_stage = (self.pp - 1) * self._stage_size(num_workers)
+        return last_stage + dp_rank * self.tp * self.cp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,14 +523,13 @@ class WorkerGroup:
             )
             for d in range(self.dp_size)
         ]
+        dp_ranks = [self.layout.dp_rank(r, self.num_workers) for r in range(self.num_workers)]
         refs = [
-            a.call_sharded.remote(
-                method, data[self.layout.dp_rank(rank)], *per_dp[self.layout.dp_rank(rank)]
-            )
+            a.call_sharded.remote(method, data[dp_ranks[rank]], *per_dp[dp_ranks[rank]])
             for rank, a in enumerate(self.actors)
         ]
         results = self._gather(refs, _method_name(method))
-        return [results[self.layout.result_rank(d)] for d in range(self.dp_size)]
+        return [results[self.layout.result_rank(d, self.num_workers)] for d in range(self.dp_size)]
 
     def run_one(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the worker of ``rank`` only."""

@@ -1,6 +1,7 @@
 """The core's rank layout (``ParallelLayout``): which data shard, pipeline stage and expert
 slice each rank has, and which rank returns each shard's result. Pure arithmetic, checked
-against an enumeration of the documented order (tp fastest, then cp, then pp, then dp)."""
+against an enumeration of the documented order (Megatron-Core's: tp fastest, then cp, then dp,
+then pp)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ LAYOUTS = [
 
 
 def enumerate_ranks(layout: ParallelLayout, dp: int) -> list[dict[str, int]]:
-    """Every rank's coordinates, in rank order, by nested loops (dp slowest, tp fastest)."""
+    """Every rank's coordinates, in rank order, by nested loops (pp slowest, tp fastest)."""
     ranks = []
-    for d, p, c, t in itertools.product(
-        range(dp), range(layout.pp), range(layout.cp), range(layout.tp)
+    for p, d, c, t in itertools.product(
+        range(layout.pp), range(dp), range(layout.cp), range(layout.tp)
     ):
         ranks.append({"dp": d, "pp": p, "cp": c, "tp": t})
     return ranks
@@ -41,8 +42,8 @@ def test_each_rank_knows_its_shard_stage_and_expert_slice(layout):
     ranks = enumerate_ranks(layout, dp)
     assert len(ranks) == workers
     for rank, where in enumerate(ranks):
-        assert layout.dp_rank(rank) == where["dp"]
-        assert layout.pp_rank(rank) == where["pp"]
+        assert layout.dp_rank(rank, workers) == where["dp"]
+        assert layout.pp_rank(rank, workers) == where["pp"]
         assert layout.cp_rank(rank) == where["cp"]
         assert layout.tp_rank(rank) == where["tp"]
     # Expert parallelism splits the ranks that share the dense weights (same tp rank and
@@ -50,7 +51,7 @@ def test_each_rank_knows_its_shard_stage_and_expert_slice(layout):
     for t, p in itertools.product(range(layout.tp), range(layout.pp)):
         group = [r for r, w in enumerate(ranks) if (w["tp"], w["pp"]) == (t, p)]
         assert len(group) == dp * layout.cp
-        slices = [layout.ep_rank(r) for r in group]
+        slices = [layout.ep_rank(r, workers) for r in group]
         assert slices == [i % layout.ep for i in range(len(group))]
 
 
@@ -58,7 +59,7 @@ def test_each_rank_knows_its_shard_stage_and_expert_slice(layout):
 def test_one_rank_per_shard_returns_it_from_the_last_stage(layout):
     dp = 3 if layout.ep == 1 else layout.ep  # a dp * cp the expert size divides
     ranks = enumerate_ranks(layout, dp)
-    returning = [layout.result_rank(d) for d in range(dp)]
+    returning = [layout.result_rank(d, len(ranks)) for d in range(dp)]
     for d, rank in enumerate(returning):
         assert ranks[rank] == {"dp": d, "pp": layout.pp - 1, "cp": 0, "tp": 0}
     assert len(set(returning)) == dp

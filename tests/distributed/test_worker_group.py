@@ -76,7 +76,8 @@ def test_run_sharded_with_tp2(tp2_group):
 
 
 def test_run_sharded_with_pp2_returns_the_last_stages_results(ray_cluster, worker_env):
-    """The last pipeline stage of each shard (where the logits are) answers for it."""
+    """The last pipeline stage of each shard (where the logits are) answers for it: stages are
+    blocks of consecutive ranks (pp slowest, as Megatron-Core orders them)."""
     from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup
 
     group = WorkerGroup.start(
@@ -91,7 +92,7 @@ def test_run_sharded_with_pp2_returns_the_last_stages_results(ray_cluster, worke
     try:
         assert group.dp_size == 2
         assert group.run_sharded("echo", [["a"], ["b"]]) == [
-            {"rank": 1, "item": ["a"], "scale": 1},
+            {"rank": 2, "item": ["a"], "scale": 1},
             {"rank": 3, "item": ["b"], "scale": 1},
         ]
     finally:
