@@ -135,7 +135,10 @@ class PolicyWorker(Protocol):
         """Clip the accumulated gradients to ``policy.max_grad_norm`` (0: no clipping), step the
         optimizer and the learning-rate schedule, and zero the gradients. Returns
         ``grad_norm`` (before clipping, over the whole model) and ``lr`` (the rate this step
-        used), identical on every rank."""
+        used), identical on every rank. Further keys are this rank's own metrics of the step
+        (e.g. router statistics, ``moe/*``): the core reduces them over ranks as the worker's
+        optional ``metric_reductions`` mapping (``{key: "sum" | "mean" | "max" | "min"}``)
+        declares, else by :func:`nrl_core.training.metric_reduction`."""
         ...
 
     def set_reference(self, model_path: str) -> None:

@@ -35,7 +35,9 @@ def policy_layout(options: Any) -> ParallelLayout:
 
     Policy option classes declare their sizes under the usual names (``tensor_parallel_size``
     or Megatron's ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``context_parallel_size``); model-parallel peers then receive the same data shard.
+    ``context_parallel_size``, ``expert_model_parallel_size``); model-parallel peers then
+    receive the same data shard (expert parallelism splits the data-parallel ranks' experts and
+    receives distinct data).
     """
 
     def size(*names: str) -> int:
@@ -49,6 +51,7 @@ def policy_layout(options: Any) -> ParallelLayout:
         tp=size("tensor_parallel_size", "tensor_model_parallel_size"),
         pp=size("pipeline_parallel_size", "pipeline_model_parallel_size"),
         cp=size("context_parallel_size"),
+        ep=size("expert_parallel_size", "expert_model_parallel_size"),
     )
 
 
@@ -277,6 +280,9 @@ class Policy:
             metrics = reduce_metrics(
                 [m for result in results for m in result.micro_batch_metrics], declared
             )
+            # The workers' own per-rank metrics (router statistics), reduced over ranks.
+            declared = {**declared, **results[0].step_reductions}
+            metrics.update(reduce_metrics([result.step_metrics for result in results], declared))
             metrics.update(grad_norm=results[0].grad_norm, lr=results[0].lr)
             per_step.append(metrics)
         return combine_optimizer_steps(per_step, declared)

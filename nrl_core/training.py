@@ -181,6 +181,12 @@ class RankStepResult:
     """Gradient norm before clipping (the same on every rank)."""
     lr: float
     """The learning rate the step used."""
+    step_metrics: dict[str, float] = attrs.field(factory=dict)
+    """This rank's own metrics of the step: what ``optimizer_step`` returned besides
+    ``grad_norm`` and ``lr`` (a mixture of experts' router statistics, ``moe/*``)."""
+    step_reductions: dict[str, str] = attrs.field(factory=dict)
+    """How :attr:`step_metrics` combine over ranks: the worker's optional
+    ``metric_reductions`` mapping (undeclared keys reduce by :func:`metric_reduction`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +254,13 @@ def train_on_rank(
         if real:
             results.append(record)
     step = worker.optimizer_step()
-    return RankStepResult(results, grad_norm=float(step["grad_norm"]), lr=float(step["lr"]))
+    return RankStepResult(
+        results,
+        grad_norm=float(step["grad_norm"]),
+        lr=float(step["lr"]),
+        step_metrics={k: float(v) for k, v in step.items() if k not in ("grad_norm", "lr")},
+        step_reductions=dict(getattr(worker, "metric_reductions", None) or {}),
+    )
 
 
 def _loss_closure(

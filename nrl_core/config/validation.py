@@ -60,6 +60,23 @@ def _model_parallel_size(options: Any) -> tuple[str, int]:
     return " x ".join(names), size
 
 
+def _check_expert_parallel(policy: Any, options: Any, dp: int) -> None:
+    # Experts are split over the ranks that share the dense weights (data x context parallel;
+    # nrl_core.distributed.worker_group.ParallelLayout), so the expert-parallel size must
+    # divide their number.
+    for name in ("expert_parallel_size", "expert_model_parallel_size"):
+        ep = getattr(options, name, None)
+        if not isinstance(ep, int) or ep <= 1:
+            continue
+        cp = getattr(options, "context_parallel_size", None) or 1
+        if (dp * cp) % ep:
+            raise ConfigError(
+                f"policy.{policy.selected}.{name}={ep} must divide the {dp * cp} data x "
+                f"context parallel ranks (policy.num_workers={policy.num_workers} over the "
+                "model-parallel sizes); lower it or raise policy.num_workers"
+            )
+
+
 def _check_batch_layout(config: Any) -> None:
     # Micro batches cut one rank's share of a global batch, and every data-parallel rank takes
     # an equal share: a layout that cannot hold is refused here, not by a worker after Ray.
@@ -75,6 +92,7 @@ def _check_batch_layout(config: Any) -> None:
             f"policy.num_workers to a multiple of {model_parallel} or lower the parallel size"
         )
     dp = max(1, workers // model_parallel)
+    _check_expert_parallel(policy, options, dp)
     if global_batch % dp:
         raise ConfigError(
             f"policy.train_global_batch_size={global_batch} does not split evenly over the "

@@ -341,7 +341,7 @@ class InProcessWorkerGroup:
 
     def run_sharded(self, method: Any, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
         """``method(data[dp_rank], *args, **kwargs)`` on every worker (arguments wrapped in
-        ``Sharded`` split alike); the first rank of each shard's result, in DP order."""
+        ``Sharded`` split alike); each shard's result from its result rank, in DP order."""
         from nrl_core.distributed.worker_actor import Sharded, _method_name, _shard_of
 
         sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
@@ -353,7 +353,7 @@ class InProcessWorkerGroup:
                 )
         results = []
         for slot in self.slots:
-            d = self.layout.dp_rank(slot.rank)
+            d = self.layout.dp_rank(slot.rank, self.num_workers)
             results.append(
                 self._invoke(
                     slot,
@@ -362,8 +362,7 @@ class InProcessWorkerGroup:
                     {k: _shard_of(v, d) for k, v in kwargs.items()},
                 )
             )
-        step = self.layout.model_parallel_size
-        return [results[d * step] for d in range(self.dp_size)]
+        return [results[self.layout.result_rank(d, self.num_workers)] for d in range(self.dp_size)]
 
     def run_one(self, rank: int, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the worker of ``rank`` only."""

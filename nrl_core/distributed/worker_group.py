@@ -7,9 +7,17 @@ and a worker that raises, dies or hangs becomes a one-line
 :class:`~nrl_core.distributed.errors.WorkerError` naming the group, rank and the file with the
 full traceback (the run log, :mod:`nrl_core.run_log`).
 
-Rank layout: tensor-parallel ranks vary fastest, then context-parallel, then pipeline-parallel,
-then data-parallel, so ``dp_rank = rank // (tp * cp * pp)`` and the first rank of DP shard ``d``
-is ``d * tp * cp * pp``.
+Rank layout (Megatron-Core's default order, ``tp-cp-ep-dp-pp``): tensor-parallel ranks vary
+fastest, then context-parallel, then data-parallel, then pipeline stages, so a stage is a block
+of ``tp * cp * dp`` consecutive ranks and ``dp_rank = rank // (tp * cp) % dp``. Without pipeline
+stages the first rank of DP shard ``d`` is ``d * tp * cp``. Expert parallelism takes no ranks of
+its own: a MoE layer's experts are split over ``ep`` of the ``dp * cp`` ranks of a stage that
+hold the same dense weights (as in Megatron-Core), so it changes neither the shards nor who
+returns them. Each shard's result comes from one rank, :meth:`ParallelLayout.result_rank`: the
+first tp/cp rank of the shard in the last pipeline stage (where the logits are). Megatron-Core
+0.16.1 requires this pp-last order for pipeline and expert parallelism together
+(``parallel_state.initialize_model_parallel``: "When not using pp-last rank ordering, the data
+parallel size of the attention and moe layers must be the same").
 
 What runs inside each actor is :mod:`nrl_core.distributed.worker_actor` (:class:`Sharded` is
 re-exported here).
@@ -18,6 +26,7 @@ re-exported here).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 import traceback
@@ -59,27 +68,74 @@ class ParallelLayout:
     """Model-parallel sizes of a group; the data-parallel size follows from the worker count."""
 
     tp: int = 1
+    """Tensor-parallel size (>= 1)."""
     pp: int = 1
+    """Pipeline-parallel size: stages, each holding a slice of the layers (>= 1)."""
     cp: int = 1
+    """Context-parallel size (>= 1)."""
+    ep: int = 1
+    """Expert-parallel size (>= 1): over how many of the ``dp * cp`` ranks that share the dense
+    weights a mixture of experts' experts are split; must divide ``dp * cp``."""
 
     @property
     def model_parallel_size(self) -> int:
+        """The ranks one data shard spans (``tp * cp * pp``; experts take no ranks of their own)."""
         return self.tp * self.pp * self.cp
 
     def dp_size(self, num_workers: int) -> int:
-        """The number of data-parallel shards of ``num_workers`` ranks."""
+        """The number of data-parallel shards of ``num_workers`` ranks; raises
+        :class:`~nrl_core.errors.NrlError` for a layout the ranks cannot hold."""
+        sizes = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        if num_workers < 1 or any(v < 1 for v in sizes.values()):
+            got = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            raise NrlError(
+                f"parallel sizes and the worker count must be >= 1; got {got}, "
+                f"num_workers={num_workers}"
+            )
         if num_workers % self.model_parallel_size:
             raise NrlError(
                 f"{num_workers} workers cannot be split into tp={self.tp} x pp={self.pp} x "
                 f"cp={self.cp} groups; use a multiple of {self.model_parallel_size} workers"
             )
-        return num_workers // self.model_parallel_size
+        dp = num_workers // self.model_parallel_size
+        if (dp * self.cp) % self.ep:
+            raise NrlError(
+                f"ep={self.ep} must divide the {dp * self.cp} data x context parallel ranks "
+                f"of {num_workers} workers (tp={self.tp} x pp={self.pp}); lower ep or use a "
+                f"multiple of {self.ep * self.model_parallel_size // math.gcd(self.ep, self.cp)}"
+                " workers"
+            )
+        return dp
 
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.model_parallel_size
+    def _stage_size(self, num_workers: int) -> int:
+        # The ranks of one pipeline stage: tp * cp * dp.
+        return self.tp * self.cp * self.dp_size(num_workers)
+
+    def dp_rank(self, rank: int, num_workers: int) -> int:
+        """The data shard rank ``rank`` (of ``num_workers``) works on."""
+        return rank // (self.tp * self.cp) % self.dp_size(num_workers)
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
+
+    def cp_rank(self, rank: int) -> int:
+        return rank // self.tp % self.cp
+
+    def pp_rank(self, rank: int, num_workers: int) -> int:
+        """The pipeline stage of ``rank`` (0 holds the embeddings, ``pp - 1`` the logits)."""
+        return rank // self._stage_size(num_workers)
+
+    def ep_rank(self, rank: int, num_workers: int) -> int:
+        """Which slice of the experts ``rank`` holds: the ``dp * cp`` ranks of one tp rank in
+        one stage take consecutive slices in rank order."""
+        return rank % self._stage_size(num_workers) // self.tp % self.ep
+
+    def result_rank(self, dp_rank: int, num_workers: int) -> int:
+        """The one rank whose result stands for data shard ``dp_rank``: its first tensor and
+        context rank in the last pipeline stage, which computes the logits (and so the
+        logprobs and the loss); the others' results are not read."""
+        last_stage = (self.pp - 1) * self._stage_size(num_workers)
+        return last_stage + dp_rank * self.tp * self.cp
 
 
 _RemoteWorker = ray.remote(max_restarts=0, max_task_retries=0)(_WorkerActor)
@@ -301,7 +357,8 @@ class WorkerGroup:
 
         ``data`` has one item per data-parallel shard; further arguments wrapped in
         :class:`Sharded` are split the same way, the others go to every worker. Returns the
-        result of the first rank (tp = pp = cp rank 0) of each shard, in DP order.
+        result of each shard's :meth:`ParallelLayout.result_rank` (tp = cp rank 0 of the
+        last pipeline stage), in DP order.
         """
         sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
         for what in (data, *(v.items for v in sharded)):
@@ -317,15 +374,13 @@ class WorkerGroup:
             )
             for d in range(self.dp_size)
         ]
+        dp_ranks = [self.layout.dp_rank(r, self.num_workers) for r in range(self.num_workers)]
         refs = [
-            a.call_sharded.remote(
-                method, data[self.layout.dp_rank(rank)], *per_dp[self.layout.dp_rank(rank)]
-            )
+            a.call_sharded.remote(method, data[dp_ranks[rank]], *per_dp[dp_ranks[rank]])
             for rank, a in enumerate(self.actors)
         ]
         results = self._gather(refs, _method_name(method))
-        step = self.layout.model_parallel_size
-        return [results[d * step] for d in range(self.dp_size)]
+        return [results[self.layout.result_rank(d, self.num_workers)] for d in range(self.dp_size)]
 
     def run_one(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the worker of ``rank`` only."""

@@ -1,4 +1,4 @@
-"""A tiny Llama/Qwen2-style causal LM and tokenizer, built locally for tests, demos and benchmarks.
+"""A tiny Llama/Qwen2-style causal LM (or a Qwen3-MoE mixture of experts) and tokenizer, built locally for tests, demos and benchmarks.
 
 Everything is written with ``save_pretrained`` so that every consumer loads it through the real
 ``from_pretrained`` path, exactly like a hub model. The tokenizer is character level: every
@@ -104,12 +104,20 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
     seed: int = 0,
 ) -> Path:
-    """Build a randomly initialised ``arch`` (``llama`` or ``qwen2``) model and its tokenizer
-    into ``path`` with ``save_pretrained``; return the folder."""
+    """Build a randomly initialised ``arch`` (``llama``, ``qwen2`` or ``qwen3_moe``) model and
+    its tokenizer into ``path`` with ``save_pretrained``; return the folder.
+
+    ``qwen3_moe``: every decoder layer's MLP is a mixture of ``num_experts`` experts (each of
+    ``intermediate_size`` / ``num_experts_per_tok`` width, so that the active parameters per
+    token match a dense MLP of ``intermediate_size``), of which a learned router picks the top
+    ``num_experts_per_tok`` per token (1 <= ``num_experts_per_tok`` <= ``num_experts``).
+    ``num_experts`` and ``num_experts_per_tok`` are ignored by the dense architectures."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     tokenizer = build_tokenizer()
     # A vocabulary rounded up to a multiple of 64 keeps matmuls aligned; extra rows are unused.
@@ -128,9 +136,21 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
     if arch not in configs:
         raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
+    if arch == "qwen3_moe":
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={num_experts_per_tok} must be in [1, {num_experts}]"
+            )
+        common.update(
+            head_dim=hidden_size // num_heads,  # Qwen3's default (128) is no tiny size
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=common["intermediate_size"] // num_experts_per_tok,
+            norm_topk_prob=True,
+        )
     config = configs[arch](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -187,10 +207,12 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None, **kwargs) -> Pat
     return target
 
 
-NAMED_SIZES: dict[str, dict[str, int]] = {
+NAMED_SIZES: dict[str, dict[str, int | str]] = {
     "tiny": {},
     # A smaller student for the distillation demo (~0.1M parameters): same tokenizer.
     "tiny-small": {"hidden_size": 64, "num_layers": 2},
+    # A Qwen3-MoE mixture of experts (4 experts, top-2), the same tokenizer; ~1.4M parameters.
+    "tiny-moe": {"arch": "qwen3_moe"},
 }
 """The locally built models a ``model_name`` may name, with their sizes."""
 

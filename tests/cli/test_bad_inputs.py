@@ -405,6 +405,11 @@ CASES = [
     ("global_batch_uneven_dp", run("grpo", "policy.num_workers=2", "policy.train_global_batch_size=7", "policy.train_micro_batch_size=1"), "policy.train_global_batch_size=7 does not split evenly over the 2 data-parallel ranks", {}),
     ("tp_3_on_2_workers", run("grpo", "policy.num_workers=2", "policy.dtensor.tensor_parallel_size=3"), "policy.dtensor: tensor_parallel_size=3 must divide policy.num_workers=2", {}),
     ("tp_4_on_2_workers", run("sft", "policy.num_workers=2", "policy.dtensor.tensor_parallel_size=4"), "policy.dtensor: tensor_parallel_size=4 must divide policy.num_workers=2", {}),
+    # Issue 37: pipeline and expert parallel sizes the ranks cannot hold.
+    ("pp_3_on_2_workers", run("sft", "policy.backend=megatron", "policy.num_workers=2", "policy.megatron.pipeline_model_parallel_size=3"), "policy.megatron: pipeline_model_parallel_size=3 must divide policy.num_workers=2", {}),
+    ("tp_pp_4_on_2_workers", run("sft", "policy.backend=megatron", "policy.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2", "policy.megatron.tensor_model_parallel_size=2"), "policy.megatron: tensor_model_parallel_size=2 x pipeline_model_parallel_size=2 must divide policy.num_workers=2", {}),
+    ("ep_4_on_2_dp_ranks", run("sft", "policy.backend=megatron", "policy.num_workers=2", "policy.megatron.expert_model_parallel_size=4"), "policy.megatron.expert_model_parallel_size=4 must divide the 2 data x context parallel ranks", {}),
+    ("ep_2_with_pp_2_on_2_workers", run("sft", "policy.backend=megatron", "policy.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2", "policy.megatron.expert_model_parallel_size=2"), "policy.megatron.expert_model_parallel_size=2 must divide the 1 data x context parallel ranks", {}),
     ("policy_workers_on_2_cpus", run("grpo", "cluster.num_cpus=2", "policy.num_workers=64"), "policy.num_workers=64: the workers need at least 6.65 CPUs and the local cluster has 2", {}),
     ("env_workers_on_2_cpus", run("grpo", "cluster.num_cpus=2", "env.num_workers=50"), "env.num_workers=50: the workers need at least 12.7 CPUs and the local cluster has 2", {}),
     ("engines_on_2_cpus", run("grpo", "cluster.num_cpus=2", "generation.torch.colocated=false", "generation.torch.num_engines=40"), "generation.torch.num_engines=40: the workers need at least 20.45 CPUs and the local cluster has 2", {}),

@@ -75,6 +75,30 @@ def test_run_sharded_with_tp2(tp2_group):
         tp2_group.run_sharded("echo", [1, 2, 3])
 
 
+def test_run_sharded_with_pp2_returns_the_last_stages_results(ray_cluster, worker_env):
+    """The last pipeline stage of each shard (where the logits are) answers for it: stages are
+    blocks of consecutive ranks (pp slowest, as Megatron-Core orders them)."""
+    from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup
+
+    group = WorkerGroup.start(
+        "nrl_test_workers:EchoWorker",
+        4,
+        name="echo-pp",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        layout=ParallelLayout(pp=2),
+        timeout_s=60,
+    )
+    try:
+        assert group.dp_size == 2
+        assert group.run_sharded("echo", [["a"], ["b"]]) == [
+            {"rank": 2, "item": ["a"], "scale": 1},
+            {"rank": 3, "item": ["b"], "scale": 1},
+        ]
+    finally:
+        group.shutdown()
+
+
 def test_run_sharded_with_dp2(ray_cluster, worker_env):
     from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 

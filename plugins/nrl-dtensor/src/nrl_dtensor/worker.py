@@ -75,6 +75,14 @@ class DTensorPolicyWorker:
         self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
         self.model = self._build_model(self.model_path, trainable=True)
         self.hf_config = self.model.config
+        from nrl_dtensor.moe import METRIC_REDUCTIONS, RouterStatistics, is_moe_model
+
+        # A mixture of experts: router statistics of the training forwards, logged per step.
+        moe = is_moe_model(self.model)
+        self.router_stats = RouterStatistics(self.model) if moe else None
+        self.metric_reductions = dict(METRIC_REDUCTIONS) if moe else {}
+        """How the extra metrics of :meth:`optimizer_step` combine over ranks (read by the
+        core's training step)."""
         # The frozen reference (KL penalties, DPO), built on first use.
         self.reference = LazyReference(
             lambda path: self._build_model(path, trainable=False), self.model_path
@@ -270,6 +278,14 @@ class DTensorPolicyWorker:
 
         config = model.config
         layers = getattr(getattr(model, "model", None), "layers", None)
+        from nrl_dtensor.moe import is_moe_model
+
+        if is_moe_model(model):
+            # The plan below names dense MLP projections; experts would stay unsharded.
+            raise DTensorSetupError(
+                "tensor_parallel_size > 1 has no plan for mixture-of-experts layers yet; set "
+                "policy.dtensor.tensor_parallel_size=1 (FSDP2 shards the experts)"
+            )
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if layers is None or heads % self.tp_size or kv_heads % self.tp_size:
@@ -438,14 +454,27 @@ class DTensorPolicyWorker:
         self.model.train()
         inputs = self._inputs(micro_batch)
         at = getattr(loss, "logprobs_at_ids", None)
-        if at is None:
-            loss(self._logprobs(self.model, inputs)).backward()
-        else:
-            loss(*self._logprobs(self.model, inputs, at)).backward()
+        with self._router_statistics(micro_batch):
+            out = self._logprobs(self.model, inputs, at)
+        (loss(out) if at is None else loss(*out)).backward()
+
+    def _router_statistics(self, micro_batch: Batch | PackedSequences):
+        """Count the routing of this forward (MoE models; a no-op otherwise): real tokens only,
+        padding excluded (a packed micro batch has none)."""
+        if self.router_stats is None:
+            return contextlib.nullcontext()
+        valid = None
+        if not isinstance(micro_batch, PackedSequences) and "lengths" in micro_batch:
+            from nrl_core.training import valid_token_mask
+
+            valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
+        return self.router_stats.collecting(valid)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, zero the gradients; returns
-        ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+        ``grad_norm`` (before clipping) and ``lr`` (the rate this step used), and for a mixture
+        of experts this rank's router statistics of the step (``moe/*``, see
+        :data:`nrl_dtensor.moe.METRIC_REDUCTIONS`)."""
         if not any(
             p.grad is not None for group in self.optimizer.param_groups for p in group["params"]
         ):
@@ -467,7 +496,8 @@ class DTensorPolicyWorker:
         # else: a NaN or infinite gradient is never applied (the norm is global, so every rank
         # skips together); the driver sees grad_norm and stops the run (issue 40).
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr}
+        routing = self.router_stats.metrics() if self.router_stats is not None else {}
+        return {"grad_norm": grad_norm, "lr": lr, **routing}
 
     def _average_replica_gradients(self) -> None:
         """Replicated weights: average every gradient over the data-parallel ranks in one
@@ -642,8 +672,21 @@ class DTensorPolicyWorker:
         if self.rank == 0:
             if self.options.lora_rank > 0:
                 state = self._merged_lora_state(state)
+            state = self._checkpoint_layout(state)
             write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         self._barrier()
+
+    def _checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` in the layout of the model's published checkpoints: transformers 5 loads
+        some architectures into other tensors than their files hold (a mixture of experts'
+        per-expert ``experts.{i}.gate_proj.weight`` become one ``[experts, ...]``
+        ``experts.gate_up_proj``) and reverts that when saving; other readers of the exported
+        folder (vLLM, SGLang, Megatron converters) expect the published layout. Unchanged for
+        architectures without such a conversion."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        model = self.model.get_base_model() if self.options.lora_rank > 0 else self.model
+        return revert_weight_conversion(model, state)
 
     def _merged_lora_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The plain model's state dict with the LoRA updates merged into the base weights."""

@@ -1,0 +1,197 @@
+"""A mixture-of-experts model (the tiny Qwen3-MoE, 4 experts, top-2) in the dtensor policy on
+CPU: training, router statistics, torch generation, checkpoints, export, FSDP2 over experts,
+refit of separate engines. Real ``from_pretrained``, real gloo ranks where marked ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
+from test_dtensor import full_params, group_policy, local_policy, local_worker, make_config
+
+from nrl_core.data import Batch, pad_sequences
+from nrl_core.interfaces import SamplingParams
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
+from nrl_core.training import valid_token_mask
+
+EXPERTS, TOP_K = 4, 2
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    from nrl_core.testing.tiny import tiny_model_path
+
+    return tiny_model_path(
+        tmp_path_factory.mktemp("nrl-moe"),
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_layers=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
+
+
+def hf_router_metrics(path, batch: Batch) -> dict[str, float]:
+    """``moe/*`` of ``batch`` from transformers' own router logits (``output_router_logits``)
+    and its own load-balancing loss, padding excluded."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = batch["input_ids"]
+    valid = valid_token_mask(batch, ids.shape[1])
+    with torch.no_grad():
+        layers = model(input_ids=ids, output_router_logits=True).router_logits
+    cvs, max_loads, aux = [], [], []
+    for logits in layers:
+        top = logits.softmax(-1).topk(TOP_K, dim=-1).indices[valid.reshape(-1)]
+        counts = torch.bincount(top.reshape(-1), minlength=EXPERTS).double()
+        cvs.append(float(counts.std(correction=0) / counts.mean()))
+        max_loads.append(float(counts.max() / counts.mean()))
+        aux.append(float(load_balancing_loss_func((logits,), EXPERTS, TOP_K, valid.long())))
+    return {
+        "moe/load_cv": sum(cvs) / len(cvs),
+        "moe/max_load": max(max_loads),
+        "moe/aux_loss": sum(aux) / len(aux),
+    }
+
+
+def assert_metrics_close(got: dict, expected: dict) -> None:
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= 1e-6 * max(1.0, abs(value)), (key, got[key], value)
+
+
+def test_the_tiny_moe_is_a_qwen3_moe_that_from_pretrained_loads(moe_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(moe_path)
+    assert config.model_type == "qwen3_moe"
+    assert (config.num_experts, config.num_experts_per_tok) == (EXPERTS, TOP_K)
+    # Every decoder layer is sparse (no dense MLP layers).
+    assert config.decoder_sparse_step == 1 and not config.mlp_only_layers
+
+
+def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path):
+    """One step of two micro batches (padded rows of different lengths): ``moe/*`` are the
+    routing of the step's real tokens, as transformers reports it, at the weights the step
+    started from."""
+    config = make_config(moe_path, mbs=4)
+    batch = make_batch(8, seed=1)
+    expected = hf_router_metrics(moe_path, batch)
+    got = local_policy(config).train(batch, TokenMeanNLL())
+    assert_metrics_close(got, expected)
+    # Not a degenerate routing: some experts get more than others, none all tokens.
+    assert 0 < got["moe/load_cv"] < (EXPERTS / TOP_K - 1) ** 0.5
+    assert 1 < got["moe/max_load"] < EXPERTS / TOP_K
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one-process save/load
+def test_moe_generates_checkpoints_and_exports(moe_path, tmp_path):
+    """Torch generation's logprobs are the trainer's; a checkpoint resumes the same next step;
+    the export holds the published per-expert layout and reloads to the same logprobs."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(moe_path, temperature=0.7, warmup=2)
+    config.generation.options["torch"] = TorchGenerationConfig(generation_batch_size=2)
+    policy = local_policy(config)
+    policy.train(make_batch(8, seed=3), TokenMeanNLL())
+
+    prompts = [[1, 5, 20, 21, 22], [1, 5, 30], [1, 5, 31, 32, 33, 34, 35]]
+    out = policy.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.7, seed=5))
+    seqs = [p + t for p, t in zip(prompts, out.token_ids, strict=True)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    lp = policy.get_logprobs(Batch({"input_ids": pad_sequences(seqs), "lengths": lengths}))
+    for i, (p, t) in enumerate(zip(prompts, out.token_ids, strict=True)):
+        assert len(t) > 0
+        got = lp[i, len(p) : len(p) + len(t)]
+        torch.testing.assert_close(got, torch.tensor(out.logprobs[i]), rtol=0, atol=1e-5)
+
+    policy.save_checkpoint(str(tmp_path / "ckpt"))
+    restored = local_policy(config)
+    restored.load_checkpoint(str(tmp_path / "ckpt"))
+    batch = make_batch(8, seed=4)
+    step_a, step_b = policy.train(batch, TokenMeanNLL()), restored.train(batch, TokenMeanNLL())
+    assert step_a == step_b and "moe/load_cv" in step_a
+
+    restored.export_hf(str(tmp_path / "hf"))
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # transformers' published layout: one tensor per expert and projection, no fused ones.
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
+    assert not any(name.endswith("experts.gate_up_proj") for name in names)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1] / 0.7  # the policy's logprobs are at the temperature
+    theirs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ours = restored.get_logprobs(batch)
+    valid = valid_token_mask(batch, ids.shape[1])[:, 1:]
+    torch.testing.assert_close(theirs[valid], ours[:, 1:][valid], rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_is_refused_for_moe_in_one_line(moe_path):
+    """The dense TP plan would leave the experts unsharded; the worker says so."""
+    from nrl_dtensor.worker import DTensorPolicyWorker, DTensorSetupError
+
+    worker = local_worker(make_config(moe_path))
+    with pytest.raises(DTensorSetupError, match="tensor_parallel_size=1"):
+        DTensorPolicyWorker._apply_tensor_parallel(worker, worker.model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_parallel", ["shard", "replicate"])
+def test_two_ranks_with_experts_sharded_match_one_rank(moe_path, start_group, data_parallel):
+    """FSDP2 over the experts' 3-D weights on 2 gloo ranks (and replicas): the same step as one
+    process; each rank's router statistics cover its own shard, combined as declared (mean of
+    the balance, max of the busiest expert's load)."""
+    config = make_config(moe_path)
+    batch = make_batch(8, seed=1)
+    single = local_policy(config)
+    expected = single.train(batch, TokenMeanNLL())
+    expected_lp = single.get_logprobs(batch)
+
+    options = DTensorConfig(data_parallel=data_parallel)
+    policy = group_policy(start_group, config, options)
+    assert policy.group.run_all("is_sharded") == [data_parallel == "shard"] * 2
+    shards, _ = policy._shards(batch)
+    per_rank = [hf_router_metrics(moe_path, shard) for shard in shards]
+    got = policy.train(batch, TokenMeanNLL())
+    assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
+    assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
+    torch.testing.assert_close(policy.get_logprobs(batch), expected_lp, rtol=0, atol=1e-5)
+    assert_metrics_close(
+        got,
+        {
+            "moe/load_cv": sum(m["moe/load_cv"] for m in per_rank) / 2,
+            "moe/max_load": max(m["moe/max_load"] for m in per_rank),
+            "moe/aux_loss": sum(m["moe/aux_loss"] for m in per_rank) / 2,
+        },
+    )
+
+
+@pytest.mark.slow
+def test_separate_torch_engines_follow_a_moe_refit(moe_path, start_group):
+    """Refit of a MoE policy (2 sharded ranks) into separate torch engines: they hold
+    the trainer's weights bit for bit and samples what the trainer samples."""
+    from test_engine import engines_for
+
+    config = make_config(moe_path)
+    policy = group_policy(start_group, config, DTensorConfig(data_parallel="shard"))
+    engines = engines_for(config, num_engines=2)  # one per rank: the same seeds
+    try:
+        policy.train(make_batch(8, seed=1), TokenMeanNLL())
+        engines.refit(policy)
+        trainer = full_params(policy.group)
+        assert any("experts" in name for name in trainer)
+        for engine_state in engines.group.run_all("state_dict"):
+            assert engine_state.keys() == trainer.keys()
+            for name, tensor in trainer.items():
+                assert torch.equal(engine_state[name], tensor), name
+        prompts = [[1, 5, 20, 21, 22], [1, 5, 30]]
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+        assert engines.generate(prompts, params).token_ids == (
+            policy.generate(prompts, params).token_ids
+        )
+    finally:
+        engines.shutdown()
