@@ -164,6 +164,49 @@ def test_sigterm_mid_run_stops_the_engine(tmp_path):
     assert _nrl_segments() <= segments
 
 
+def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
+    """SIGKILL of vLLM's engine-core process mid-run: the run stops (vLLM's synchronous client
+    alone would wait forever for the dead process) with one line naming the engine core and
+    the signal, exit 1, no traceback; no engine process nor refit segment is left behind."""
+    import re
+
+    tag = uuid.uuid4().hex
+    segments = _nrl_segments()
+    log = (tmp_path / "out.txt").open("w+")
+    command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
+    command += ["grpo.sft_warmup_steps=0", "-q"]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env(tag))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 1200
+        while proc.poll() is None and time.monotonic() < deadline:
+            rows = metrics.read_text().splitlines() if metrics.is_file() else []
+            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
+                break  # GRPO steps (engine generating, refits) are under way
+            time.sleep(1)
+        assert proc.poll() is None, log.read()[-3000:]
+        cores = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
+        assert len(cores) == 1, _tagged_processes(tag)
+        core = int(cores[0].split(":")[0])
+        os.kill(core, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert f"engine-core process (EngineCore, pid {core}) was killed by signal 9" in errors[0]
+    # Raised by the engine to whichever call waited on it: generate, or a policy rank's
+    # push_weights during a refit.
+    assert re.match(r"error: (generation-vllm|policy) rank 0 failed in \w+: vLLM's", errors[0])
+    assert _wait_gone(tag) == []
+    assert _nrl_segments() <= segments
+
+
 def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
     """``nrl serve generation.backend=vllm``: the engine loaded with the policy's weights
     answers a chat completion (token ids and logprobs), and SIGTERM leaves no engine process."""

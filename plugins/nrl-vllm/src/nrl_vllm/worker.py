@@ -146,8 +146,8 @@ class VllmGenerationWorker:
 
     def _dead_error(self) -> NrlError:
         return NrlError(
-            f"{self.engine_died} (engine rank {self.rank}): the engine cannot continue; its "
-            "log in the run's nrl.log (or the Ray worker log) says why (out of memory? killed?)"
+            f"{self.engine_died}: the engine cannot continue; its log in the run's nrl.log (or "
+            "the Ray worker log) says why (out of memory? killed?)"
         )
 
     # -- engine calls, sync or async ----------------------------------------------------------
