@@ -129,7 +129,8 @@ def test_async_grpo_on_two_engines(tmp_path):
 def test_sigterm_mid_run_stops_the_engine(tmp_path):
     """SIGTERM while the run trains (synchronous GRPO): exit 143 without a traceback, and no
     EngineCore or vLLM worker process, nor a refit segment, is left behind. (SIGTERM during
-    asynchronous GRPO exited 1 once in ten minutes of CI: not pinned here yet.)"""
+    asynchronous GRPO exited 1 once: a signal that lands while the driver waits inside Ray,
+    pinned without vLLM by tests/distributed/test_cluster_hygiene.py.)"""
     tag = uuid.uuid4().hex
     segments = _nrl_segments()
     log = (tmp_path / "out.txt").open("w+")
