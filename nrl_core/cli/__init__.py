@@ -304,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except OSError as exc:
+    except BrokenPipeError:  # `nrl plugins --json | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as exc:  # after BrokenPipeError, an OSError too
         import errno
 
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -317,9 +320,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except BrokenPipeError:  # `nrl plugins --json | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except SystemExit as exc:
+        # A SIGTERM that reached the cluster's handler inside one of Ray's waits comes back
+        # from Ray as SystemExit(1) (see nrl_core.distributed.cluster.received_signal).
+        cluster = sys.modules.get("nrl_core.distributed.cluster")
+        signum = cluster.received_signal() if cluster is not None else None
+        if signum is not None and exc.code not in (None, 0):
+            return 128 + signum
+        raise
 
 
 if __name__ == "__main__":

@@ -33,12 +33,20 @@ def _check_async(config: Any) -> None:
     if grpo is None or not grpo.async_.enabled:
         return
     generation = config.generation
-    if getattr(generation.options_for(), "colocated", True) is False:
+    options = generation.options_for()
+    if getattr(options, "colocated", True) is False:
         return
+    key = f"generation.{generation.backend}.colocated"
+    if options is None or not hasattr(options, "colocated"):
+        # Name the key the user can set: a backend without the option has no engines of its own.
+        raise ConfigError(
+            "grpo.async.enabled=true needs generation engines of their own, and "
+            f"generation.backend={generation.backend} has no such option ({key}); choose a backend "
+            "with separate engines (e.g. generation.backend=vllm) or set grpo.async.enabled=false"
+        )
     raise ConfigError(
         "grpo.async.enabled=true needs generation engines of their own, and "
-        f"generation.{generation.backend}.colocated is true (or the backend has no separate "
-        "engines); set generation.colocated=false"
+        f"{key} is true; set {key}=false"
     )
 
 

@@ -163,6 +163,19 @@ def start_timeout_s(load: float | None = None, cpus: int | None = None) -> float
     return min(MAX_START_TIMEOUT_S, BASE_START_TIMEOUT_S * max(1.0, load / cpus))
 
 
+_received_signal: int | None = None
+
+
+def received_signal() -> int | None:
+    """The SIGINT / SIGTERM a cluster's handler stopped this process for (None: none came).
+
+    Ray calls Python's signal handlers from inside its waits (``ray.get``/``ray.wait``, its
+    ``check_signals``) and turns the ``SystemExit(128 + signum)`` the handler raises there into
+    ``SystemExit(1)`` (its ``check_status``): the CLI reads the signal from here to exit with
+    the right code all the same."""
+    return _received_signal
+
+
 _RAYLET_FATAL = ("Check failed", "An unexpected system state has occurred")
 
 
@@ -590,6 +603,8 @@ class LocalCluster:
     def _on_signal(self, signum: int, frame: Any) -> None:
         """Ctrl-C / SIGTERM: stop Ray at once, then unwind (KeyboardInterrupt: exit code 130;
         SystemExit(128 + signum) for SIGTERM); the temp folder goes with :meth:`shutdown`."""
+        global _received_signal
+        _received_signal = signum
         previous = self._previous_handlers.get(signum)
         self.failed = True
         self._stop_ray()

@@ -67,7 +67,7 @@ def test_age_one_trains_nothing_older_than_one_step_and_overlaps(tmp_path):
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
     result = run_nrl(tmp_path, "grpo.async.enabled=true", check=False)
     assert result.returncode == 2
-    assert "set generation.colocated=false" in result.stderr
+    assert "set generation.torch.colocated=false" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -166,3 +166,17 @@ def test_cli_refuses_with_one_line_and_exit_2(tmp_path, overrides, start):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(start)
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "vllm", "sglang"])
+def test_async_grpo_on_colocated_engines_names_the_backends_own_key(registry, backend):
+    """The message names the key that exists (``generation.<backend>.colocated``), and setting
+    what it says makes the config load."""
+    overrides = [f"generation.backend={backend}", "grpo.async.enabled=true"]
+    with pytest.raises(ConfigError) as error:
+        resolve_config("grpo", None, overrides, registry)
+    key = f"generation.{backend}.colocated"
+    assert f"set {key}=false" in str(error.value)
+    assert "generation.colocated" not in str(error.value)
+    config = resolve_config("grpo", None, [*overrides, f"{key}=false"], registry)
+    assert config.generation.options_for().colocated is False

@@ -438,3 +438,30 @@ def test_a_run_that_fails_under_v_keeps_rays_logs_and_says_where(tmp_path):
     finally:
         stop_processes(processes_matching(str(tmp_root)))
         shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def test_sigterm_while_the_driver_waits_inside_ray_exits_143(tmp_path):
+    """Ray runs the cluster's SIGTERM handler inside its own wait (``check_signals``) and
+    turns the handler's ``SystemExit(143)`` into ``SystemExit(1)``: the CLI still exits 143
+    (this exited 1 when a vLLM run was stopped while waiting on its engines)."""
+    then = """
+    import argparse
+    from nrl_core import cli
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(handler=lambda args: group.run_all("sleep", 120))
+    cli.build_parser = lambda: parser  # a command whose whole run is one wait on the workers
+    print("WAITING", flush=True)
+    sys.exit(cli.main([]))
+    """
+    proc, ready, temp_dir, _ = _driver(tmp_path, then=then)
+    started = descendants(proc.pid)
+    try:
+        assert proc.stdout.readline().strip() == "WAITING"
+        time.sleep(3)  # the driver is in ray.wait now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err[-3000:]
+        assert _wait_gone([*started, *ready["pids"]], temp_dir, 30) == ([], [])
+    finally:
+        _cleanup(proc, started, temp_dir)

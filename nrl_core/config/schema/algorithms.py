@@ -17,7 +17,8 @@ class AsyncSection:
     enabled: bool = option(
         False,
         "Generate rollouts on a background producer while training. Needs separate generation "
-        "engines (`generation.colocated=false`, or vLLM/SGLang engines that are not colocated).",
+        "engines (`generation.<backend>.colocated=false`: torch, vLLM or SGLang engines that are "
+        "not colocated).",
     )
     max_trajectory_age_steps: int = option(
         1,

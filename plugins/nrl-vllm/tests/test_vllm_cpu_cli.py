@@ -129,7 +129,8 @@ def test_async_grpo_on_two_engines(tmp_path):
 def test_sigterm_mid_run_stops_the_engine(tmp_path):
     """SIGTERM while the run trains (synchronous GRPO): exit 143 without a traceback, and no
     EngineCore or vLLM worker process, nor a refit segment, is left behind. (SIGTERM during
-    asynchronous GRPO exited 1 once in ten minutes of CI: not pinned here yet.)"""
+    asynchronous GRPO exited 1 once: a signal that lands while the driver waits inside Ray,
+    pinned without vLLM by tests/distributed/test_cluster_hygiene.py.)"""
     tag = uuid.uuid4().hex
     segments = _nrl_segments()
     log = (tmp_path / "out.txt").open("w+")
@@ -160,6 +161,49 @@ def test_sigterm_mid_run_stops_the_engine(tmp_path):
     out = log.read()
     assert proc.returncode == 143, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+    assert _wait_gone(tag) == []
+    assert _nrl_segments() <= segments
+
+
+def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
+    """SIGKILL of vLLM's engine-core process mid-run: the run stops (vLLM's synchronous client
+    alone would wait forever for the dead process) with one line naming the engine core and
+    the signal, exit 1, no traceback; no engine process nor refit segment is left behind."""
+    import re
+
+    tag = uuid.uuid4().hex
+    segments = _nrl_segments()
+    log = (tmp_path / "out.txt").open("w+")
+    command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
+    command += ["grpo.sft_warmup_steps=0", "-q"]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env(tag))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 1200
+        while proc.poll() is None and time.monotonic() < deadline:
+            rows = metrics.read_text().splitlines() if metrics.is_file() else []
+            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
+                break  # GRPO steps (engine generating, refits) are under way
+            time.sleep(1)
+        assert proc.poll() is None, log.read()[-3000:]
+        cores = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
+        assert len(cores) == 1, _tagged_processes(tag)
+        core = int(cores[0].split(":")[0])
+        os.kill(core, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert f"engine-core process (EngineCore, pid {core}) was killed by signal 9" in errors[0]
+    # Raised by the engine to whichever call waited on it: generate, or a policy rank's
+    # push_weights during a refit.
+    assert re.match(r"error: (generation-vllm|policy) rank 0 failed in \w+: vLLM's", errors[0])
     assert _wait_gone(tag) == []
     assert _nrl_segments() <= segments
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -80,16 +81,87 @@ class VllmGenerationWorker:
             self.engine = vllm.LLM(**kwargs)
         self._vllm = vllm
         self.sleeping = False
+        self._closing = False
+        self.engine_died: str | None = None
+        self._died = threading.Event()
+        self._watch_engine_core()
         if self.options.colocated and not self.on_cpu:
             self.sleep()  # the policy owns the GPU until the first generation
+
+    # -- a dead engine core ----------------------------------------------------------------
+
+    def _watch_engine_core(self) -> None:
+        """Turn the death of vLLM's engine-core process into an error of the call waiting on it.
+
+        vLLM notices the death (its ``MPClient`` monitor thread marks the engine dead and shuts
+        the client down), but ``vllm.LLM``'s synchronous client then stops its output thread
+        without waking the caller: a ``generate`` or ``collective_rpc`` under way waits forever
+        on its queue or future (vllm/v1/engine/core_client.py, ``SyncMPClient``), and the run
+        hangs. This thread waits for the same process and, unless this worker is shutting the
+        engine down itself, wakes those waiters with vLLM's ``EngineDeadError``; the caller
+        then raises :meth:`_dead_error`, which names the process and how it ended."""
+        import queue
+        from multiprocessing.connection import wait
+
+        client = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
+        if client is None:  # AsyncLLM: its output task already raises EngineDeadError
+            client = getattr(self.engine, "engine_core", None)
+        resources = getattr(client, "resources", None)
+        procs = list(getattr(getattr(resources, "engine_manager", None), "processes", []))
+        if not procs:
+            return  # the engine core runs in this process (or vLLM changed): nothing to watch
+
+        def watch() -> None:
+            dead = wait([p.sentinel for p in procs])
+            if self._closing:
+                return
+            proc = next(p for p in procs if p.sentinel in dead)
+            proc.join(timeout=5)
+            code = proc.exitcode
+            how = (
+                f"was killed by signal {-code}"
+                if code is not None and code < 0
+                else (f"exited with code {code}")
+            )
+            self.engine_died = f"vLLM's engine-core process ({proc.name}, pid {proc.pid}) {how}"
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            outputs = getattr(client, "outputs_queue", None)
+            if isinstance(outputs, queue.Queue):  # the synchronous client (thread-safe parts)
+                outputs.put_nowait(EngineDeadError())
+                for future in list(getattr(client, "utility_results", {}).values()):
+                    if not future.done():
+                        future.set_exception(EngineDeadError())
+            self._died.set()
+
+        threading.Thread(target=watch, name="nrl-engine-core-watch", daemon=True).start()
+
+    def _reraise(self, exc: Exception) -> None:
+        """Raise the named error when the engine core died under this call, else ``exc``."""
+        if type(exc).__name__ == "EngineDeadError":
+            self._died.wait(timeout=10)  # vLLM's own monitor may have noticed first
+        if self.engine_died:
+            raise self._dead_error() from None
+        raise exc
+
+    def _dead_error(self) -> NrlError:
+        return NrlError(
+            f"{self.engine_died}: the engine cannot continue; its log in the run's nrl.log (or "
+            "the Ray worker log) says why (out of memory? killed?)"
+        )
 
     # -- engine calls, sync or async ----------------------------------------------------------
 
     def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.engine, method)(*args, **kwargs)
-        if self._loop is not None and asyncio.iscoroutine(result):
-            return self._loop.run_until_complete(result)
-        return result
+        if self.engine_died:
+            raise self._dead_error()
+        try:
+            result = getattr(self.engine, method)(*args, **kwargs)
+            if self._loop is not None and asyncio.iscoroutine(result):
+                return self._loop.run_until_complete(result)
+            return result
+        except Exception as exc:
+            self._reraise(exc)
 
     def _rpc(self, method: str, *args: Any) -> list:
         return self._run("collective_rpc", method, args=args)
@@ -112,10 +184,15 @@ class VllmGenerationWorker:
             for kw in per_request_kwargs(params, len(prompts), stop_strings, 1000 * self.rank)
         ]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        if self._loop is None:
-            outputs = self.engine.generate(inputs, sampling, use_tqdm=False)
-        else:
-            outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
+        if self.engine_died:
+            raise self._dead_error()
+        try:
+            if self._loop is None:
+                outputs = self.engine.generate(inputs, sampling, use_tqdm=False)
+            else:
+                outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
+        except Exception as exc:
+            self._reraise(exc)
         return to_generation_output(outputs)
 
     async def _generate_async(self, inputs: list, sampling: list) -> list:
@@ -212,6 +289,7 @@ class VllmGenerationWorker:
 
     def shutdown(self) -> None:
         """Stop the engine's processes (engine core and tensor-parallel workers)."""
+        self._closing = True  # the engine core's exit is expected now (see _watch_engine_core)
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()  # AsyncLLM (vllm/v1/engine/async_llm.py:296)
