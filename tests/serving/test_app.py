@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -208,8 +209,8 @@ def test_generate_takes_and_returns_token_ids(server):
 
 
 def test_bad_requests_get_a_400_naming_the_problem(client, server):
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.chat.completions.create(model="tool-tiny", messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in 1\.\.64"):
+        client.chat.completions.create(model="tool-tiny", messages=QUESTION, n=0)
     with pytest.raises(openai.BadRequestError, match="non-empty list"):
         client.chat.completions.create(model="tool-tiny", messages=[])
     raw = httpx.post(server.base_url + "/chat/completions", content=b"{not json")
@@ -535,3 +536,154 @@ def test_the_batcher_outlives_a_request_it_cannot_serve():
             assert good.token_ids == [7]
 
     asyncio.run(scenario())
+
+
+# -- what clients send (issue 35, item 4): streaming, n, seeds, stop strings, refused fields -----
+
+
+def test_a_streamed_answer_is_the_answer_in_chunks_with_the_token_fields_last(client):
+    """verifiers' default client streams; it was refused (`stream=true is not supported`)."""
+    whole = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=64
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tool-tiny",
+            messages=QUESTION,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=64,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    *answer, usage = chunks
+    assert usage.choices == [] and usage.usage.total_tokens == whole.usage.total_tokens
+    deltas = [c.choices[0].delta for c in answer]
+    assert deltas[0].role == "assistant"
+    (call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert (
+        call.function.name == "get_weather" and call.id == whole.choices[0].message.tool_calls[0].id
+    )
+    assert json.loads(call.function.arguments) == {"city": "sf"}
+    assert answer[-1].choices[0].finish_reason == "tool_calls"
+    carried = whole.choices[0].message.model_extra
+    last = deltas[-1].model_extra
+    for field in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert last[field] == carried[field], field
+
+    plain = client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    text, tokens = "", None
+    for chunk in plain:
+        assert chunk.usage is None  # not asked for
+        text += chunk.choices[0].delta.content or ""
+        tokens = chunk.choices[0].delta.model_extra.get("generation_token_ids", tokens)
+    assert 1 <= len(tokens) <= 5 and isinstance(text, str)
+
+
+def test_a_seeded_request_gives_the_same_answer_twice(client):
+    """The batcher added 7919 x its call count to every seed: a seeded request drew anew."""
+
+    def ask(**kwargs):
+        reply = client.chat.completions.create(
+            model="tool-tiny",
+            messages=[{"role": "user", "content": "tell me something"}],
+            temperature=1.0,
+            max_tokens=24,
+            **kwargs,
+        )
+        return [c.message.model_extra["generation_token_ids"] for c in reply.choices]
+
+    assert ask(seed=11) == ask(seed=11)
+    # n choices of one seeded request are seeds seed, seed + 1, ... (vLLM's rule)
+    first, second = ask(seed=11, n=2)
+    assert [first] == ask(seed=11) and [second] == ask(seed=12)
+
+
+def test_n_choices_each_carry_their_own_token_fields(client):
+    reply = client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    generated = 0
+    for choice in reply.choices:
+        carried = choice.message.model_extra
+        assert len(carried["generation_token_ids"]) == len(carried["generation_log_probs"]) >= 1
+        assert choice.model_extra["token_ids"] == carried["generation_token_ids"]
+        generated += len(carried["generation_token_ids"])
+    assert reply.usage.completion_tokens == generated
+
+
+def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_token_ids(client, server):
+    # The taught answer is CALL_TEXT; stopping at `"name"` leaves `<tool_call>\n{` as content.
+    reply = client.chat.completions.create(
+        model="tool-tiny",
+        messages=QUESTION,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=64,
+        stop=['"name"'],
+    )
+    choice = reply.choices[0]
+    assert choice.message.content == CALL_TEXT[: CALL_TEXT.index('"name"')]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == '"name"'
+    sampled = server.prompts.decode(choice.message.model_extra["generation_token_ids"])
+    assert sampled.startswith(choice.message.content + '"name"')  # what was sampled, unchanged
+
+
+def test_max_completion_tokens_counts_when_max_tokens_is_null(client):
+    """A null `max_tokens` hid `max_completion_tokens`: 133 tokens came back for a limit of 3."""
+    reply = client.chat.completions.create(
+        model="tool-tiny",
+        messages=[{"role": "user", "content": "tell me something long"}],
+        max_completion_tokens=3,
+        extra_body={"max_tokens": None},
+    )
+    assert len(reply.choices[0].message.model_extra["generation_token_ids"]) <= 3
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be a positive"):
+        client.chat.completions.create(
+            model="tool-tiny", messages=QUESTION, max_completion_tokens=0
+        )
+
+
+def test_what_cannot_be_honoured_is_refused_naming_the_field(client):
+    """These were accepted and ignored (an unknown model, a forced tool, a JSON format)."""
+    with pytest.raises(openai.NotFoundError, match="`gpt-4o` does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    refused = [
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs=2 is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
+        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice='required' is not supported"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ({"logit_bias": {"5": 10}}, "logit_bias="),
+        ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
+    ]
+    for fields, names in refused:
+        with pytest.raises(openai.BadRequestError, match=re.escape(names)):
+            client.chat.completions.create(model="tool-tiny", messages=QUESTION, **fields)
+    text = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, response_format={"type": "text"}, max_tokens=2
+    )
+    assert text.choices[0].message.model_extra["generation_token_ids"]
+
+
+def test_tool_choice_none_parses_no_call(client):
+    reply = client.chat.completions.create(
+        model="tool-tiny",
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=64,
+    )
+    choice = reply.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    # The tools are not in the prompt either: the model is not to call one.
+    with_tools = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=1
+    )
+    prompt = choice.message.model_extra["prompt_token_ids"]
+    assert len(prompt) < len(with_tools.choices[0].message.model_extra["prompt_token_ids"])
