@@ -477,6 +477,15 @@ class ServerConfig:
         ),
         validator=one_of("auto", "hermes", "none"),
     )
+    reasoning_parser: str | None = option(
+        None,
+        (
+            "Split `<think>...</think>` out of the content into `reasoning_content` (vLLM's "
+            "--reasoning-parser names): `deepseek_r1`, `qwen3`, or null (no split). The token "
+            "ids stay as sampled."
+        ),
+        validator=one_of(None, "deepseek_r1", "qwen3"),
+    )
 
 
 @attrs.define

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nrl_core.serving.errors import GenerationFailed, RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
+from nrl_core.serving.reasoning import split_reasoning
 from nrl_core.serving.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class ServedPolicy(Protocol):
     tokenizer: Any
     prompts: PromptBuilder
     tool_parser: Any
+    reasoning_parser: str | None
     batcher: RequestBatcher
     sampling_for: Callable[..., SamplingParams]
     """A request's sampling, from its keywords (see ``PolicyServer.sampling_for``)."""
@@ -403,6 +405,7 @@ def _choice(
     keep every sampled token, the one that completed the stop string included, since that is
     what the policy sampled and what the next turn's prompt continues from."""
     text, stop_reason = cut_at_stop(server.prompts.decode(done.token_ids), stops)
+    reasoning, text = split_reasoning(text, server.reasoning_parser)
     if body.get("tool_choice") == "none":
         content, calls = text, []
     else:
@@ -410,6 +413,10 @@ def _choice(
     if body.get("parallel_tool_calls") is False:
         calls = calls[:1]  # vLLM's rule: the first call only
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        # vLLM answered `reasoning_content` before 0.16 and `reasoning` since: both, for both;
+        # and a null content when nothing follows the reasoning.
+        message.update(content=content or None, reasoning_content=reasoning, reasoning=reasoning)
     if calls:
         message["tool_calls"] = calls
     message.update(
@@ -463,6 +470,9 @@ def _events(answer: dict[str, Any], include_usage: bool) -> Iterator[str]:
             [{"index": index, "delta": opening, "logprobs": None, "finish_reason": None}],
             prompt_token_ids=answer["prompt_token_ids"],
         )
+        if message.get("reasoning_content") is not None:
+            said = {key: message[key] for key in ("reasoning_content", "reasoning")}
+            yield event([{"index": index, "delta": said, "finish_reason": None}])
         if message["content"] or "logprobs" in choice:
             delta = {"content": message["content"] or ""}
             logprobs = choice.get("logprobs")

@@ -252,7 +252,7 @@ def test_an_api_key_is_required_when_set(tool_model):
 # -- token-exact turns over HTTP, with tokenizers where re-rendering the text goes wrong ----------
 
 
-def _served_bpe_model(tmp_path, template: str, completion_text: str):
+def _served_bpe_model(tmp_path, template: str, completion_text: str, config=None):
     """A tiny Llama over the BPE vocabulary of test_prompts (merge a + b -> "ab"), taught to
     answer "go" with ``completion_text`` ("|" separates pieces encoded on their own)."""
     import torch
@@ -287,7 +287,11 @@ def _served_bpe_model(tmp_path, template: str, completion_text: str):
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     generator = TorchGenerator(model=model, tokenizer=tokenizer)
     server = PolicyServer(
-        generator.generate, tokenizer, model_id="bpe", max_model_len=256, config=ServerConfig()
+        generator.generate,
+        tokenizer,
+        model_id="bpe",
+        max_model_len=256,
+        config=config or ServerConfig(),
     )
     server.start()
     return server, completion
@@ -344,6 +348,46 @@ def test_a_think_stripping_template_keeps_the_sampled_reasoning_in_the_next_prom
         # The reasoning the model sampled stays; the template would have dropped it.
         assert tokenized[: len(exact)] == exact
         assert len(tokenized) > len(exact)  # and the new user turn follows it
+    finally:
+        server.stop()
+
+
+def test_the_reasoning_parser_splits_the_text_and_keeps_the_ids(tmp_path):
+    """`<think>` went into the content; with server.reasoning_parser it is `reasoning_content`
+    (and vLLM >= 0.16's `reasoning`), whole or streamed, and the ids stay as sampled."""
+    from nrl_core.testing.tokenizers import THINK_STRIPPING_TEMPLATE
+
+    server, sampled = _served_bpe_model(
+        tmp_path,
+        THINK_STRIPPING_TEMPLATE,
+        "<think>hm</think>ab",
+        config=ServerConfig(reasoning_parser="deepseek_r1"),
+    )
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        go = [{"role": "user", "content": "go"}]
+        message = client.chat.completions.create(model="bpe", messages=go, temperature=0)
+        message = message.choices[0].message
+        assert message.content == "ab"
+        assert message.model_extra["reasoning_content"] == "hm"
+        assert message.model_extra["reasoning"] == "hm"
+        assert message.model_extra["generation_token_ids"] == sampled
+        exact = message.model_extra["prompt_token_ids"] + sampled
+        history = [*go, message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}]
+        tokenized = httpx.post(
+            server.base_url.removesuffix("/v1") + "/tokenize", json={"messages": history}
+        ).json()["tokens"]
+        assert tokenized[: len(exact)] == exact  # the split text still continues the ids
+
+        deltas = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(
+                model="bpe", messages=go, temperature=0, stream=True
+            )
+        ]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "hm"
+        assert "".join(d.content or "" for d in deltas) == "ab"
+        assert deltas[-1].model_extra["generation_token_ids"] == sampled
     finally:
         server.stop()
 
