@@ -39,6 +39,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from nrl_core.serving.batcher import SEED_LIMIT
 from nrl_core.serving.errors import GenerationFailed, RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
 from nrl_core.serving.reasoning import split_reasoning
@@ -184,7 +185,9 @@ def create_app(server: ServedPolicy) -> FastAPI:
         # choice i of n uses seed + i, as vLLM does.
         reproducible = sampling["seed"] is not None and server.enforced is None
         every = [
-            attrs.evolve(params, seed=params.seed + i) if reproducible and i else params
+            attrs.evolve(params, seed=(params.seed + i) % SEED_LIMIT)
+            if reproducible and i
+            else params
             for i in range(n)
         ]
         dones = await asyncio.gather(*(generated(prompt, p, stops, reproducible) for p in every))
