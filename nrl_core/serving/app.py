@@ -412,7 +412,7 @@ def _choice(
     if body.get("tool_choice") == "none":
         content, calls = text, []
     else:
-        content, calls = parse_tool_calls(text, server.tool_parser)
+        content, calls = parse_tool_calls(text, server.tool_parser, body.get("tools"))
     if body.get("parallel_tool_calls") is False:
         calls = calls[:1]  # vLLM's rule: the first call only
     message: dict[str, Any] = {"role": "assistant", "content": content}
