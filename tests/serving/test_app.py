@@ -731,3 +731,43 @@ def test_tool_choice_none_parses_no_call(client):
     )
     prompt = choice.message.model_extra["prompt_token_ids"]
     assert len(prompt) < len(with_tools.choices[0].message.model_extra["prompt_token_ids"])
+
+
+def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):
+    """verifiers (not in nrl's lock) calls AsyncOpenAI with its max_tokens renamed to
+    `max_completion_tokens`, tools marked `strict`, and earlier assistant messages carrying
+    `reasoning_content` (null); streamed or not, the call and the token fields come back."""
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+
+    async def ask(stream: bool):
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
+        sampling = {"max_completion_tokens": 64, "temperature": 0.0}
+        if not stream:
+            return await client.chat.completions.create(
+                model="tool-tiny", messages=QUESTION, tools=strict, **sampling
+            )
+        chunks = await client.chat.completions.create(
+            model="tool-tiny", messages=QUESTION, tools=strict, stream=True, **sampling
+        )
+        return [chunk async for chunk in chunks]
+
+    whole = asyncio.run(ask(stream=False))
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    chunks = asyncio.run(ask(stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [t.function.name for t in streamed] == ["get_weather"]
+    last = chunks[-1].choices[0].delta.model_extra
+    assert (
+        last["generation_token_ids"] == whole.choices[0].message.model_extra["generation_token_ids"]
+    )
+    history = [
+        *QUESTION,
+        {**whole.choices[0].message.model_dump(exclude_none=True), "reasoning_content": None},
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+    ]
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    second = client.chat.completions.create(
+        model="tool-tiny", messages=history, tools=strict, max_completion_tokens=64, temperature=0
+    )
+    assert second.choices[0].message.content == ANSWER
