@@ -454,6 +454,12 @@ def plain_server(tiny_model_path):
     yield from _torch_server(tiny_model_path, batch_window_ms=0)
 
 
+@pytest.fixture
+def plain_client(plain_server):
+    plain_server.enforce(None)
+    return openai.OpenAI(base_url=plain_server.base_url, api_key="unused")
+
+
 def test_each_hostile_request_fails_alone_and_the_next_good_one_is_answered(plain_server):
     """Issue 40: `"seed": "abc"` killed the request batcher (every later request hung); other
     wrong types and ranges were 500s or accepted. Each is now a 4xx naming the field, and a
@@ -617,22 +623,12 @@ def test_a_streamed_answer_is_the_answer_in_chunks_with_the_token_fields_last(cl
     for field in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
         assert last[field] == carried[field], field
 
-    plain = client.chat.completions.create(
-        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
-    )
-    text, tokens = "", None
-    for chunk in plain:
-        assert chunk.usage is None  # not asked for
-        text += chunk.choices[0].delta.content or ""
-        tokens = chunk.choices[0].delta.model_extra.get("generation_token_ids", tokens)
-    assert 1 <= len(tokens) <= 5 and isinstance(text, str)
 
-
-def test_a_seeded_request_gives_the_same_answer_twice(client):
+def test_a_seeded_request_gives_the_same_answer_twice(plain_client):
     """The batcher added 7919 x its call count to every seed: a seeded request drew anew."""
 
     def ask(**kwargs):
-        reply = client.chat.completions.create(
+        reply = plain_client.chat.completions.create(
             model="tool-tiny",
             messages=[{"role": "user", "content": "tell me something"}],
             temperature=1.0,
@@ -647,8 +643,8 @@ def test_a_seeded_request_gives_the_same_answer_twice(client):
     assert [first] == ask(seed=11) and [second] == ask(seed=12)
 
 
-def test_n_choices_each_carry_their_own_token_fields(client):
-    reply = client.chat.completions.create(
+def test_n_choices_each_carry_their_own_token_fields(plain_client):
+    reply = plain_client.chat.completions.create(
         model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3
     )
     assert [c.index for c in reply.choices] == [0, 1, 2]
@@ -661,26 +657,9 @@ def test_n_choices_each_carry_their_own_token_fields(client):
     assert reply.usage.completion_tokens == generated
 
 
-def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_token_ids(client, server):
-    # The taught answer is CALL_TEXT; stopping at `"name"` leaves `<tool_call>\n{` as content.
-    reply = client.chat.completions.create(
-        model="tool-tiny",
-        messages=QUESTION,
-        tools=TOOLS,
-        temperature=0,
-        max_tokens=64,
-        stop=['"name"'],
-    )
-    choice = reply.choices[0]
-    assert choice.message.content == CALL_TEXT[: CALL_TEXT.index('"name"')]
-    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == '"name"'
-    sampled = server.prompts.decode(choice.message.model_extra["generation_token_ids"])
-    assert sampled.startswith(choice.message.content + '"name"')  # what was sampled, unchanged
-
-
-def test_max_completion_tokens_counts_when_max_tokens_is_null(client):
+def test_max_completion_tokens_counts_when_max_tokens_is_null(plain_client):
     """A null `max_tokens` hid `max_completion_tokens`: 133 tokens came back for a limit of 3."""
-    reply = client.chat.completions.create(
+    reply = plain_client.chat.completions.create(
         model="tool-tiny",
         messages=[{"role": "user", "content": "tell me something long"}],
         max_completion_tokens=3,
@@ -688,15 +667,15 @@ def test_max_completion_tokens_counts_when_max_tokens_is_null(client):
     )
     assert len(reply.choices[0].message.model_extra["generation_token_ids"]) <= 3
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be a positive"):
-        client.chat.completions.create(
+        plain_client.chat.completions.create(
             model="tool-tiny", messages=QUESTION, max_completion_tokens=0
         )
 
 
-def test_what_cannot_be_honoured_is_refused_naming_the_field(client):
+def test_what_cannot_be_honoured_is_refused_naming_the_field(plain_client):
     """These were accepted and ignored (an unknown model, a forced tool, a JSON format)."""
     with pytest.raises(openai.NotFoundError, match="`gpt-4o` does not exist"):
-        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+        plain_client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     refused = [
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs=2 is not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
@@ -707,8 +686,8 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(client):
     ]
     for fields, names in refused:
         with pytest.raises(openai.BadRequestError, match=re.escape(names)):
-            client.chat.completions.create(model="tool-tiny", messages=QUESTION, **fields)
-    text = client.chat.completions.create(
+            plain_client.chat.completions.create(model="tool-tiny", messages=QUESTION, **fields)
+    text = plain_client.chat.completions.create(
         model="tool-tiny", messages=QUESTION, response_format={"type": "text"}, max_tokens=2
     )
     assert text.choices[0].message.model_extra["generation_token_ids"]
@@ -771,3 +750,48 @@ def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):
         model="tool-tiny", messages=history, tools=strict, max_completion_tokens=64, temperature=0
     )
     assert second.choices[0].message.content == ANSWER
+
+
+def test_a_plain_answer_streams_without_usage_unless_asked(plain_client):
+    whole = plain_client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=4
+    )
+    stream = plain_client.chat.completions.create(
+        model="tool-tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        seed=4,
+        stream=True,
+    )
+    text, tokens = "", None
+    for chunk in stream:
+        assert chunk.usage is None  # not asked for
+        text += chunk.choices[0].delta.content or ""
+        tokens = chunk.choices[0].delta.model_extra.get("generation_token_ids", tokens)
+    assert text == whole.choices[0].message.content
+    assert tokens == whole.choices[0].message.model_extra["generation_token_ids"]
+
+
+def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_token_ids(
+    plain_client, plain_server
+):
+    """`stop=['#']` answered `'JJ#'`: the stop string stayed in the content."""
+
+    def ask(**kwargs):
+        reply = plain_client.chat.completions.create(
+            model="tool-tiny",
+            messages=[{"role": "user", "content": "go on"}],
+            temperature=0,
+            max_tokens=24,
+            **kwargs,
+        )
+        return reply.choices[0]
+
+    text = ask().message.content
+    stop = text[len(text) // 2 :][:2]  # a stop string the greedy answer reaches mid-way
+    assert len(text) >= 6 and stop.strip(), text
+    choice = ask(stop=[stop])
+    assert choice.message.content == text[: text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    sampled = plain_server.prompts.decode(choice.message.model_extra["generation_token_ids"])
+    assert stop in sampled  # the ids keep what was sampled, the stop string's token included
