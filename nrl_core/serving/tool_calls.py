@@ -31,8 +31,9 @@ _PYTHON_TAG = "<|python_tag|>"
 
 def parser_for(model_type: str | None, configured: str = "auto") -> str:
     """The parser for a model: ``configured`` unless ``auto``; for ``auto``, ``hermes`` for every
-    family, since it is the only convention implemented (and the one the tiny test model's
-    template renders), so a model that never writes ``<tool_call>`` simply gets no calls."""
+    family (the convention of most tool-calling models, and the one the tiny test model's
+    template renders), so a model that never writes ``<tool_call>`` simply gets no calls; the
+    others are chosen by name, as with vLLM's ``--tool-call-parser``."""
     if configured != "auto":
         if configured not in PARSERS:
             raise ValueError(f"tool parser {configured!r}; use auto, {', '.join(PARSERS)}")
