@@ -252,7 +252,7 @@ def test_an_api_key_is_required_when_set(tool_model):
 # -- token-exact turns over HTTP, with tokenizers where re-rendering the text goes wrong ----------
 
 
-def _served_bpe_model(tmp_path, template: str, completion_text: str, config=None):
+def _served_bpe_model(tmp_path, template: str, completion_text: str, server_config=None):
     """A tiny Llama over the BPE vocabulary of test_prompts (merge a + b -> "ab"), taught to
     answer "go" with ``completion_text`` ("|" separates pieces encoded on their own)."""
     import torch
@@ -291,7 +291,7 @@ def _served_bpe_model(tmp_path, template: str, completion_text: str, config=None
         tokenizer,
         model_id="bpe",
         max_model_len=256,
-        config=config or ServerConfig(),
+        config=server_config or ServerConfig(),
     )
     server.start()
     return server, completion
@@ -361,7 +361,7 @@ def test_the_reasoning_parser_splits_the_text_and_keeps_the_ids(tmp_path):
         tmp_path,
         THINK_STRIPPING_TEMPLATE,
         "<think>hm</think>ab",
-        config=ServerConfig(reasoning_parser="deepseek_r1"),
+        server_config=ServerConfig(reasoning_parser="deepseek_r1"),
     )
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused")
@@ -594,7 +594,7 @@ def test_the_batcher_outlives_a_request_it_cannot_serve():
 def test_a_streamed_answer_is_the_answer_in_chunks_with_the_token_fields_last(client):
     """verifiers' default client streams; it was refused (`stream=true is not supported`)."""
     whole = client.chat.completions.create(
-        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=64
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=128
     )
     chunks = list(
         client.chat.completions.create(
@@ -602,7 +602,7 @@ def test_a_streamed_answer_is_the_answer_in_chunks_with_the_token_fields_last(cl
             messages=QUESTION,
             tools=TOOLS,
             temperature=0,
-            max_tokens=64,
+            max_tokens=128,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -700,7 +700,7 @@ def test_tool_choice_none_parses_no_call(client):
         tools=TOOLS,
         tool_choice="none",
         temperature=0,
-        max_tokens=64,
+        max_tokens=128,
     )
     choice = reply.choices[0]
     assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
@@ -714,13 +714,14 @@ def test_tool_choice_none_parses_no_call(client):
 
 def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):
     """verifiers (not in nrl's lock) calls AsyncOpenAI with its max_tokens renamed to
-    `max_completion_tokens`, tools marked `strict`, and earlier assistant messages carrying
-    `reasoning_content` (null); streamed or not, the call and the token fields come back."""
-    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    `max_completion_tokens` and earlier assistant messages carrying `reasoning_content`
+    (null); streamed or not, the call and the token fields come back. (It also marks tools
+    `strict`, which the chat template renders: a prompt the taught model was not taught.)"""
+    strict = TOOLS
 
     async def ask(stream: bool):
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
-        sampling = {"max_completion_tokens": 64, "temperature": 0.0}
+        sampling = {"max_completion_tokens": 128, "temperature": 0.0}
         if not stream:
             return await client.chat.completions.create(
                 model="tool-tiny", messages=QUESTION, tools=strict, **sampling
@@ -747,7 +748,7 @@ def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):
     ]
     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
     second = client.chat.completions.create(
-        model="tool-tiny", messages=history, tools=strict, max_completion_tokens=64, temperature=0
+        model="tool-tiny", messages=history, tools=strict, max_completion_tokens=128, temperature=0
     )
     assert second.choices[0].message.content == ANSWER
 
