@@ -167,14 +167,7 @@ class PolicyServer:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-            if self._thread.is_alive():  # e.g. a request still generating: stop waiting for it
-                self._server.force_exit = True
-                self._thread.join(timeout=5)
-        # uvicorn closes the listening socket in its own shutdown (unregistering it from its
-        # loop first); closing it here while that loop still runs made it fail with
-        # "ValueError: Invalid file descriptor: -1". Only a socket it never got to is closed.
-        if self._thread is None or not self._thread.is_alive():
-            self._socket.close()
+        self._socket.close()
         self._server = None
 
     def serve_forever(self) -> None:
