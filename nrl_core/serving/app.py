@@ -2,12 +2,18 @@
 verifiers read.
 
 - ``GET /v1/models``: the model id and ``max_model_len``.
-- ``POST /v1/chat/completions``: messages (+ tools) in, one choice out (``n`` = 1). The
-  assistant message always carries ``prompt_token_ids``, ``generation_token_ids`` and
-  ``generation_log_probs`` (NeMo RL's names, which NeMo Gym reads); sent back in a later
-  request's history they make its prompt token-exact (:mod:`nrl_core.serving.prompts`). With
-  ``logprobs``, each token's entry is ``"token_id:<id>"`` when
-  ``return_tokens_as_token_ids`` is set (vLLM's convention), its text otherwise.
+- ``POST /v1/chat/completions``: messages (+ tools) in, ``n`` choices out (a request's own
+  ``seed`` reproduces; choice i uses ``seed + i``, as vLLM does), whole or streamed
+  (``stream``: server-sent chunks, sent once the answer is generated). Each assistant message
+  carries ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs`` (NeMo
+  RL's names, which NeMo Gym reads; a stream's last chunk of a choice carries them in its
+  delta); sent back in a later request's history they make its prompt token-exact
+  (:mod:`nrl_core.serving.prompts`). A stop string is cut from the content, not from the
+  token ids. With ``logprobs``, each token's entry is ``"token_id:<id>"`` when
+  ``return_tokens_as_token_ids`` is set (vLLM's convention), its text otherwise. What cannot
+  be honoured exactly (``top_logprobs`` > 0, ``response_format`` other than text, a forced
+  ``tool_choice``, penalties, ``logit_bias``) is a 400 naming the field; another model name
+  a 404.
 - ``POST /tokenize``: the prompt ids a chat request would get (same splice), or a text's ids.
 - ``POST /inference/v1/generate``: token ids in, token ids and logprobs out (verifiers' client).
 
@@ -26,14 +32,17 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from nrl_core.serving.batcher import SEED_LIMIT
 from nrl_core.serving.errors import GenerationFailed, RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
+from nrl_core.serving.reasoning import split_reasoning
 from nrl_core.serving.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -54,9 +63,12 @@ class ServedPolicy(Protocol):
     tokenizer: Any
     prompts: PromptBuilder
     tool_parser: Any
+    reasoning_parser: str | None
     batcher: RequestBatcher
     sampling_for: Callable[..., SamplingParams]
     """A request's sampling, from its keywords (see ``PolicyServer.sampling_for``)."""
+    enforced: SamplingParams | None
+    """The training run's sampling, while one is enforced (requests' own seeds are not used)."""
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,13 +78,25 @@ CHARS_PER_TOKEN = 64
 tokenizer in use; it is refused before it is tokenised (which could take minutes)."""
 
 
+MAX_CHOICES = 64
+"""The most choices (``n``) one chat request may ask for."""
+UNHONOURED = {
+    # field: (the values that ask for nothing, why anything else is refused)
+    "frequency_penalty": ((None, 0, 0.0), "no penalties are applied in sampling"),
+    "presence_penalty": ((None, 0, 0.0), "no penalties are applied in sampling"),
+    "repetition_penalty": ((None, 1, 1.0), "no penalties are applied in sampling"),
+    "logit_bias": ((None, {}), "logits are not biased in sampling"),
+}
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 def _answer(exc: Exception) -> JSONResponse:
     status = getattr(exc, "status", 400)
-    return _error(status, str(exc), "server_error" if status >= 500 else "invalid_request_error")
+    kind = {404: "NotFoundError"}.get(status, "invalid_request_error")
+    return _error(status, str(exc), "server_error" if status >= 500 else kind)
 
 
 def create_app(server: ServedPolicy) -> FastAPI:
@@ -103,9 +127,11 @@ def create_app(server: ServedPolicy) -> FastAPI:
             ) from None
         return await asyncio.to_thread(parse_body, raw)
 
-    async def generated(prompt: list[int], params: Any, stops: list[str] | None) -> Any:
+    async def generated(
+        prompt: list[int], params: Any, stops: list[str] | None, reproducible: bool = False
+    ) -> Any:
         try:
-            return await server.batcher.submit(prompt, params, stops)
+            return await server.batcher.submit(prompt, params, stops, reproducible=reproducible)
         except Exception as exc:  # the backend failed this request (and only this one)
             first = next(iter(str(exc).strip().splitlines()), "")
             raise GenerationFailed(f"generation failed: {type(exc).__name__}: {first}") from exc
@@ -136,6 +162,8 @@ def create_app(server: ServedPolicy) -> FastAPI:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise RequestError("`chat_template_kwargs` must be an object")
+        if body.get("tool_choice") == "none":
+            tools = None  # the model is not to call any: it is not shown them
         return server.prompts.build(
             body.get("messages"),
             [_tool_for_template(t) for t in tools or []],
@@ -145,57 +173,44 @@ def create_app(server: ServedPolicy) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        if body.get("n", 1) != 1:
-            raise RequestError("only n=1 is supported; send n requests instead")
-        if body.get("stream"):
-            raise RequestError("stream=true is not supported")
-        top_logprobs = body.get("top_logprobs") or 0
-        if top_logprobs:
-            raise RequestError("top_logprobs > 0 is not supported (the chosen token's is given)")
+        check_model(body, server.model_id)
+        n = _choice_count(body)
+        stream, include_usage = _streaming(body)
+        refuse_unhonoured(body)
         sampling = sampling_fields(body, vocab_size(server))
         stops = _stops(body.get("stop"))
         prompt = await asyncio.to_thread(chat_prompt, body)
         params = server.sampling_for(max_tokens=_budget(server, body, prompt), **sampling)
-        done = await generated(prompt, params, stops)
-        text = await asyncio.to_thread(server.prompts.decode, done.token_ids)
-        content, calls = parse_tool_calls(text, server.tool_parser)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        message.update(
-            prompt_token_ids=prompt,
-            generation_token_ids=done.token_ids,
-            generation_log_probs=done.logprobs,
+        # A request's own seed reproduces (the run's enforced seed is the batcher's business);
+        # choice i of n uses seed + i, as vLLM does.
+        reproducible = sampling["seed"] is not None and server.enforced is None
+        every = [
+            attrs.evolve(params, seed=(params.seed + i) % SEED_LIMIT)
+            if reproducible and i
+            else params
+            for i in range(n)
+        ]
+        dones = await asyncio.gather(*(generated(prompt, p, stops, reproducible) for p in every))
+        choices = await asyncio.to_thread(
+            lambda: [_choice(server, body, i, prompt, d, stops) for i, d in enumerate(dones)]
         )
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "finish_reason": "tool_calls" if calls else done.finish_reason,
-        }
-        if body.get("logprobs"):
-            as_ids = bool(body.get("return_tokens_as_token_ids"))
-            choice["logprobs"] = {
-                "content": [
-                    _logprob_entry(server, token, logprob, as_ids)
-                    for token, logprob in zip(done.token_ids, done.logprobs, strict=True)
-                ]
-            }
-        # vLLM's token transport, which NeMo Gym also checks against the message's fields:
-        # the prompt's ids at the top level, the generated ids in the choice, always together.
-        choice["token_ids"] = done.token_ids
-        return {
+        generated_count = sum(len(done.token_ids) for done in dones)
+        answer = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": server.model_id,
-            "choices": [choice],
+            "choices": choices,
             "prompt_token_ids": prompt,
             "usage": {
                 "prompt_tokens": len(prompt),
-                "completion_tokens": len(done.token_ids),
-                "total_tokens": len(prompt) + len(done.token_ids),
+                "completion_tokens": generated_count,
+                "total_tokens": len(prompt) + generated_count,
             },
         }
+        if stream:
+            return StreamingResponse(_events(answer, include_usage), media_type="text/event-stream")
+        return answer
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -216,6 +231,7 @@ def create_app(server: ServedPolicy) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def generate(request: Request):
         body = await body_of(request)
+        check_model(body, server.model_id)
         vocab = vocab_size(server)
         prompt = body.get("token_ids")
         if not isinstance(prompt, list) or not prompt:
@@ -229,12 +245,14 @@ def create_app(server: ServedPolicy) -> FastAPI:
             raise RequestError("`sampling_params.stop_token_ids` must be a list of token ids")
         _check_ids(stop_ids, "`sampling_params.stop_token_ids`", vocab)
         stops = _stops(sampling.get("stop"))
+        fields = sampling_fields(sampling, vocab, where="sampling_params.")
         params = server.sampling_for(
-            max_tokens=_budget(server, sampling, prompt),
-            **sampling_fields(sampling, vocab, where="sampling_params."),
+            max_tokens=_budget(server, sampling, prompt, where="sampling_params."),
+            **fields,
             stop_token_ids=tuple(stop_ids),
         )
-        done = await generated(prompt, params, stops)
+        reproducible = fields["seed"] is not None and server.enforced is None
+        done = await generated(prompt, params, stops, reproducible)
         return {
             "request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex}",
             "prompt_token_ids": prompt,
@@ -269,19 +287,21 @@ def _tool_for_template(tool: Any) -> dict[str, Any]:
     raise RequestError("each of `tools` needs `function.name` (or `name`)")
 
 
-def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int]) -> int:
-    """``max_tokens`` (or ``max_completion_tokens``) clamped to what the context has left."""
+def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int], where: str = "") -> int:
+    """``max_tokens`` (or, when it is null or absent, ``max_completion_tokens``, OpenAI's newer
+    name) clamped to what the context has left; neither: all the context has left."""
     left = server.max_model_len - len(prompt)
     if left <= 0:
         raise RequestError(
             f"the prompt has {len(prompt)} tokens, at or over max_model_len="
             f"{server.max_model_len}; shorten the conversation"
         )
-    asked = body.get("max_tokens", body.get("max_completion_tokens"))
+    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    asked = body.get(name)
     if asked is None:
         return left
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-        raise RequestError(f"max_tokens must be a positive integer, got {asked!r}")
+    if not _is_int(asked) or asked < 1:
+        raise RequestError(f"{where}{name} must be a positive integer, got {asked!r:.40}")
     return min(asked, left)
 
 
@@ -297,6 +317,189 @@ def _stops(stop: Any) -> list[str] | None:
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS}")
     return list(stops) or None
+
+
+def check_model(body: dict[str, Any], model_id: str) -> None:
+    """A ``model`` other than the one served is a 404, as OpenAI and vLLM answer it (none: the
+    served one)."""
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise RequestError(
+            f"The model `{model!s:.80}` does not exist; this server serves `{model_id}` "
+            "(GET /v1/models)",
+            404,
+        )
+
+
+def _choice_count(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n must be an integer in 1..{MAX_CHOICES}, got {n!r:.40}")
+    return n
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``(stream, include_usage)``, checked."""
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r:.40}")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError("stream_options can only be given with stream=true")
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object")
+    usage = options.get("include_usage") or False
+    if not isinstance(usage, bool):
+        raise RequestError("stream_options.include_usage must be true or false")
+    return stream, usage
+
+
+def refuse_unhonoured(body: dict[str, Any]) -> None:
+    """A 400 naming each field this server cannot honour exactly, rather than ignoring it."""
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or top != 0):
+        raise RequestError(
+            f"top_logprobs={top!r:.40} is not supported: only 0 (each chosen token's logprob "
+            "comes with logprobs=true)"
+        )
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise RequestError(
+                f"response_format type {kind!r:.40} is not supported (no guided decoding); "
+                "leave response_format out, or ask for the format in the prompt"
+            )
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise RequestError(
+            f"tool_choice={choice!r:.80} is not supported: 'auto' and 'none' are (forcing a "
+            "call needs guided decoding); leave it out and say which tool in the prompt"
+        )
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls must be true or false")
+    for name, (neutral, why) in UNHONOURED.items():
+        if name in body and body[name] not in neutral:
+            raise RequestError(f"{name}={body[name]!r:.40} is not supported: {why}; leave it out")
+
+
+def cut_at_stop(text: str, stops: list[str] | None) -> tuple[str, str | None]:
+    """``text`` up to the first of ``stops`` in it, and that stop string (None: none is in
+    it). OpenAI and vLLM leave the stop string out of the content."""
+    found = [(text.find(stop), stop) for stop in stops or ()]
+    found = [(at, stop) for at, stop in found if at >= 0]
+    if not found:
+        return text, None
+    at, stop = min(found)
+    return text[:at], stop
+
+
+def _choice(
+    server: ServedPolicy, body: dict[str, Any], index: int, prompt: list[int], done: Any, stops
+) -> dict[str, Any]:
+    """One choice of a chat answer.
+
+    The stop string is cut from the content only: ``generation_token_ids`` (and the log probs)
+    keep every sampled token, the one that completed the stop string included, since that is
+    what the policy sampled and what the next turn's prompt continues from."""
+    text, stop_reason = cut_at_stop(server.prompts.decode(done.token_ids), stops)
+    reasoning, text = split_reasoning(text, server.reasoning_parser)
+    if body.get("tool_choice") == "none":
+        content, calls = text, []
+    else:
+        content, calls = parse_tool_calls(text, server.tool_parser, body.get("tools"))
+    if body.get("parallel_tool_calls") is False:
+        calls = calls[:1]  # vLLM's rule: the first call only
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        # vLLM answered `reasoning_content` before 0.16 and `reasoning` since: both, for both;
+        # and a null content when nothing follows the reasoning.
+        message.update(content=content or None, reasoning_content=reasoning, reasoning=reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    message.update(
+        prompt_token_ids=prompt,
+        generation_token_ids=done.token_ids,
+        generation_log_probs=done.logprobs,
+    )
+    finish = "stop" if stop_reason is not None else done.finish_reason
+    choice: dict[str, Any] = {
+        "index": index,
+        "message": message,
+        "finish_reason": "tool_calls" if calls else finish,
+        "stop_reason": stop_reason,
+    }
+    if body.get("logprobs"):
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        choice["logprobs"] = {
+            "content": [
+                _logprob_entry(server, token, logprob, as_ids)
+                for token, logprob in zip(done.token_ids, done.logprobs, strict=True)
+            ]
+        }
+    # vLLM's token transport, which NeMo Gym also checks against the message's fields:
+    # the prompt's ids at the top level, the generated ids in the choice, always together.
+    choice["token_ids"] = done.token_ids
+    return choice
+
+
+def _events(answer: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished chat answer as OpenAI's server-sent chunks: per choice its role, its content
+    (with its logprobs), its tool calls, and a last chunk with the finish reason and the token
+    fields (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` in the
+    delta, ``token_ids`` in the choice); then the usage (``include_usage``) and ``[DONE]``."""
+    head = {
+        "id": answer["id"],
+        "object": "chat.completion.chunk",
+        "created": answer["created"],
+        "model": answer["model"],
+    }
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {**head, "choices": choices, **extra}
+        if include_usage:
+            chunk.setdefault("usage", None)
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    for choice in answer["choices"]:
+        index, message = choice["index"], choice["message"]
+        opening = {"role": "assistant", "content": ""}
+        yield event(
+            [{"index": index, "delta": opening, "logprobs": None, "finish_reason": None}],
+            prompt_token_ids=answer["prompt_token_ids"],
+        )
+        if message.get("reasoning_content") is not None:
+            said = {key: message[key] for key in ("reasoning_content", "reasoning")}
+            yield event([{"index": index, "delta": said, "finish_reason": None}])
+        if message["content"] or "logprobs" in choice:
+            delta = {"content": message["content"] or ""}
+            logprobs = choice.get("logprobs")
+            yield event(
+                [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+            )
+        if message.get("tool_calls"):
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            yield event([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
+        tokens = {
+            key: message[key]
+            for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+        }
+        last = {
+            "index": index,
+            "delta": tokens,
+            "finish_reason": choice["finish_reason"],
+            "stop_reason": choice["stop_reason"],
+            "token_ids": choice["token_ids"],
+        }
+        yield event([last])
+    if include_usage:
+        yield event([], usage=answer["usage"])
+    yield "data: [DONE]\n\n"
 
 
 # -- request validation -------------------------------------------------------------------------

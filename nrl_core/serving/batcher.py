@@ -6,6 +6,11 @@ their sampling settings and each group goes to the backend as ONE batched call, 
 thread (the backends' ``generate`` is a blocking Ray call), one call at a time. Requests that
 differ only in ``max_tokens`` share a call: it generates up to the largest and each answer is
 cut to its own limit, which is the sample it would have been (sampling is left to right).
+
+A request that names its own ``seed`` is served in a call of its own with that seed unchanged,
+so that asking twice gives the same answer (in a shared call its draws would depend on the other
+rows); the run's own seed (enforced during training) is offset per call instead, so that calls do
+not repeat each other's random numbers.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class _Pending:
     params: SamplingParams
     stop_strings: list[str] | None
     future: asyncio.Future
+    alone: bool = False
 
 
 class RequestBatcher:
@@ -82,9 +88,16 @@ class RequestBatcher:
         self._calls = 0
 
     async def submit(
-        self, prompt: Sequence[int], params: SamplingParams, stop_strings: Sequence[str] | None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        stop_strings: Sequence[str] | None,
+        *,
+        reproducible: bool = False,
     ) -> Completion:
-        """Queue one prompt; returns its completion once its batch is generated."""
+        """Queue one prompt; returns its completion once its batch is generated. With
+        ``reproducible`` (a request's own seed), it is generated alone with ``params.seed``
+        as given, so the same request gives the same completion."""
         if self._queue is None:
             self._queue = asyncio.Queue()
         if self._worker is None or self._worker.done():
@@ -93,7 +106,7 @@ class RequestBatcher:
             self._worker = asyncio.get_running_loop().create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         stops = list(stop_strings) if stop_strings else None
-        await self._queue.put(_Pending(list(prompt), params, stops, future))
+        await self._queue.put(_Pending(list(prompt), params, stops, future, reproducible))
         return await future
 
     async def _serve(self) -> None:
@@ -113,6 +126,8 @@ class RequestBatcher:
             for item in batch:
                 try:
                     key = attrs.evolve(item.params, max_new_tokens=0)
+                    if item.alone:
+                        key = (key, id(item))  # a group of its own
                     groups.setdefault(key, []).append(item)
                 except Exception as exc:  # e.g. an unhashable value: this request fails alone
                     _fail([item], exc)
@@ -125,7 +140,7 @@ class RequestBatcher:
     async def _run(self, group: list[_Pending]) -> None:
         longest = max(p.params.max_new_tokens for p in group)
         params = attrs.evolve(group[0].params, max_new_tokens=longest)
-        if params.seed is not None:
+        if params.seed is not None and not group[0].alone:
             # Two calls with one seed would draw the same random numbers for their rows.
             params = attrs.evolve(params, seed=(params.seed + 7919 * self._calls) % SEED_LIMIT)
         self._calls += 1

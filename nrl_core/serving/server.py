@@ -52,6 +52,7 @@ class PolicyServer:
         self.api_key = config.api_key
         self.prompts = PromptBuilder(tokenizer)
         self.tool_parser = parser_for(model_type, config.tool_parser)
+        self.reasoning_parser: str | None = getattr(config, "reasoning_parser", None)
         self.batcher = RequestBatcher(
             generate, window_s=config.batch_window_ms / 1000.0, max_batch=config.max_batch_size
         )

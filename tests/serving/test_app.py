@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -208,8 +209,8 @@ def test_generate_takes_and_returns_token_ids(server):
 
 
 def test_bad_requests_get_a_400_naming_the_problem(client, server):
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.chat.completions.create(model="tool-tiny", messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in 1\.\.64"):
+        client.chat.completions.create(model="tool-tiny", messages=QUESTION, n=0)
     with pytest.raises(openai.BadRequestError, match="non-empty list"):
         client.chat.completions.create(model="tool-tiny", messages=[])
     raw = httpx.post(server.base_url + "/chat/completions", content=b"{not json")
@@ -251,7 +252,7 @@ def test_an_api_key_is_required_when_set(tool_model):
 # -- token-exact turns over HTTP, with tokenizers where re-rendering the text goes wrong ----------
 
 
-def _served_bpe_model(tmp_path, template: str, completion_text: str):
+def _served_bpe_model(tmp_path, template: str, completion_text: str, server_config=None):
     """A tiny Llama over the BPE vocabulary of test_prompts (merge a + b -> "ab"), taught to
     answer "go" with ``completion_text`` ("|" separates pieces encoded on their own)."""
     import torch
@@ -286,7 +287,11 @@ def _served_bpe_model(tmp_path, template: str, completion_text: str):
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     generator = TorchGenerator(model=model, tokenizer=tokenizer)
     server = PolicyServer(
-        generator.generate, tokenizer, model_id="bpe", max_model_len=256, config=ServerConfig()
+        generator.generate,
+        tokenizer,
+        model_id="bpe",
+        max_model_len=256,
+        config=server_config or ServerConfig(),
     )
     server.start()
     return server, completion
@@ -343,6 +348,46 @@ def test_a_think_stripping_template_keeps_the_sampled_reasoning_in_the_next_prom
         # The reasoning the model sampled stays; the template would have dropped it.
         assert tokenized[: len(exact)] == exact
         assert len(tokenized) > len(exact)  # and the new user turn follows it
+    finally:
+        server.stop()
+
+
+def test_the_reasoning_parser_splits_the_text_and_keeps_the_ids(tmp_path):
+    """`<think>` went into the content; with server.reasoning_parser it is `reasoning_content`
+    (and vLLM >= 0.16's `reasoning`), whole or streamed, and the ids stay as sampled."""
+    from nrl_core.testing.tokenizers import THINK_STRIPPING_TEMPLATE
+
+    server, sampled = _served_bpe_model(
+        tmp_path,
+        THINK_STRIPPING_TEMPLATE,
+        "<think>hm</think>ab",
+        server_config=ServerConfig(reasoning_parser="deepseek_r1"),
+    )
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        go = [{"role": "user", "content": "go"}]
+        message = client.chat.completions.create(model="bpe", messages=go, temperature=0)
+        message = message.choices[0].message
+        assert message.content == "ab"
+        assert message.model_extra["reasoning_content"] == "hm"
+        assert message.model_extra["reasoning"] == "hm"
+        assert message.model_extra["generation_token_ids"] == sampled
+        exact = message.model_extra["prompt_token_ids"] + sampled
+        history = [*go, message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}]
+        tokenized = httpx.post(
+            server.base_url.removesuffix("/v1") + "/tokenize", json={"messages": history}
+        ).json()["tokens"]
+        assert tokenized[: len(exact)] == exact  # the split text still continues the ids
+
+        deltas = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(
+                model="bpe", messages=go, temperature=0, stream=True
+            )
+        ]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "hm"
+        assert "".join(d.content or "" for d in deltas) == "ab"
+        assert deltas[-1].model_extra["generation_token_ids"] == sampled
     finally:
         server.stop()
 
@@ -407,6 +452,12 @@ def plain_server(tiny_model_path):
     """The endpoint over the untrained tiny model (real torch generation): enough for requests
     whose answers are not read."""
     yield from _torch_server(tiny_model_path, batch_window_ms=0)
+
+
+@pytest.fixture
+def plain_client(plain_server):
+    plain_server.enforce(None)
+    return openai.OpenAI(base_url=plain_server.base_url, api_key="unused")
 
 
 def test_each_hostile_request_fails_alone_and_the_next_good_one_is_answered(plain_server):
@@ -535,3 +586,213 @@ def test_the_batcher_outlives_a_request_it_cannot_serve():
             assert good.token_ids == [7]
 
     asyncio.run(scenario())
+
+
+# -- what clients send (issue 35, item 4): streaming, n, seeds, stop strings, refused fields -----
+
+
+def test_a_streamed_answer_is_the_answer_in_chunks_with_the_token_fields_last(client):
+    """verifiers' default client streams; it was refused (`stream=true is not supported`)."""
+    whole = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=128
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tool-tiny",
+            messages=QUESTION,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=128,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    *answer, usage = chunks
+    assert usage.choices == [] and usage.usage.total_tokens == whole.usage.total_tokens
+    deltas = [c.choices[0].delta for c in answer]
+    assert deltas[0].role == "assistant"
+    (call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert (
+        call.function.name == "get_weather" and call.id == whole.choices[0].message.tool_calls[0].id
+    )
+    assert json.loads(call.function.arguments) == {"city": "sf"}
+    assert answer[-1].choices[0].finish_reason == "tool_calls"
+    carried = whole.choices[0].message.model_extra
+    last = deltas[-1].model_extra
+    for field in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert last[field] == carried[field], field
+
+
+def test_a_seeded_request_gives_the_same_answer_twice(plain_client):
+    """The batcher added 7919 x its call count to every seed: a seeded request drew anew."""
+
+    def ask(**kwargs):
+        reply = plain_client.chat.completions.create(
+            model="tool-tiny",
+            messages=[{"role": "user", "content": "tell me something"}],
+            temperature=1.0,
+            max_tokens=24,
+            **kwargs,
+        )
+        return [c.message.model_extra["generation_token_ids"] for c in reply.choices]
+
+    assert ask(seed=11) == ask(seed=11)
+    # n choices of one seeded request are seeds seed, seed + 1, ... (vLLM's rule)
+    first, second = ask(seed=11, n=2)
+    assert [first] == ask(seed=11) and [second] == ask(seed=12)
+
+
+def test_n_choices_each_carry_their_own_token_fields(plain_client):
+    reply = plain_client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    generated = 0
+    for choice in reply.choices:
+        carried = choice.message.model_extra
+        assert len(carried["generation_token_ids"]) == len(carried["generation_log_probs"]) >= 1
+        assert choice.model_extra["token_ids"] == carried["generation_token_ids"]
+        generated += len(carried["generation_token_ids"])
+    assert reply.usage.completion_tokens == generated
+
+
+def test_max_completion_tokens_counts_when_max_tokens_is_null(plain_client):
+    """A null `max_tokens` hid `max_completion_tokens`: 133 tokens came back for a limit of 3."""
+    reply = plain_client.chat.completions.create(
+        model="tool-tiny",
+        messages=[{"role": "user", "content": "tell me something long"}],
+        max_completion_tokens=3,
+        extra_body={"max_tokens": None},
+    )
+    assert len(reply.choices[0].message.model_extra["generation_token_ids"]) <= 3
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be a positive"):
+        plain_client.chat.completions.create(
+            model="tool-tiny", messages=QUESTION, max_completion_tokens=0
+        )
+
+
+def test_what_cannot_be_honoured_is_refused_naming_the_field(plain_client):
+    """These were accepted and ignored (an unknown model, a forced tool, a JSON format)."""
+    with pytest.raises(openai.NotFoundError, match="`gpt-4o` does not exist"):
+        plain_client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    refused = [
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs=2 is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
+        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice='required' is not supported"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ({"logit_bias": {"5": 10}}, "logit_bias="),
+        ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
+    ]
+    for fields, names in refused:
+        with pytest.raises(openai.BadRequestError, match=re.escape(names)):
+            plain_client.chat.completions.create(model="tool-tiny", messages=QUESTION, **fields)
+    text = plain_client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, response_format={"type": "text"}, max_tokens=2
+    )
+    assert text.choices[0].message.model_extra["generation_token_ids"]
+
+
+def test_tool_choice_none_parses_no_call(client):
+    reply = client.chat.completions.create(
+        model="tool-tiny",
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = reply.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    # The tools are not in the prompt either: the model is not to call one.
+    with_tools = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=1
+    )
+    prompt = choice.message.model_extra["prompt_token_ids"]
+    assert len(prompt) < len(with_tools.choices[0].message.model_extra["prompt_token_ids"])
+
+
+def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):
+    """verifiers (not in nrl's lock) calls AsyncOpenAI with its max_tokens renamed to
+    `max_completion_tokens` and earlier assistant messages carrying `reasoning_content`
+    (null); streamed or not, the call and the token fields come back. (It also marks tools
+    `strict`, which the chat template renders: a prompt the taught model was not taught.)"""
+    strict = TOOLS
+
+    async def ask(stream: bool):
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
+        sampling = {"max_completion_tokens": 128, "temperature": 0.0}
+        if not stream:
+            return await client.chat.completions.create(
+                model="tool-tiny", messages=QUESTION, tools=strict, **sampling
+            )
+        chunks = await client.chat.completions.create(
+            model="tool-tiny", messages=QUESTION, tools=strict, stream=True, **sampling
+        )
+        return [chunk async for chunk in chunks]
+
+    whole = asyncio.run(ask(stream=False))
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    chunks = asyncio.run(ask(stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [t.function.name for t in streamed] == ["get_weather"]
+    last = chunks[-1].choices[0].delta.model_extra
+    assert (
+        last["generation_token_ids"] == whole.choices[0].message.model_extra["generation_token_ids"]
+    )
+    history = [
+        *QUESTION,
+        {**whole.choices[0].message.model_dump(exclude_none=True), "reasoning_content": None},
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+    ]
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    second = client.chat.completions.create(
+        model="tool-tiny", messages=history, tools=strict, max_completion_tokens=128, temperature=0
+    )
+    assert second.choices[0].message.content == ANSWER
+
+
+def test_a_plain_answer_streams_without_usage_unless_asked(plain_client):
+    whole = plain_client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=4
+    )
+    stream = plain_client.chat.completions.create(
+        model="tool-tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        seed=4,
+        stream=True,
+    )
+    text, tokens = "", None
+    for chunk in stream:
+        assert chunk.usage is None  # not asked for
+        text += chunk.choices[0].delta.content or ""
+        tokens = chunk.choices[0].delta.model_extra.get("generation_token_ids", tokens)
+    assert text == whole.choices[0].message.content
+    assert tokens == whole.choices[0].message.model_extra["generation_token_ids"]
+
+
+def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_token_ids(
+    plain_client, plain_server
+):
+    """`stop=['#']` answered `'JJ#'`: the stop string stayed in the content."""
+
+    def ask(**kwargs):
+        reply = plain_client.chat.completions.create(
+            model="tool-tiny",
+            messages=[{"role": "user", "content": "go on"}],
+            temperature=0,
+            max_tokens=24,
+            **kwargs,
+        )
+        return reply.choices[0]
+
+    text = ask().message.content
+    stop = text[len(text) // 2 :][:2]  # a stop string the greedy answer reaches mid-way
+    assert len(text) >= 6 and stop.strip(), text
+    choice = ask(stop=[stop])
+    assert choice.message.content == text[: text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    sampled = plain_server.prompts.decode(choice.message.model_extra["generation_token_ids"])
+    assert stop in sampled  # the ids keep what was sampled, the stop string's token included

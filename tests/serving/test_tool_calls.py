@@ -63,3 +63,45 @@ def test_a_call_rendered_by_the_tiny_template_parses_back():
     assert content is None
     assert calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "sf"}
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+
+
+def test_qwen3_coder_xml_calls_are_typed_by_the_tools_schema():
+    text = (
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    content, calls = parse_tool_calls(text, "qwen3_coder", WEATHER)
+    assert content == "Checking."
+    (call,) = calls
+    assert call["function"]["name"] == "get_weather"
+    # "42" stays a string (the schema says so), 3 is an integer
+    assert json.loads(call["function"]["arguments"]) == {"city": "42", "days": 3}
+    # Hermes JSON is not this parser's format: it stays text.
+    hermes = '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(hermes, "qwen3_coder", WEATHER) == (hermes, [])
+
+
+def test_llama3_json_calls_are_the_whole_text():
+    text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}'
+    content, calls = parse_tool_calls(text, "llama3_json")
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"x": 1}),
+        ("b", {}),
+    ]
+    for prose in ('The answer is {"name": 1}', '{"name": "a"} and then text', '{"no": "name"}'):
+        assert parse_tool_calls(prose, "llama3_json") == (prose, [])

@@ -92,10 +92,21 @@ class ServerConfig:
     tool_parser: str = option(
         "auto",
         (
-            "How tool calls are parsed out of generated text: `auto` (by model family), "
-            "`hermes` (<tool_call>JSON</tool_call>), or `none`."
+            "How tool calls are parsed out of generated text (vLLM's --tool-call-parser "
+            "names): `auto` (by model family), `hermes` (<tool_call>JSON</tool_call>), "
+            "`qwen3_coder` (<tool_call><function=...> XML), `llama3_json` (bare JSON), or "
+            "`none`."
         ),
-        validator=one_of("auto", "hermes", "none"),
+        validator=one_of("auto", "hermes", "qwen3_coder", "llama3_json", "none"),
+    )
+    reasoning_parser: str | None = option(
+        None,
+        (
+            "Split `<think>...</think>` out of the content into `reasoning_content` (vLLM's "
+            "--reasoning-parser names): `deepseek_r1`, `qwen3`, or null (no split). The token "
+            "ids stay as sampled."
+        ),
+        validator=one_of(None, "deepseek_r1", "qwen3"),
     )
 
 
