@@ -14,6 +14,7 @@ Tolerances, float32 on CPU: rel <= 1e-5, as in the dtensor packing tests.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from _megatron_helpers import requires_megatron
@@ -268,7 +269,7 @@ def test_transformer_engine_thd_packing_matches_padded(tiny_path, pool1, start_g
     results = {}
     for packing in (False, True):
         config = make_config(tiny_path, packing=packing)
-        config = config.evolve(policy=config.policy.evolve(precision="bfloat16"))
+        config = attrs.evolve(config, policy=attrs.evolve(config.policy, precision="bfloat16"))
         group = start_group(
             pool1,
             WORKER,
