@@ -223,9 +223,10 @@ def attend_within_samples(
     longest first, so equal lengths are adjacent) is a view of the row: no copy at all. Other
     groups are padded from slices of the row and their outputs sliced back, which autograd
     undoes with slices too (an ``index_select`` gather's backward, an ``index_add`` over the
-    row, cost more than the attention itself on CPU).
+    row, cost more than the attention itself on CPU), each sample on its own rows only.
     """
     import torch
+    import torch.nn.functional as F
 
     bounds = cu_seqlens.tolist()
     lengths = [end - start for start, end in itertools.pairwise(bounds)]
@@ -246,10 +247,16 @@ def attend_within_samples(
             out = attend(q, k, v)  # [count, longest, heads, dim]
             chunks.append((first, out.reshape(count * longest, *out.shape[2:])))
             continue
-        pad = torch.nn.utils.rnn.pad_sequence
-        q, k, v = (pad([p[i] for i in group], batch_first=True).transpose(1, 2) for p in samples)
-        out = attend(q, k, v)
-        chunks.extend((bounds[i], out[slot, : lengths[i]]) for slot, i in enumerate(group))
+        # pad + stack, unbind + slice: each backward is as linear in the group as its forward
+        # (a copy into, or a slice of, the whole padded batch per sample would be quadratic).
+        q, k, v = (
+            torch.stack(
+                [F.pad(pieces[i], (0, 0, 0, 0, 0, longest - lengths[i])) for i in group]
+            ).transpose(1, 2)
+            for pieces in samples
+        )
+        rows = attend(q, k, v).unbind(0)
+        chunks.extend((bounds[i], rows[slot][: lengths[i]]) for slot, i in enumerate(group))
     chunks.sort(key=lambda chunk: chunk[0])
     return chunks[0][1] if len(chunks) == 1 else torch.cat([chunk for _, chunk in chunks])
 

@@ -131,7 +131,8 @@ class SDPAttention(MegatronModule):
             )
         if params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
             raise MegatronModelError("SDPAttention does not support padded THD boundaries")
-        if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+        same = params.cu_seqlens_q is params.cu_seqlens_kv  # the worker passes one tensor
+        if not same and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
             raise MegatronModelError("SDPAttention packs self-attention only (q and kv differ)")
         out = attend_within_samples(
             query,
