@@ -259,7 +259,8 @@ def packed_attention_against_reference(_probe):
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA: Transformer Engine's THD attention (TEDotProductAttention with "
-    "PackedSeqParams) has no CPU kernel; benchmarks/gpu_acceptance.py's megatron stage runs it",
+    "PackedSeqParams) has no CPU kernel (gpu_acceptance.py's megatron stage packs on the local "
+    "spec: TE is not in the GPU bundle)",
 )
 def test_transformer_engine_thd_packing_matches_padded(tiny_path, pool1, start_group):
     pytest.importorskip("transformer_engine", reason="Transformer Engine not installed (extra te)")
