@@ -669,12 +669,48 @@ def stage_megatron(ctx: StageContext) -> dict[str, Any]:
         check(devices == {ctx.device}, f"parameters on {devices}, expected {ctx.device}")
         refit = _megatron_refit_content(ctx, worker)
         policy = Policy.from_config(InProcessGroup(worker), config.policy)
+        # policy.sequence_packing=auto: the steps and logprobs above run packed (THD).
+        check(policy.packing, "the megatron policy did not pack (sequence_packing=auto)")
         figures = {**_measure_policy(ctx, worker, policy, worker.hf_config.vocab_size), **refit}
+        figures.update(_packed_against_padded(ctx, worker, config, policy))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     optimizer = "megatron-distributed" if uses_megatron_optimizer else "torch"
     return {"optimizer": optimizer, "backend": "nccl" if ctx.on_gpu else "gloo", **figures}
+
+
+def _packed_against_padded(ctx: StageContext, worker, config, packed) -> dict[str, Any]:
+    """Logprobs of one batch through the packed (THD) path and the padded one, same weights:
+    the packed row attends within each sample (Megatron's ``PackedSeqParams``), so the two
+    agree up to the precision's rounding (bf16 on a GPU: different kernel shapes round
+    differently; float32 on CPU: within 1e-4 on average)."""
+    import attrs
+    import torch
+
+    from nrl_core.distributed.worker_group import InProcessGroup
+    from nrl_core.policy import Policy
+
+    padded = Policy.from_config(
+        InProcessGroup(worker), attrs.evolve(config.policy, sequence_packing=False)
+    )
+    check(not padded.packing, "sequence_packing=false still packs")
+    batch = _train_batch(ctx, worker.hf_config.vocab_size)
+    got, want = packed.get_logprobs(batch), padded.get_logprobs(batch)
+    valid = torch.arange(got.shape[1])[None, :] < batch["lengths"][:, None]
+    valid[:, 0] = False
+    diff = (got - want)[valid].abs()
+    mean_tol = 0.05 if ctx.on_gpu else 1e-4
+    check(
+        float(diff.mean()) <= mean_tol,
+        f"packed and padded logprobs differ by {float(diff.mean()):.3g} on average "
+        f"(max {float(diff.max()):.3g}; allowed mean {mean_tol})",
+    )
+    return {
+        "packed": True,
+        "packed_vs_padded_mean_abs": float(f"{float(diff.mean()):.3g}"),
+        "packed_vs_padded_max_abs": float(f"{float(diff.max()):.3g}"),
+    }
 
 
 def _megatron_refit_content(ctx: StageContext, worker) -> dict[str, Any]:

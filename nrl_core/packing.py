@@ -25,7 +25,8 @@ bin on its rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -173,6 +174,91 @@ def pack(batch: Batch) -> PackedSequences:
         max_seqlen=int(lengths.max()) if rows else 0,
         width=width,
     )
+
+
+SLACK = 1.5
+""":func:`attend_within_samples` batches samples into one padded attention call while the
+padded ``count x longest^2`` score matrix is at most this many times the samples' own
+``sum(length^2)``."""
+
+
+def similar_length_groups(lengths: Sequence[int], slack: float = SLACK) -> list[list[int]]:
+    """Sample indices longest first (ties: lower index first), cut into groups of similar
+    lengths: a sample joins the current group while ``count x longest^2 <= slack x
+    sum(length^2)`` holds for it (see :data:`SLACK`)."""
+    groups: list[list[int]] = []
+    squares = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            longest = lengths[groups[-1][0]]
+            grown = squares + lengths[index] ** 2
+            if (len(groups[-1]) + 1) * longest**2 <= slack * grown:
+                groups[-1].append(index)
+                squares = grown
+                continue
+        groups.append([index])
+        squares = lengths[index] ** 2
+    return groups
+
+
+def attend_within_samples(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Causal attention within each sample of a packed row, through a padded-batch kernel.
+
+    ``query`` is ``[total, heads, dim]`` and ``key``/``value`` ``[total, kv_heads, dim]``
+    (tokens first, sample ``i`` at ``cu_seqlens[i]:cu_seqlens[i+1]``); returns ``[total,
+    heads, dim]``. ``attend(q, k, v)`` is the padded path's causal attention: it takes
+    right-padded ``[count, heads, longest, dim]`` (``kv_heads`` for ``k``, ``v``) and returns
+    ``[count, longest, heads, dim]``; causal attention never reads the padding after a token,
+    so each sample's result is what the padded path computes for it.
+
+    Samples of similar lengths (:func:`similar_length_groups`) share one call: one call per
+    sample would pay a CPU kernel's fixed cost per sample and layer. A group of equal-length
+    samples lying back to back in the row (first-fit-decreasing bins put a bin's samples
+    longest first, so equal lengths are adjacent) is a view of the row: no copy at all. Other
+    groups are padded from slices of the row and their outputs sliced back, which autograd
+    undoes with slices too (an ``index_select`` gather's backward, an ``index_add`` over the
+    row, cost more than the attention itself on CPU), each sample on its own rows only.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    samples = torch.split(query, lengths), torch.split(key, lengths), torch.split(value, lengths)
+    chunks: list[tuple[int, torch.Tensor]] = []  # (where in the row it starts, [n, heads, dim])
+    for group in similar_length_groups(lengths):
+        longest = lengths[group[0]]
+        count = len(group)
+        first = bounds[group[0]]
+        if all(lengths[i] == longest for i in group) and group == list(
+            range(group[0], group[0] + count)
+        ):
+            span = slice(first, first + count * longest)
+            q, k, v = (
+                t[span].view(count, longest, *t.shape[1:]).transpose(1, 2)
+                for t in (query, key, value)
+            )
+            out = attend(q, k, v)  # [count, longest, heads, dim]
+            chunks.append((first, out.reshape(count * longest, *out.shape[2:])))
+            continue
+        # pad + stack, unbind + slice: each backward is as linear in the group as its forward
+        # (a copy into, or a slice of, the whole padded batch per sample would be quadratic).
+        q, k, v = (
+            torch.stack(
+                [F.pad(pieces[i], (0, 0, 0, 0, 0, longest - lengths[i])) for i in group]
+            ).transpose(1, 2)
+            for pieces in samples
+        )
+        rows = attend(q, k, v).unbind(0)
+        chunks.extend((bounds[i], rows[slot][: lengths[i]]) for slot, i in enumerate(group))
+    chunks.sort(key=lambda chunk: chunk[0])
+    return chunks[0][1] if len(chunks) == 1 else torch.cat([chunk for _, chunk in chunks])
 
 
 def supports_sequence_packing(worker: object) -> bool:

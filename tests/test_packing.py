@@ -157,3 +157,47 @@ def test_a_rank_out_of_bins_runs_a_whole_pair_as_filler():
     stats = GlobalBatchStats(valid_tokens=1, valid_sequences=2, max_sequence_length=4)
     result = train_on_rank(worker, [_batch([3, 4])], 2, _PairLoss(), stats, 1.0, True)
     assert worker.rows == [2, 2] and len(result.micro_batch_metrics) == 1
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [7, 7, 7, 7],  # one equal-length run: a view of the row, no copy
+        [9, 9, 9, 5, 17, 1, 9],  # runs, gathered groups and a singleton mixed
+        [40, 3, 38, 39, 2],  # similar lengths that are not adjacent in the row
+    ],
+)
+def test_attend_within_samples_is_per_sample_causal_attention(lengths):
+    """Values and gradients equal causal attention on each sample alone (GQA 4/2 heads)."""
+    import itertools
+
+    from nrl_core.packing import attend_within_samples
+
+    def attend(q, k, v):  # [count, heads, longest, dim] -> [count, longest, heads, dim]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(total, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    out = attend_within_samples(q, k, v, cu, attend)
+    want = torch.cat(
+        [
+            attend(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)))[0]
+            for s, e in itertools.pairwise(cu.tolist())
+        ]
+    )
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # A causal attention over the whole row (samples leaking into each other) differs.
+    if len(lengths) > 1:
+        leaky = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
+        assert (leaky - want).abs().max() > 1e-3

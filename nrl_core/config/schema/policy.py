@@ -89,7 +89,8 @@ class PolicyConfig(ComponentSection):
         (
             "Pack each micro batch's samples into one padding-free row (restarted position "
             "ids, per-sample boundaries) for training and logprob passes: `auto` packs where "
-            "the policy backend supports it (dtensor), `true` requires it, `false` computes on "
+            "the policy backend supports it (dtensor, megatron), `true` requires it, `false` "
+            "computes on "
             "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else "
             "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length. See "
             "docs/configuration.md, sequence packing, for when to turn it off."

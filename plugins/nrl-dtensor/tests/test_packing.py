@@ -309,8 +309,8 @@ def test_packed_attention_on_gpu_runs_one_varlen_kernel():
 
 
 def test_similar_lengths_share_one_attention_call():
-    from nrl_dtensor.packing import _groups
+    from nrl_core.packing import similar_length_groups
 
-    assert _groups([61] * 4) == [[0, 1, 2, 3]]
+    assert similar_length_groups([61] * 4) == [[0, 1, 2, 3]]
     # 300 and 290 together (padding 3%), the short ones apart from them.
-    assert _groups([3, 300, 290, 4]) == [[1, 2], [3, 0]]
+    assert similar_length_groups([3, 300, 290, 4]) == [[1, 2], [3, 0]]

@@ -202,3 +202,39 @@ def checkpoint_through_parameter_state(worker, action: str, path: str) -> None:
         getattr(worker, action)(path)
     finally:
         worker.optimizer, worker.megatron_optimizer = inner, None
+
+
+class RecordingMegatronWorker:
+    """The megatron policy worker (in a spawned rank) that records whether each micro batch
+    came packed or padded (``seen()``), and hands back its full weights in Hugging Face names
+    (``weights()``, gathered over tensor parallelism)."""
+
+    def __new__(cls, *args, **kwargs):
+        from nrl_megatron.worker import MegatronPolicyWorker
+
+        from nrl_core.packing import PackedSequences
+
+        class Recording(MegatronPolicyWorker):
+            def __init__(self, *a, **kw) -> None:
+                super().__init__(*a, **kw)
+                self.kinds: list[str] = []
+
+            def _record(self, micro_batch) -> None:
+                packed = isinstance(micro_batch, PackedSequences)
+                self.kinds.append("packed" if packed else "padded")
+
+            def forward_backward(self, micro_batch, loss):
+                self._record(micro_batch)
+                return super().forward_backward(micro_batch, loss)
+
+            def compute_logprobs(self, micro_batch, **kw):
+                self._record(micro_batch)
+                return super().compute_logprobs(micro_batch, **kw)
+
+            def seen(self) -> list[str]:
+                return list(self.kinds)
+
+            def weights(self) -> dict[str, torch.Tensor]:
+                return {k: v for b in self.state_dict_buckets(1 << 30) for k, v in b.items()}
+
+        return Recording(*args, **kwargs)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -122,70 +121,21 @@ def packed_attention(
     return _grouped_sdpa(module, query, key, value, cu_seqlens, dropout, scaling), None
 
 
-SLACK = 1.5
-"""A group of samples attends in one padded SDPA call while its padded ``count x longest^2``
-score matrix is at most this many times its samples' own ``sum(length^2)``."""
-
-
-def _groups(lengths: list[int]) -> list[list[int]]:
-    """Samples longest first, in groups of similar lengths (see :data:`SLACK`)."""
-    groups: list[list[int]] = []
-    squares = 0
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups:
-            longest = lengths[groups[-1][0]]
-            grown = squares + lengths[index] ** 2
-            if (len(groups[-1]) + 1) * longest**2 <= SLACK * grown:
-                groups[-1].append(index)
-                squares = grown
-                continue
-        groups.append([index])
-        squares = lengths[index] ** 2
-    return groups
-
-
 def _grouped_sdpa(module, query, key, value, cu_seqlens, dropout, scaling) -> torch.Tensor:
-    """Causal SDPA within each sample: samples of similar lengths are gathered into one
-    right-padded ``[count, heads, longest, dim]`` batch per group (causal attention never reads
-    the padding after a token), the kernel the padded path runs; one call per sample would pay
-    a CPU kernel's fixed cost (its threads' start-up) per sample and layer."""
+    """Causal SDPA within each sample, samples of similar lengths in one right-padded call
+    (:func:`nrl_core.packing.attend_within_samples`), the kernel the padded path runs."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = cu_seqlens.tolist()
-    starts = bounds[:-1]
-    lengths = [end - start for start, end in itertools.pairwise(bounds)]
-    device = query.device
-    # [total, heads, dim]: tokens first, so that gathering a sample's tokens is one index.
+    from nrl_core.packing import attend_within_samples
+
+    def attend(q, k, v):
+        return sdpa_attention_forward(
+            module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True
+        )[0]  # [count, longest, heads, dim]
+
+    # [total, heads, dim]: tokens first, so that a sample is a slice of the row.
     q_tok, k_tok, v_tok = (t[0].transpose(0, 1) for t in (query, key, value))
-    outputs, positions = [], []
-    for group in _groups(lengths):
-        longest = lengths[group[0]]
-        src = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in group])
-        dst = torch.cat([slot * longest + torch.arange(lengths[i]) for slot, i in enumerate(group)])
-        src, dst = src.to(device), dst.to(device)
-        shape = (len(group), longest)
-
-        def padded(tokens, shape=shape, src=src, dst=dst):
-            flat = tokens.new_zeros((shape[0] * shape[1], *tokens.shape[1:]))
-            flat = flat.index_copy(0, dst, tokens.index_select(0, src))
-            return flat.view(*shape, *tokens.shape[1:]).transpose(1, 2)
-
-        out, _ = sdpa_attention_forward(
-            module,
-            padded(q_tok),
-            padded(k_tok),
-            padded(v_tok),
-            None,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=True,
-        )  # [count, longest, heads, dim]
-        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, dst))
-        positions.append(src)
-    order = torch.cat(positions)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=device)
-    return torch.cat(outputs).index_select(0, inverse).unsqueeze(0)
+    return attend_within_samples(q_tok, k_tok, v_tok, cu_seqlens, attend).unsqueeze(0)
 
 
 def _varlen_kernel(query, key, value, cu_seqlens, dropout, scaling, sliding_window, max_length):

@@ -92,12 +92,22 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        """``[s, b, n, d]`` query and ``[s, b, g, d]`` key/value -> ``[s, b, n * d]``."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise MegatronModelError("SDPAttention supports neither packed sequences nor biases")
+        """``[s, b, n, d]`` query and ``[s, b, g, d]`` key/value -> ``[s, b, n * d]``; packed
+        (``packed_seq_params`` in the THD layout): ``[t, n, d]`` and ``[t, g, d]`` -> ``[t, n *
+        d]``, each sample attending causally within itself only."""
+        if attention_bias is not None:
+            raise MegatronModelError("SDPAttention does not support attention biases")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(
+        out = self._sdpa(q, k, v)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA on ``[b, n, s, d]`` query and ``[b, g, s, d]`` key/value."""
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -106,8 +116,32 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """THD: Megatron's attention squeezed the dummy batch dimension (``[t, heads, dim]``).
+        Megatron-Core's own local ``DotProductAttention`` refuses packed sequences (0.16.1,
+        ``transformer/dot_product_attention.py:153``); this runs the padded path's SDPA kernel
+        on the samples, batched by similar lengths (:func:`nrl_core.packing.attend_within_samples`),
+        so packed and padded results agree to float rounding."""
+        from nrl_core.packing import attend_within_samples
+
+        if params.qkv_format != "thd":
+            raise MegatronModelError(
+                f"SDPAttention packs only the 'thd' layout, not {params.qkv_format!r}"
+            )
+        if params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
+            raise MegatronModelError("SDPAttention does not support padded THD boundaries")
+        same = params.cu_seqlens_q is params.cu_seqlens_kv  # the worker passes one tensor
+        if not same and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise MegatronModelError("SDPAttention packs self-attention only (q and kv differ)")
+        out = attend_within_samples(
+            query,
+            key,
+            value,
+            params.cu_seqlens_q,
+            lambda q, k, v: self._sdpa(q, k, v).transpose(1, 2),
+        )
+        return out.reshape(out.shape[0], -1)
 
 
 class DeviceRotaryEmbedding(RotaryEmbedding):

@@ -10,5 +10,7 @@ def nrl_register_policies(register):
         "nrl_megatron.worker:MegatronPolicyWorker",
         extras=["engine"],
         config="nrl_megatron.config:MegatronConfig",
+        # Takes packed micro batches (nrl_core.packing) in Megatron's THD layout.
+        sequence_packing=True,
         description="Megatron-Core training (TP/PP/CP/EP) with Hugging Face weight conversion",
     )

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.packing import PackedSequences
 from nrl_core.policy_setup import (
     LazyReference,
     logprob_temperature,
@@ -312,25 +313,50 @@ class MegatronPolicyWorker:
 
     # -- logprobs --------------------------------------------------------------------------------
 
-    def _logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0), with the graph if enabled."""
+    @property
+    def supports_sequence_packing(self) -> bool:
+        """Micro batches may come packed (:mod:`nrl_core.packing`): they run in Megatron's THD
+        layout (``PackedSeqParams``), through Transformer Engine's varlen attention or, on the
+        local spec, :class:`nrl_megatron.model.SDPAttention`'s per-sample path."""
+        return True
+
+    def _logprobs(self, model, micro_batch: Batch | PackedSequences) -> torch.Tensor:
+        """``[B, T]`` logprobs of the micro batch's ``input_ids`` (position 0 is 0), with the
+        graph if enabled; ``[1, total]`` in the packed layout for packed sequences."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        batch, width = input_ids.shape
-        positions = torch.arange(width, device=input_ids.device)[None, :].expand(batch, -1)
+        packed_seq_params = None
+        if isinstance(micro_batch, PackedSequences):
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            packed = micro_batch.to(self.device)
+            input_ids, positions = packed.input_ids, packed.position_ids
+            # THD: the [1, total] row runs as one sequence of total tokens; attention and RoPE
+            # restart at every boundary (the same boundaries context parallelism would split).
+            packed_seq_params = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=packed.cu_seqlens,
+                cu_seqlens_kv=packed.cu_seqlens,
+                max_seqlen_q=packed.max_seqlen,
+                max_seqlen_kv=packed.max_seqlen,
+            )
+        else:
+            input_ids = micro_batch["input_ids"].to(self.device)
+            batch, width = input_ids.shape
+            positions = torch.arange(width, device=input_ids.device)[None, :].expand(batch, -1)
         # [B, T, V / tp]: parallel_output=True leaves the vocab dimension sharded.
-        logits = model(input_ids, positions, None)
+        logits = model(input_ids, positions, None, packed_seq_params=packed_seq_params)
         logits = logits[:, :-1].float() / self.logprob_temperature
         # Megatron's vocab-parallel cross entropy = -log_softmax(logits)[target] across the
         # tensor-parallel vocab shards, without gathering the full logits.
         token_lp = -vocab_parallel_cross_entropy(logits.contiguous(), input_ids[:, 1:].contiguous())
         return torch.nn.functional.pad(token_lp, (1, 0))
 
-    def _check_tp_peers_agree(self, batch: Batch) -> None:
+    def _check_tp_peers_agree(self, batch: Batch | PackedSequences) -> None:
         """Tensor-parallel peers must compute on the same samples (they share activations)."""
         if self.tp_size == 1:
             return
-        ids = batch["input_ids"]
+        ids = batch.input_ids if isinstance(batch, PackedSequences) else batch["input_ids"]
         # On the worker's device: Megatron's groups use the default backend, and NCCL has no
         # backend for CPU tensors ("No backend type associated with device type cpu").
         digest = torch.tensor(
@@ -351,14 +377,17 @@ class MegatronPolicyWorker:
                 "tensor-parallel group one data-parallel shard"
             )
 
-    def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(
+        self, micro_batch: Batch | PackedSequences, *, reference: bool = False
+    ) -> torch.Tensor:
         """Per-token logprobs ``[B, T]`` of one micro batch (vocab-parallel cross entropy, no
-        graph) under the current or the reference ``GPTModel``."""
+        graph) under the current or the reference ``GPTModel``; ``[1, total]`` for packed
+        sequences."""
         self._check_tp_peers_agree(micro_batch)
         model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
-            return self._logprobs(model, micro_batch["input_ids"].to(self.device))
+            return self._logprobs(model, micro_batch)
 
     # -- colocated generation ----------------------------------------------------------------
 
@@ -389,12 +418,13 @@ class MegatronPolicyWorker:
     # -- training --------------------------------------------------------------------------------
 
     def forward_backward(
-        self, micro_batch: Batch, loss: Callable[[torch.Tensor], torch.Tensor]
+        self, micro_batch: Batch | PackedSequences, loss: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """Training forward of one micro batch, ``loss`` on its logprobs, backward."""
+        """Training forward of one micro batch (padded or packed), ``loss`` on its logprobs,
+        backward."""
         self._check_tp_peers_agree(micro_batch)
         self.model.train()
-        logprobs = self._logprobs(self.model, micro_batch["input_ids"].to(self.device))
+        logprobs = self._logprobs(self.model, micro_batch)
         loss(logprobs).backward()
 
     def optimizer_step(self) -> dict[str, float]:
