@@ -314,3 +314,66 @@ def test_similar_lengths_share_one_attention_call():
     assert similar_length_groups([61] * 4) == [[0, 1, 2, 3]]
     # 300 and 290 together (padding 3%), the short ones apart from them.
     assert similar_length_groups([3, 300, 290, 4]) == [[1, 2], [3, 0]]
+
+
+def _varlen_attn_torch_2_11(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    is_causal=False,
+    return_aux=None,
+    scale=None,
+):
+    """The signature of torch 2.11's ``varlen_attn`` (the GPU machine's torch): no window_size,
+    no enable_gqa. The H100 run of 2026-11-26 failed with TypeError on enable_gqa."""
+
+
+def _varlen_attn_torch_2_14(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
+    """The signature of the locked torch's ``varlen_attn``."""
+
+
+@pytest.mark.gpu_sim
+def test_varlen_options_follow_the_installed_torchs_signature():
+    """Only keywords the installed ``varlen_attn`` takes; grouped-query attention by repeating
+    the key/value heads where it cannot (query head h reads key/value head h // repeat, as
+    SDPA's enable_gqa does); a sliding window refused by name where it has no window_size."""
+    from nrl_dtensor.packing import varlen_options
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    k_old, v_old, old = varlen_options(_varlen_attn_torch_2_11, q, k, v, 0.5, (-1, 0))
+    assert old == {"scale": 0.5, "is_causal": True}
+    assert k_old.shape[1] == v_old.shape[1] == 4
+    by_hand = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k_old.transpose(0, 1), v_old.transpose(0, 1), is_causal=True
+    )
+    gqa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(by_hand, gqa)
+    k_new, _, new = varlen_options(_varlen_attn_torch_2_14, q, k, v, 0.5, (-1, 0))
+    assert new == {"scale": 0.5, "window_size": (-1, 0), "enable_gqa": True}
+    assert k_new is k
+    with pytest.raises(NotImplementedError, match="sequence_packing=false"):
+        varlen_options(_varlen_attn_torch_2_11, q, k, v, 0.5, (15, 0))

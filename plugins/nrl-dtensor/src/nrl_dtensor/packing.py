@@ -138,6 +138,35 @@ def _grouped_sdpa(module, query, key, value, cu_seqlens, dropout, scaling) -> to
     return attend_within_samples(q_tok, k_tok, v_tok, cu_seqlens, attend).unsqueeze(0)
 
 
+def varlen_options(varlen_attn, q, k, v, scaling, window):
+    """The keyword arguments for torch's ``varlen_attn`` as the installed torch spells them, and
+    ``k``/``v`` with their heads repeated where it cannot do grouped-query attention itself.
+
+    torch 2.14 (the lock's) takes ``window_size`` (``(-1, 0)`` is causal) and ``enable_gqa``;
+    older builds (2.11 on the GPU machines this ran on) take ``is_causal`` and neither of the
+    others, and raised ``TypeError`` on them. A sliding window there is refused by name."""
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    options: dict = {"scale": scaling}
+    if "window_size" in params:
+        options["window_size"] = window
+    elif window[0] >= 0:
+        raise NotImplementedError(
+            "sliding-window attention with packed sequences needs flash-attn or torch>=2.14 "
+            "(this torch's varlen_attn has no window_size); set policy.sequence_packing=false"
+        )
+    else:
+        options["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:  # grouped-query attention by hand: each key/value head serves q/kv query heads
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return k, v, options
+
+
 def _varlen_kernel(query, key, value, cu_seqlens, dropout, scaling, sliding_window, max_length):
     """One flash-attention varlen call over the packed row (``[1, total, heads, dim]``)."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
@@ -170,16 +199,6 @@ def _varlen_kernel(query, key, value, cu_seqlens, dropout, scaling, sliding_wind
             )
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            longest,
-            longest,
-            scale=scaling,
-            window_size=window,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        k, v, options = varlen_options(varlen_attn, q, k, v, scaling, window)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **options)
     return out.unsqueeze(0)
