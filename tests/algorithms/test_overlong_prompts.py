@@ -110,6 +110,8 @@ def test_grpo_logs_the_drop_counts_with_the_step_0_metrics():
         config=config,
         start_step=0,
         data_metrics={"data/prompts_dropped_overlong": 3.0},
+        val_samples=[],  # no validation: the progress line names the reward
+        env_pool=None,
         log=lambda step, metrics: logged.append((step, dict(metrics))),
         progress=progress,
         should_checkpoint=lambda step, last: False,

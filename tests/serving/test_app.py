@@ -497,7 +497,7 @@ def test_a_request_the_backend_fails_on_fails_alone(tiny_model_path):
     server = PolicyServer(
         generate,
         AutoTokenizer.from_pretrained(tiny_model_path),
-        model_id="m",
+        model_id=GOOD["model"],
         max_model_len=64,
         config=ServerConfig(batch_window_ms=0),
     )
@@ -535,7 +535,7 @@ def test_a_large_body_and_a_slow_client_are_cut_off(tiny_model_path):
     server = PolicyServer(
         generate,
         AutoTokenizer.from_pretrained(tiny_model_path),
-        model_id="m",
+        model_id=GOOD["model"],
         max_model_len=64,
         config=config,
     )

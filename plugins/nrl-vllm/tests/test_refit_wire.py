@@ -319,6 +319,7 @@ def _engine_actor(llm: StandInLLM) -> VllmGenerationWorker:
     worker = object.__new__(VllmGenerationWorker)
     worker.options = VllmConfig(colocated=False)
     worker.engine, worker._loop, worker.sleeping, worker.rank = llm, None, False, 0
+    worker.engine_died = None  # the engine-core watcher's verdict: alive
     return worker
 
 

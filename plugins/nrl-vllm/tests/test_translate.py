@@ -136,6 +136,7 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
         False,
     )
     worker.on_cpu = False  # the GPU engine: vLLM has no sleep mode on CPU
+    worker.engine_died = None  # the engine-core watcher's verdict: alive
     assert worker.options.colocated
     worker.sleep()
     assert Engine.calls == [("sleep", {"level": 2})]
