@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,11 @@ def read_jsonl_rows(
             raise error(
                 f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON "
                 'object, e.g. {"problem": "...", "answer": "..."}'
+            ) from None
+        except ValueError:  # Python's limit on the digits of an int read from text
+            raise error(
+                f"{path}:{number}: a number with more than {sys.get_int_max_str_digits()} digits; "
+                'write it as a string ("answer": "123...")'
             ) from None
         if not isinstance(row, dict):
             raise error(

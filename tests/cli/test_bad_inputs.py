@@ -198,6 +198,8 @@ def d(tmp_path_factory):
     _write(d / "blank_problem.jsonl", _jsonl([*good[:1], {"problem": "  ", "answer": "2"}]))
     # Issue 40: one 5 MB prompt (tokenising it took about a minute; a 50 MB one, minutes).
     _write(d / "huge_line.jsonl", _jsonl([{"problem": "1+" * 2_500_000, "answer": "2"}]))
+    _write(d / "answer_5000_digits.jsonl", '{"problem": "1+1", "answer": ' + "9" * 5000 + "}\n")
+    _write(d / "deep.yaml", "grpo: " + "[" * 20_000 + "]" * 20_000 + "\n")
     return d
 
 
@@ -425,6 +427,8 @@ CASES = [
     ("data_duplicate_key", run("grpo", "data.dataset={d}/dup_key.jsonl"), "{d}/dup_key.jsonl:1: duplicate key 'problem'", {}),
     ("data_blank_problem", run("grpo", "data.dataset={d}/blank_problem.jsonl"), "{d}/blank_problem.jsonl:2: field 'problem' is blank", {}),
     ("data_huge_line", run("grpo", "data.dataset={d}/huge_line.jsonl"), "every one of the 1 training prompts of data.dataset={d}/huge_line.jsonl is longer than", {}),
+    ("data_answer_5000_digits", run("grpo", "data.dataset={d}/answer_5000_digits.jsonl"), "{d}/answer_5000_digits.jsonl:1: a number with more than 4300 digits; write it as a string", {}),
+    ("config_nested_20000", ["run", "grpo", "--config", "{d}/deep.yaml"], "bad YAML in {d}/deep.yaml: nested too deeply", {}),
     # Metrics for `nrl plot`.
     ("plot_no_run", ["plot", "{d}/plot_none"], "{d}/plot_none has no metrics.jsonl", {}),
     ("plot_missing_dir", ["plot", "{d}/not-a-run"], "{d}/not-a-run has no metrics.jsonl", {}),
