@@ -25,7 +25,7 @@ def nrl_register_clusters(register):
     )
     register(
         "ray",
-        "nrl_core.distributed.cluster:RayCluster",
+        "nrl_core.distributed.ray_cluster:RayCluster",
         description="joins a running Ray cluster (cluster.address or RAY_ADDRESS)",
     )
 

@@ -1,4 +1,7 @@
-"""The ``local`` and ``ray`` cluster components, and the resource feasibility check.
+"""The ``local`` cluster component (the ``ray`` one, which joins a running cluster, is
+:mod:`~nrl_core.distributed.ray_cluster`; the resource feasibility check
+:mod:`~nrl_core.distributed.resources`; the routing of Ray's output
+:mod:`~nrl_core.distributed.ray_output`; all re-exported here).
 
 ``local`` starts a Ray head inside this process (and always stops it: at exit, on Ctrl-C, on
 SIGTERM, on error); ``ray`` joins a running cluster and never stops it.
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -21,14 +23,24 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
-
-from nrl_core.distributed.errors import ClusterError, InsufficientResourcesError
+from nrl_core.distributed.errors import ClusterError
+from nrl_core.distributed.ray_cluster import RayCluster, cluster_section
+from nrl_core.distributed.ray_output import RayOutputToRunLog
+from nrl_core.distributed.resources import ResourceNeed, check_resources, ray_resources
 from nrl_core.interfaces import ClusterResources
+
+__all__ = [
+    "LocalCluster",
+    "RayCluster",
+    "RayOutputToRunLog",
+    "ResourceNeed",
+    "check_resources",
+    "ray_resources",
+]
 
 # Ray puts unix sockets under its temp dir and a socket path may not exceed 107 bytes, so the
 # real temp dir stays short under /tmp and the run directory gets a symlink to it.
@@ -48,88 +60,6 @@ QUIET_WORKER_ENV: Mapping[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """Set for the workers of a local cluster whose output goes to the run log: Hugging Face's
 progress bars ("Loading weights") would only fill it with carriage returns. A value already
 set in the environment wins."""
-
-
-@attrs.frozen
-class ResourceNeed:
-    """What one worker group asks for, for :func:`check_resources`."""
-
-    name: str
-    num_workers: int
-    num_cpus_per_worker: float = 1
-    num_gpus_per_worker: float = 0
-
-    @property
-    def cpus(self) -> float:
-        return self.num_workers * self.num_cpus_per_worker
-
-    @property
-    def gpus(self) -> float:
-        return self.num_workers * self.num_gpus_per_worker
-
-
-def _fmt(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
-
-
-def _plural(value: float, unit: str) -> str:
-    return f"{_fmt(value)} {unit}{'' if value == 1 else 's'}"
-
-
-def check_resources(needs: Sequence[ResourceNeed], resources: ClusterResources) -> None:
-    """Raise :class:`InsufficientResourcesError` when ``needs`` cannot all be placed.
-
-    Called before any actor starts, so an impossible request fails in a second with numbers
-    instead of Ray waiting forever for resources that will never appear.
-    """
-    have = (
-        f"the cluster has {_plural(resources.total_gpus, 'GPU')} and "
-        f"{_plural(resources.total_cpus, 'CPU')}"
-    )
-    fix = (
-        "lower num_workers / the per-worker resources, or run on a larger cluster "
-        "(cluster.num_cpus, cluster.gpus_per_node, cluster.backend=ray)"
-    )
-    for need in needs:
-        if need.gpus > resources.total_gpus:
-            raise InsufficientResourcesError(
-                f"{need.name} needs {_plural(need.gpus, 'GPU')}; {have}; {fix}"
-            )
-        if need.cpus > resources.total_cpus:
-            raise InsufficientResourcesError(
-                f"{need.name} needs {_plural(need.cpus, 'CPU')}; {have}; {fix}"
-            )
-        # One worker is one bundle, and a bundle never spans nodes.
-        fits_somewhere = any(
-            need.num_cpus_per_worker <= cpus and need.num_gpus_per_worker <= gpus
-            for cpus, gpus in zip(resources.cpus_per_node, resources.gpus_per_node, strict=True)
-        )
-        if need.num_workers and not fits_somewhere:
-            raise InsufficientResourcesError(
-                f"one {need.name} worker needs {_plural(need.num_cpus_per_worker, 'CPU')} and "
-                f"{_plural(need.num_gpus_per_worker, 'GPU')} on a single node; no node has that "
-                f"({have}); {fix}"
-            )
-    total_cpus = sum(n.cpus for n in needs)
-    total_gpus = sum(n.gpus for n in needs)
-    if len(needs) > 1 and (total_gpus > resources.total_gpus or total_cpus > resources.total_cpus):
-        names = " + ".join(n.name for n in needs)
-        raise InsufficientResourcesError(
-            f"{names} together need {_plural(total_gpus, 'GPU')} and "
-            f"{_plural(total_cpus, 'CPU')}; {have}; {fix}"
-        )
-
-
-def ray_resources() -> ClusterResources:
-    """The alive nodes' CPUs and GPUs of the Ray cluster this process is connected to."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return ClusterResources(
-        num_nodes=len(nodes),
-        cpus_per_node=[float(n["Resources"].get("CPU", 0)) for n in nodes],
-        gpus_per_node=[float(n["Resources"].get("GPU", 0)) for n in nodes],
-    )
 
 
 def start_timeout_s(load: float | None = None, cpus: int | None = None) -> float:
@@ -281,16 +211,6 @@ def _signals_stop_the_start(cluster: LocalCluster):
         ray_utils.set_sigterm_handler = original
 
 
-def _cluster_config(context: Any) -> Any:
-    config = getattr(context, "config", None)
-    cluster = getattr(config, "cluster", None)
-    if cluster is None:
-        from nrl_core.config.schema import ClusterConfig
-
-        cluster = ClusterConfig()
-    return cluster
-
-
 def _run_dir(context: Any) -> Path | None:
     logger = getattr(getattr(context, "config", None), "logger", None)
     if logger is None:
@@ -325,7 +245,7 @@ class LocalCluster:
         temp_dir: str | os.PathLike | None = None,
     ) -> None:
         self.options, self.context = options, context
-        self.config = _cluster_config(context)
+        self.config = cluster_section(context)
         self.log_dir = Path(log_dir) if log_dir is not None else _run_dir(context)
         self.temp_dir = (
             Path(temp_dir)
@@ -644,164 +564,3 @@ def _load_note() -> str:
     except OSError:
         return ""
     return f"; load average {load:.0f} on {os.cpu_count() or 1} CPUs"
-
-
-def _enable_token_auth_if_available() -> None:
-    """Use Ray's token auth when a token is at hand, as ``ray start`` and ``ray.init()`` do.
-
-    Ray 2.5x+ enables token auth on clusters started while a token exists (~/.ray/auth_token),
-    but a driver joining with an explicit address stays in "disabled" mode and is refused
-    unless ``RAY_AUTH_MODE`` is set; an explicit ``RAY_AUTH_MODE`` is always respected.
-    """
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # older Ray without token auth
-        return
-    # Best effort: ray.init reports a refused connection with its own message.
-    with contextlib.suppress(Exception):
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-class RayCluster:
-    """Joins a running Ray cluster at ``cluster.address`` or ``$RAY_ADDRESS``; never stops it."""
-
-    def __init__(self, options: Any = None, context: Any = None) -> None:
-        self.options, self.context = options, context
-        self.config = _cluster_config(context)
-        self._connected = False
-        self.console_output = True
-        """As :attr:`LocalCluster.console_output` (the cluster's workers keep their own
-        environment: their progress bars are not turned off)."""
-        self._output: RayOutputToRunLog | None = None
-
-    @property
-    def address(self) -> str | None:
-        return self.config.address or os.environ.get("RAY_ADDRESS") or None
-
-    def start(self) -> ClusterResources:
-        """Connect this process to the cluster and return its resources."""
-        import ray
-
-        from nrl_core.distributed.actor_env import check_image_manifest
-
-        check_image_manifest()
-        address = self.address
-        if address is None:
-            raise ClusterError(
-                "cluster.backend=ray needs cluster.address or RAY_ADDRESS; start "
-                "a cluster with `ray start --head` or use cluster.backend=local"
-            )
-        _enable_token_auth_if_available()
-        if not self.console_output:
-            self._output = RayOutputToRunLog()
-        try:
-            ray.init(
-                address=address,
-                log_to_driver=self._output is None or self._output.forwarding,
-            )
-        except Exception as exc:
-            self._remove_output()
-            raise ClusterError(
-                f"cannot connect to the Ray cluster at {address}: {exc}; check "
-                "that `ray status --address ADDRESS` works from this node"
-            ) from exc
-        self._connected = True
-        return ray_resources()
-
-    def shutdown(self) -> None:
-        """Disconnect this process; the cluster keeps running."""
-        if self._connected:
-            import ray
-
-            self._connected = False
-            try:
-                ray.shutdown()  # on a connected driver this only disconnects
-            finally:
-                self._remove_output()
-
-    def _remove_output(self) -> None:
-        if self._output is not None:
-            self._output.remove()
-            self._output = None
-
-
-class RayOutputToRunLog:
-    """From creation until :meth:`remove`, what Ray prints in this process goes to the run log
-    (:mod:`nrl_core.run_log`) instead of the console: the records of its ``ray`` logger below
-    ERROR ("Started a local Ray instance", the token-auth notice; errors are printed too) and
-    every line it forwards from the cluster (the workers' stdout and stderr, with their
-    ``(_WorkerActor pid=...)`` prefix, the raylet's and GCS's warnings, its error messages).
-
-    Ray prints all forwarded lines through one function, ``print_worker_logs`` (the worker
-    output and the error messages alike, deduplicated before); it is replaced while this is in
-    effect. A Ray without it: :attr:`forwarding` is False and the caller asks ``ray.init`` for
-    ``log_to_driver=False`` (the lines then stay in Ray's worker logs, whose tail a worker error
-    still copies to the run log). A worker error is reported as before either way: one line
-    naming the run log (:class:`~nrl_core.distributed.errors.WorkerError`).
-
-    Args:
-        env: variables set in this process's environment meanwhile (a value already set wins),
-            which the workers of a Ray head started meanwhile inherit.
-    """
-
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        import ray._private.worker as ray_worker
-
-        from nrl_core.run_log import RunLogHandler
-
-        self._module = ray_worker
-        self._set_env = [name for name in (env or {}) if name not in os.environ]
-        for name in self._set_env:
-            os.environ[name] = env[name]  # type: ignore[index]
-        self._logger = logging.getLogger("ray")
-        self._levels = [(handler, handler.level) for handler in self._logger.handlers]
-        for handler, level in self._levels:
-            handler.setLevel(max(level, logging.ERROR))
-        self._handler = RunLogHandler()
-        self._logger.addHandler(self._handler)
-        self._printer = getattr(ray_worker, "print_worker_logs", None)
-        self.forwarding = callable(self._printer)
-        """Forwarded lines reach the run log (else ``log_to_driver=False`` keeps them out)."""
-        if self.forwarding:
-            ray_worker.print_worker_logs = _worker_lines_to_run_log
-
-    def remove(self) -> None:
-        """Print Ray's output on the console again (idempotent)."""
-        if self._handler is None:
-            return
-        self._logger.removeHandler(self._handler)
-        self._handler = None
-        for handler, level in self._levels:
-            handler.setLevel(level)
-        if self.forwarding:
-            self._module.print_worker_logs = self._printer
-        for name in self._set_env:
-            os.environ.pop(name, None)
-
-
-def _worker_lines_to_run_log(data: dict, print_file: Any = None, ignore_prefix: bool = False):
-    """``ray._private.worker.print_worker_logs``'s stand-in: the lines of ``data`` (one batch
-    Ray forwards: ``lines``, ``pid``, ``actor_name`` / ``task_name``, ``ip``) to the run log,
-    after the prefix Ray would print."""
-    from nrl_core.run_log import log_output
-
-    pid = data.get("pid")
-    lines = data.get("lines") or []
-    if pid == "autoscaler":
-        # Its status table every 5 s: only the events among them, as Ray would print.
-        import ray._private.worker as ray_worker
-
-        try:
-            lines = list(ray_worker.filter_autoscaler_events(lines))
-        except Exception:  # never stop Ray's log thread: the events are dropped instead
-            lines = []
-    if pid in ("raylet", "autoscaler", "gcs_server"):
-        source = f"({pid})"
-    else:
-        name = data.get("actor_name") or data.get("task_name")
-        ip = data.get("ip")
-        where = "" if ip in (None, data.get("localhost")) else f", ip={ip}"
-        source = f"({name + ' ' if name else ''}pid={pid}{where})"
-    log_output(source, lines)

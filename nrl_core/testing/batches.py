@@ -11,18 +11,22 @@ if TYPE_CHECKING:
 
 
 class TokenMeanNLL:
-    """Token-mean negative log-likelihood over ``loss_mask``, normalised by the GLOBAL token
-    count (the core's loss contract)."""
+    """Token-mean negative log-likelihood over ``loss_mask * sample_mask`` (``sample_mask``
+    where the batch has one), normalised by the GLOBAL token count (the core's loss contract).
+    The policy plugins' tests and the conformance suites train with it."""
 
     needs_reference = False
     needs_prev_logprobs = False
 
     def __call__(self, logprobs, batch, stats: GlobalBatchStats):
-        mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+        mask = batch["loss_mask"].to(logprobs.dtype)
+        if "sample_mask" in batch:
+            mask = mask * batch["sample_mask"].to(logprobs.dtype)[:, None]
         nll = -(logprobs * mask).sum()
+        tokens = max(stats.valid_tokens, 1.0)  # a batch with no valid token contributes 0
         # Like every real loss, it reports its own value as `loss` too.
-        return nll / stats.valid_tokens, {
-            "loss": float(nll.detach()) / stats.valid_tokens,
+        return nll / tokens, {
+            "loss": float(nll.detach()) / tokens,
             "nll_sum": float(nll.detach()),
             "tokens": float(mask.sum()),
         }

@@ -7,24 +7,10 @@ import math
 
 import pytest
 
+from nrl_core.testing.batches import TokenMeanNLL
 from nrl_core.testing.conformance.common import _check_registration
 
-
-class TokenMeanNLL:
-    """A minimal loss honouring the contract: token-mean NLL over ``loss_mask * sample_mask``,
-    divided by the GLOBAL token count. Used by :class:`PolicyConformance` to train."""
-
-    needs_reference = False
-    needs_prev_logprobs = False
-
-    def __call__(self, logprobs, batch, stats):
-        mask = batch["loss_mask"].to(logprobs.dtype)
-        if "sample_mask" in batch:
-            mask = mask * batch["sample_mask"].to(logprobs.dtype)[:, None]
-        nll = -(logprobs * mask).sum()
-        return nll / max(stats.valid_tokens, 1.0), {
-            "loss": float(nll.detach()) / max(stats.valid_tokens, 1.0)
-        }
+__all__ = ["LossConformance", "TokenMeanNLL", "random_batch"]
 
 
 def random_batch(rows: int = 8, width: int = 12, vocab_size: int = 64, seed: int = 0, dtype=None):

@@ -1,0 +1,93 @@
+"""The resource feasibility check: what a worker group needs against what the cluster has, refused
+in one line before any actor starts; and the resources of the Ray cluster this process joined."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from nrl_core.distributed.errors import InsufficientResourcesError
+from nrl_core.interfaces import ClusterResources
+
+
+@attrs.frozen
+class ResourceNeed:
+    """What one worker group asks for, for :func:`check_resources`."""
+
+    name: str
+    num_workers: int
+    num_cpus_per_worker: float = 1
+    num_gpus_per_worker: float = 0
+
+    @property
+    def cpus(self) -> float:
+        return self.num_workers * self.num_cpus_per_worker
+
+    @property
+    def gpus(self) -> float:
+        return self.num_workers * self.num_gpus_per_worker
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _plural(value: float, unit: str) -> str:
+    return f"{_fmt(value)} {unit}{'' if value == 1 else 's'}"
+
+
+def check_resources(needs: Sequence[ResourceNeed], resources: ClusterResources) -> None:
+    """Raise :class:`InsufficientResourcesError` when ``needs`` cannot all be placed.
+
+    Called before any actor starts, so an impossible request fails in a second with numbers
+    instead of Ray waiting forever for resources that will never appear.
+    """
+    have = (
+        f"the cluster has {_plural(resources.total_gpus, 'GPU')} and "
+        f"{_plural(resources.total_cpus, 'CPU')}"
+    )
+    fix = (
+        "lower num_workers / the per-worker resources, or run on a larger cluster "
+        "(cluster.num_cpus, cluster.gpus_per_node, cluster.backend=ray)"
+    )
+    for need in needs:
+        if need.gpus > resources.total_gpus:
+            raise InsufficientResourcesError(
+                f"{need.name} needs {_plural(need.gpus, 'GPU')}; {have}; {fix}"
+            )
+        if need.cpus > resources.total_cpus:
+            raise InsufficientResourcesError(
+                f"{need.name} needs {_plural(need.cpus, 'CPU')}; {have}; {fix}"
+            )
+        # One worker is one bundle, and a bundle never spans nodes.
+        fits_somewhere = any(
+            need.num_cpus_per_worker <= cpus and need.num_gpus_per_worker <= gpus
+            for cpus, gpus in zip(resources.cpus_per_node, resources.gpus_per_node, strict=True)
+        )
+        if need.num_workers and not fits_somewhere:
+            raise InsufficientResourcesError(
+                f"one {need.name} worker needs {_plural(need.num_cpus_per_worker, 'CPU')} and "
+                f"{_plural(need.num_gpus_per_worker, 'GPU')} on a single node; no node has that "
+                f"({have}); {fix}"
+            )
+    total_cpus = sum(n.cpus for n in needs)
+    total_gpus = sum(n.gpus for n in needs)
+    if len(needs) > 1 and (total_gpus > resources.total_gpus or total_cpus > resources.total_cpus):
+        names = " + ".join(n.name for n in needs)
+        raise InsufficientResourcesError(
+            f"{names} together need {_plural(total_gpus, 'GPU')} and "
+            f"{_plural(total_cpus, 'CPU')}; {have}; {fix}"
+        )
+
+
+def ray_resources() -> ClusterResources:
+    """The alive nodes' CPUs and GPUs of the Ray cluster this process is connected to."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return ClusterResources(
+        num_nodes=len(nodes),
+        cpus_per_node=[float(n["Resources"].get("CPU", 0)) for n in nodes],
+        gpus_per_node=[float(n["Resources"].get("GPU", 0)) for n in nodes],
+    )
