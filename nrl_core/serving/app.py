@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,6 +42,17 @@ from nrl_core.serving.batcher import SEED_LIMIT
 from nrl_core.serving.errors import GenerationFailed, RequestError, SamplingError
 from nrl_core.serving.prompts import PromptError
 from nrl_core.serving.reasoning import split_reasoning
+from nrl_core.serving.request_checks import (
+    check_ids,
+    check_messages,
+    check_text_length,
+    is_int,
+    parse_body,
+    read_capped,
+    sampling_fields,
+    too_large,
+    vocab_size,
+)
 from nrl_core.serving.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -69,13 +79,6 @@ class ServedPolicy(Protocol):
     """A request's sampling, from its keywords (see ``PolicyServer.sampling_for``)."""
     enforced: SamplingParams | None
     """The training run's sampling, while one is enforced (requests' own seeds are not used)."""
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-"""Chat roles a request may use (``developer`` is read as ``system``)."""
-CHARS_PER_TOKEN = 64
-"""A prompt text longer than ``max_model_len`` times this cannot fit the context under any
-tokenizer in use; it is refused before it is tokenised (which could take minutes)."""
 
 
 MAX_CHOICES = 64
@@ -116,9 +119,9 @@ def create_app(server: ServedPolicy) -> FastAPI:
         limit = server.config.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise RequestError(_too_large(limit), 413)
+            raise RequestError(too_large(limit), 413)
         try:
-            raw = await asyncio.wait_for(_read_capped(request, limit), server.config.read_timeout_s)
+            raw = await asyncio.wait_for(read_capped(request, limit), server.config.read_timeout_s)
         except TimeoutError:
             raise RequestError(
                 f"the request body did not arrive within server.read_timeout_s="
@@ -236,14 +239,14 @@ def create_app(server: ServedPolicy) -> FastAPI:
         prompt = body.get("token_ids")
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("`token_ids` must be a non-empty list of token ids")
-        _check_ids(prompt, "`token_ids`", vocab)
+        check_ids(prompt, "`token_ids`", vocab)
         sampling = body.get("sampling_params") or {}
         if not isinstance(sampling, dict):
             raise RequestError("`sampling_params` must be an object")
         stop_ids = sampling.get("stop_token_ids") or []
         if not isinstance(stop_ids, list):
             raise RequestError("`sampling_params.stop_token_ids` must be a list of token ids")
-        _check_ids(stop_ids, "`sampling_params.stop_token_ids`", vocab)
+        check_ids(stop_ids, "`sampling_params.stop_token_ids`", vocab)
         stops = _stops(sampling.get("stop"))
         fields = sampling_fields(sampling, vocab, where="sampling_params.")
         params = server.sampling_for(
@@ -300,7 +303,7 @@ def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int], where
     asked = body.get(name)
     if asked is None:
         return left
-    if not _is_int(asked) or asked < 1:
+    if not is_int(asked) or asked < 1:
         raise RequestError(f"{where}{name} must be a positive integer, got {asked!r:.40}")
     return min(asked, left)
 
@@ -335,7 +338,7 @@ def _choice_count(body: dict[str, Any]) -> int:
     n = body.get("n")
     if n is None:
         return 1
-    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
         raise RequestError(f"n must be an integer in 1..{MAX_CHOICES}, got {n!r:.40}")
     return n
 
@@ -361,7 +364,7 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
 def refuse_unhonoured(body: dict[str, Any]) -> None:
     """A 400 naming each field this server cannot honour exactly, rather than ignoring it."""
     top = body.get("top_logprobs")
-    if top is not None and (not _is_int(top) or top != 0):
+    if top is not None and (not is_int(top) or top != 0):
         raise RequestError(
             f"top_logprobs={top!r:.40} is not supported: only 0 (each chosen token's logprob "
             "comes with logprobs=true)"
@@ -503,141 +506,6 @@ def _events(answer: dict[str, Any], include_usage: bool) -> Iterator[str]:
 
 
 # -- request validation -------------------------------------------------------------------------
-
-
-def _too_large(limit: int) -> str:
-    return (
-        f"the request body is over server.max_request_bytes={limit}; send less (or raise "
-        "server.max_request_bytes)"
-    )
-
-
-async def _read_capped(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it passes ``limit`` bytes (a chunked body declares
-    no length)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(_too_large(limit), 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object; anything else (bad JSON, ``NaN``/``Infinity``, nesting
-    deeper than the parser allows) is a :class:`RequestError`."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise RequestError(f"the request body is not JSON: {exc}") from None
-    except RecursionError:
-        raise RequestError(
-            "the request body is not JSON this server reads: nested too deeply"
-        ) from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-def vocab_size(server: ServedPolicy) -> int:
-    """One past the largest token id a request may name (the tokenizer's vocabulary)."""
-    return len(server.tokenizer)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_ids(ids: list[Any], what: str, vocab: int) -> None:
-    for i in ids:
-        if not _is_int(i) or not 0 <= i < vocab:
-            raise RequestError(
-                f"{what} must hold token ids in 0..{vocab - 1} (the vocabulary), got {i!r:.40}"
-            )
-
-
-def _number(body: dict[str, Any], name: str, where: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise RequestError(f"{where}{name} must be a finite number, got {value!r:.40}")
-    return float(value)
-
-
-def sampling_fields(body: dict[str, Any], vocab: int, where: str = "") -> dict[str, Any]:
-    """``temperature``, ``top_p``, ``top_k`` and ``seed`` of a request, checked: types and
-    ranges (temperature 0..100, top_p in (0, 1], top_k an integer in -1..vocabulary size with
-    -1 and 0 meaning off, seed an integer in 0..2^63-1); as
-    :meth:`~nrl_core.serving.server.PolicyServer.sampling_for` keywords."""
-    from nrl_core.serving.batcher import SEED_LIMIT
-
-    temperature = _number(body, "temperature", where)
-    if temperature is not None and not 0 <= temperature <= 100:
-        raise RequestError(f"{where}temperature must lie in 0..100 (0: greedy), got {temperature}")
-    top_p = _number(body, "top_p", where)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise RequestError(f"{where}top_p must lie in (0, 1], got {top_p}")
-    top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or not -1 <= top_k <= vocab):
-        raise RequestError(
-            f"{where}top_k must be an integer in -1..{vocab} (-1 or 0: off), got {top_k!r:.40}"
-        )
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
-        raise RequestError(f"{where}seed must be an integer in 0..2^63-1, got {seed!r:.40}")
-    return {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k if top_k and top_k > 0 else None,
-        "seed": seed,
-    }
-
-
-def check_text_length(length: int, what: str, max_model_len: int) -> None:
-    limit = CHARS_PER_TOKEN * max_model_len
-    if length > limit:
-        raise RequestError(
-            f"{what} has {length} characters, more than fits max_model_len={max_model_len} "
-            f"tokens (at most {limit}); shorten it"
-        )
-
-
-def check_messages(messages: Any, max_model_len: int) -> None:
-    """What the chat template would otherwise trip on: an unknown role, a null content outside
-    an assistant message, a non-string name or id; and a text too long for the context."""
-    if not isinstance(messages, list):
-        return  # normalize_messages names the problem
-    total = 0
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return
-        role = message.get("role")
-        if isinstance(role, str) and role not in ROLES:
-            raise RequestError(
-                f"messages[{index}].role={role!r:.40} is not a chat role; use one of "
-                f"{', '.join(ROLES)}"
-            )
-        content = message.get("content")
-        if content is None and role != "assistant":
-            raise RequestError(
-                f"messages[{index}] ({role}) has no content; only an assistant message may "
-                "have a null content (with tool_calls)"
-            )
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if message.get(key) is not None and not isinstance(message[key], str):
-                raise RequestError(f"messages[{index}].{key} must be a string")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
-            total += sum(len(p) for p in content if isinstance(p, str))
-    check_text_length(total, "`messages`", max_model_len)
 
 
 def _logprob_entry(server: ServedPolicy, token: int, logprob: float, as_ids: bool):
