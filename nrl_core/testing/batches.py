@@ -32,6 +32,15 @@ class TokenMeanNLL:
         }
 
 
+class NaNLoss(TokenMeanNLL):
+    """:class:`TokenMeanNLL` times NaN: every gradient is NaN (what NaN rewards or advantages
+    give). A policy must not apply such a step (issue 40)."""
+
+    def __call__(self, logprobs, batch, stats: GlobalBatchStats):
+        loss, metrics = super().__call__(logprobs, batch, stats)
+        return loss * float("nan"), metrics
+
+
 def make_batch(
     num: int, seed: int = 0, vocab: int = 100, min_len: int = 6, max_len: int = 24
 ) -> Batch:

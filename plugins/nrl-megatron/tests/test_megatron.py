@@ -19,7 +19,7 @@ from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig
 from nrl_core.distributed.worker_group import InProcessGroup
 from nrl_core.interfaces import ComponentContext
 from nrl_core.policy import Policy
-from nrl_core.testing.batches import TokenMeanNLL, make_batch
+from nrl_core.testing.batches import NaNLoss, TokenMeanNLL, make_batch
 
 pytestmark = requires_megatron
 
@@ -106,6 +106,31 @@ def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
     torch.testing.assert_close(
         megatron.get_logprobs(batch, reference=True), want_lp, rtol=0, atol=1e-5
     )
+
+
+def test_a_nan_gradient_is_never_applied(tiny_path, pool1, start_group):
+    """Issue 40, as with dtensor: a step whose gradients are NaN reports grad_norm NaN and leaves
+    the weights as they were; the next finite step trains like a fresh policy's first."""
+    import math
+
+    from nrl_core.errors import NonFiniteError
+
+    config = make_config(tiny_path)
+    batch = make_batch(8, seed=2)
+    megatron = policy(start_group(pool1, WORKER, (megatron_options(), context(config))), config)
+    before = megatron.get_logprobs(batch)
+    try:
+        metrics = megatron.train(batch, NaNLoss())
+        assert not math.isfinite(metrics["grad_norm"])
+    except NonFiniteError:
+        pass  # the core may stop at the non-finite norm itself
+    after = megatron.get_logprobs(batch)
+    assert torch.isfinite(after).all()
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    expected = dtensor_worker(config)
+    want = Policy.from_config(InProcessGroup(expected), config.policy).train(batch, TokenMeanNLL())
+    got = megatron.train(batch, TokenMeanNLL())
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
 def test_reported_loss_is_the_computed_loss(tiny_path, pool2, start_group):

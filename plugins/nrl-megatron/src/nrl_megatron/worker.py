@@ -33,6 +33,7 @@ gloo (or NCCL) group on a free local port: Megatron-Core always needs ``parallel
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import socket
@@ -439,6 +440,13 @@ class MegatronPolicyWorker:
         else:
             self._average_gradients_over_dp()
             grad_norm = self._clip_gradients()
+            if not math.isfinite(grad_norm):
+                # A NaN or infinite gradient is never applied (the norm is the same on every
+                # rank, so all skip together); the driver sees grad_norm and stops the run
+                # (issue 40), as with dtensor. On GPUs Megatron's own optimizer steps: not
+                # covered here.
+                self._zero_grad()
+                return {"grad_norm": float(grad_norm), "lr": lr}
             self.optimizer.step()
         self.step += 1
         self._zero_grad()
