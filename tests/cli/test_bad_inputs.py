@@ -235,7 +235,6 @@ CASES = [
     ("micro_batch", run("grpo", "policy.train_micro_batch_size=0"), "policy.train_micro_batch_size must be >= 1", {}),
     ("token_budget", run("sft", "policy.micro_batch_token_budget=0"), "policy.micro_batch_token_budget must be >= 1 or null, got 0", {}),
     ("sequence_packing", run("grpo", "policy.sequence_packing=maybe"), "policy.sequence_packing must be one of auto, true, false, got 'maybe'", {}),
-    ("packing_megatron", run("sft", "policy.backend=megatron", "policy.sequence_packing=true"), "policy.sequence_packing=true, and policy.backend=megatron does not pack sequences; set policy.sequence_packing=auto (packs where supported) or false", {}),
     ("logprob_batch", run("grpo", "policy.logprob_batch_size=-1"), "policy.logprob_batch_size must be >= 1", {}),
     ("max_seq_len", run("grpo", "policy.max_total_sequence_length=0"), "policy.max_total_sequence_length must be in [1, 16777216], got 0", {}),
     ("grad_norm", run("grpo", "policy.max_grad_norm=-1"), "policy.max_grad_norm must be >= 0", {}),

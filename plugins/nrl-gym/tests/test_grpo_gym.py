@@ -63,5 +63,9 @@ def test_two_grpo_steps_on_a_gym_task_and_arithmetic(tmp_path):
     # Validation went through Gym too, greedy (the endpoint enforced temperature 0).
     assert records[-1]["val/agent_failures"] == 0
     # Gym's servers (and its own Ray) were stopped with the run.
-    left = subprocess.run(["pgrep", "-f", "ng_run"], capture_output=True, text=True)
+    # Only this run's ng_run (its config names the example server): another test file's Gym start
+    # may run beside this one (pytest -n 2).
+    left = subprocess.run(
+        ["pgrep", "-f", "ng_run.*example_single_tool_call"], capture_output=True, text=True
+    )
     assert left.stdout.strip() == "", left.stdout
