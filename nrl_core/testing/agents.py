@@ -23,6 +23,26 @@ from nrl_core.agents import Endpoint, ModelCall, Trajectory
 FOLLOW_UP = "Final answer?"
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
+NRL_WITH_TEST_AGENTS = """
+import sys
+from nrl_core import plugins
+from nrl_core.testing import agents
+
+discover = plugins.PluginHost.discover.__func__
+
+def with_test_agents(cls, selection=None):
+    host = discover(cls, selection)
+    host.add(agents, "testing-agents")
+    return host
+
+plugins.PluginHost.discover = classmethod(with_test_agents)
+from nrl_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""``python -c NRL_WITH_TEST_AGENTS run ...``: ``nrl`` with this module's agents added as a
+plugin (per-test registration: they are not an installed plugin), for CLI tests of agent
+tasks with any engine."""
+
 
 class TwoTurnAgent:
     """Two chat-completion calls per row, rows in parallel (``max_concurrency`` threads)."""

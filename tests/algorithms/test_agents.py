@@ -12,26 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.testing.agents import NRL_WITH_TEST_AGENTS
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-# `nrl` with the test agents of nrl_core.testing.agents added as a plugin (per-test
-# registration: they are not an installed plugin).
-RUN_WITH_TEST_AGENTS = """
-import sys
-from nrl_core import plugins
-from nrl_core.testing import agents
-
-discover = plugins.PluginHost.discover.__func__
-
-def with_test_agents(cls, selection=None):
-    host = discover(cls, selection)
-    host.add(agents, "testing-agents")
-    return host
-
-plugins.PluginHost.discover = classmethod(with_test_agents)
-from nrl_core.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 TASKS = (
     "data.tasks=[{name: arith, dataset: arithmetic, weight: 1},"
     " {name: chat, dataset: arithmetic, weight: 1, agent: two_turn}]"
@@ -42,7 +26,7 @@ def run_grpo(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-c",
-        RUN_WITH_TEST_AGENTS,
+        NRL_WITH_TEST_AGENTS,
         "run",
         "grpo",
         "-q",

@@ -21,29 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from nrl_core.testing.agents import NRL_WITH_TEST_AGENTS
+
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_LOGPROB_GAP = 1e-4
 """Engine vs trainer, float32 (measured: max 1.7-1.9e-6; see test_vllm_cpu.py)."""
 
-# `nrl` with the test agents of nrl_core.testing.agents added as a plugin (they are not an
-# installed plugin; tests/algorithms/test_agents.py does the same for the torch backend).
-RUN_WITH_TEST_AGENTS = """
-import sys
-from nrl_core import plugins
-from nrl_core.testing import agents
-
-discover = plugins.PluginHost.discover.__func__
-
-def with_test_agents(cls, selection=None):
-    host = discover(cls, selection)
-    host.add(agents, "testing-agents")
-    return host
-
-plugins.PluginHost.discover = classmethod(with_test_agents)
-from nrl_core.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 TASKS = (
     "data.tasks=[{name: game, dataset: guess_number, env: guess_number, weight: 1},"
     " {name: chat, dataset: arithmetic, weight: 1, agent: two_turn}]"
@@ -61,7 +45,7 @@ def tasks_run(tmp_path_factory) -> Path:
     pytest.importorskip("nrl_dtensor", reason="the policy is nrl-dtensor's; nox installs it")
     pytest.importorskip("nrl_math_env", reason="guess_number is nrl-math-env's")
     tmp = tmp_path_factory.mktemp("tasks")
-    command = [sys.executable, "-c", RUN_WITH_TEST_AGENTS, "run", "grpo", "-q"]
+    command = [sys.executable, "-c", NRL_WITH_TEST_AGENTS, "run", "grpo", "-q"]
     command += ["generation.backend=vllm", "generation.actor_env=venv", TASKS]
     command += [f"logger.log_dir={tmp}", "logger.run_name=run", "cluster.num_cpus=2"]
     command += [f"checkpointing.checkpoint_dir={tmp / 'run' / 'ckpt'}"]
