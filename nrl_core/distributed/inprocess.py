@@ -342,15 +342,9 @@ class InProcessWorkerGroup:
     def run_sharded(self, method: Any, data: Sequence[Any], *args: Any, **kwargs: Any) -> list:
         """``method(data[dp_rank], *args, **kwargs)`` on every worker (arguments wrapped in
         ``Sharded`` split alike); each shard's result from its result rank, in DP order."""
-        from nrl_core.distributed.worker_actor import Sharded, _method_name, _shard_of
+        from nrl_core.distributed.worker_actor import _shard_of, check_shard_counts
 
-        sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
-        for what in (data, *(v.items for v in sharded)):
-            if len(what) != self.dp_size:
-                raise NrlError(
-                    f"{self.name}.{_method_name(method)}: got {len(what)} shards for dp_size="
-                    f"{self.dp_size}; split the data into exactly dp_size items"
-                )
+        check_shard_counts(self.name, method, data, args, kwargs, self.dp_size)
         results = []
         for slot in self.slots:
             d = self.layout.dp_rank(slot.rank, self.num_workers)

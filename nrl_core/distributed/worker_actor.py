@@ -114,6 +114,22 @@ def _method_name(method: Method) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
 
+def check_shard_counts(
+    group: str, method: Method, data: Sequence, args: tuple, kwargs: dict, dp_size: int
+) -> None:
+    """A ``run_sharded`` call gives one item of ``data`` and of every :class:`Sharded` argument
+    to each data-parallel shard: refuse any other count in one line naming the group's call."""
+    from nrl_core.errors import NrlError
+
+    sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
+    for what in (data, *(v.items for v in sharded)):
+        if len(what) != dp_size:
+            raise NrlError(
+                f"{group}.{_method_name(method)}: got {len(what)} shards for dp_size="
+                f"{dp_size}; split the data into exactly dp_size items"
+            )
+
+
 def _fd_path(fd: int) -> str | None:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")

@@ -45,12 +45,13 @@ from nrl_core.distributed.errors import WorkerError, WorkerTimeoutError
 from nrl_core.distributed.worker_actor import (
     LOOPBACK,
     Method,
-    Sharded,
+    Sharded,  # noqa: F401  (re-exported: callers import it from here)
     _invoke,
     _loopback_env,
     _method_name,
     _shard_of,
     _WorkerActor,
+    check_shard_counts,
     venv_environment,
 )
 from nrl_core.errors import NrlError
@@ -360,13 +361,7 @@ class WorkerGroup:
         result of each shard's :meth:`ParallelLayout.result_rank` (tp = cp rank 0 of the
         last pipeline stage), in DP order.
         """
-        sharded = [v for v in (*args, *kwargs.values()) if isinstance(v, Sharded)]
-        for what in (data, *(v.items for v in sharded)):
-            if len(what) != self.dp_size:
-                raise NrlError(
-                    f"{self.name}.{_method_name(method)}: got {len(what)} shards for dp_size="
-                    f"{self.dp_size}; split the data into exactly dp_size items"
-                )
+        check_shard_counts(self.name, method, data, args, kwargs, self.dp_size)
         per_dp = [
             (
                 tuple(_shard_of(v, d) for v in args),
