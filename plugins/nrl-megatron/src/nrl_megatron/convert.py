@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-Core weight conversion for Llama- and Qwen2-family models.
+"""Hugging Face <-> Megatron-Core weight conversion for Llama- and Qwen2-family models, and
+Qwen3-MoE mixtures of experts.
 
 Pure torch (no megatron import), so the layout logic is testable anywhere.
 
@@ -14,6 +15,18 @@ Megatron-Core's GPT layout differs from Hugging Face's in three places:
   ``output_layer``. With the Transformer Engine spec the RMSNorm weights live inside the fused
   layernorm-linear modules (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 
+Qwen3-MoE (``model_type`` ``qwen3_moe``, every layer a mixture of experts): the per-head query
+and key RMSNorms are ``self_attention.q_layernorm``/``k_layernorm`` (``self_attn.q_norm``/
+``k_norm``); the router is ``mlp.router.weight`` (``mlp.gate.weight``, ``[experts, hidden]``);
+expert ``e`` is ``mlp.experts.local_experts.{e}.linear_fc1.weight`` (``[gate; up]``, like a
+dense fc1) and ``linear_fc2.weight``. Hugging Face names are transformers 5's in-memory layout
+(what ``from_pretrained`` builds and the torch engine loads): one ``[experts, 2 * width,
+hidden]`` ``mlp.experts.gate_up_proj`` (rows ``[gate; up]`` per expert) and one ``[experts,
+hidden, width]`` ``mlp.experts.down_proj`` per layer; the published per-expert file layout is
+transformers' own conversion of those (``nrl_megatron.worker``'s export applies it). The full
+Megatron state dict numbers experts globally; under expert parallelism rank ``r`` of ``ep``
+holds experts ``[r * E / ep, (r + 1) * E / ep)`` renumbered from 0 (:func:`shard_for_ep`).
+
 Tied embeddings: Megatron keeps one tensor (``embedding.word_embeddings.weight``) and the
 output layer reuses it; exporting writes only ``model.embed_tokens.weight`` (HF re-ties it).
 """
@@ -28,7 +41,7 @@ import torch
 
 from nrl_core.errors import NrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe")
 
 
 class ConversionError(NrlError):
@@ -48,6 +61,16 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0: a dense model (every layer is MoE otherwise)."""
+    num_experts_per_tok: int = 0
+    """Router top-k (MoE only)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate width (MoE only)."""
+    norm_topk_prob: bool = True
+    """Whether the top-k router probabilities are renormalised to sum to 1 (MoE only)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -71,6 +94,9 @@ class ModelShape:
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         if model_type == "llama" and getattr(config, "mlp_bias", False):
             raise ConversionError("Llama models with mlp_bias=True are not supported")
+        moe = {}
+        if model_type == "qwen3_moe":
+            moe = _qwen3_moe_settings(config)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -81,7 +107,31 @@ class ModelShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _qwen3_moe_settings(config: Any) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelShape` for a ``Qwen3MoeConfig``; refuses what Megatron's
+    uniform MoE layers cannot reproduce (dense layers between MoE ones)."""
+    sparse_step = getattr(config, "decoder_sparse_step", 1)
+    dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
+    if sparse_step != 1 or dense_layers:
+        raise ConversionError(
+            f"Qwen3-MoE with dense layers (decoder_sparse_step={sparse_step}, mlp_only_layers="
+            f"{dense_layers}) is not supported by the megatron policy; use policy.backend=dtensor"
+        )
+    return {
+        "qk_norm": True,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_ffn_hidden_size": config.moe_intermediate_size,
+        "norm_topk_prob": bool(config.norm_topk_prob),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,22 +167,51 @@ def split_qkv(
 # Names
 
 
-def _layer_names(te: bool) -> dict[str, str]:
+def _layer_names(te: bool, shape: ModelShape | None = None) -> dict[str, str]:
     """Megatron suffix -> HF suffix inside one decoder layer, for the 1:1 tensors."""
-    return {
+    moe = shape is not None and shape.is_moe
+    names = {
         (
             "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
         ): "input_layernorm.weight",
         "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        # An MoE layer keeps its own pre-MLP norm under both specs (nothing to fuse it into).
         (
-            "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+            "mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"
         ): "post_attention_layernorm.weight",
-        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     }
+    if moe:
+        names["mlp.router.weight"] = "mlp.gate.weight"
+    else:
+        names["mlp.linear_fc2.weight"] = "mlp.down_proj.weight"
+    if shape is not None and shape.qk_norm:
+        names["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
+        names["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
+    return names
+
+
+EXPERT_PREFIX = "mlp.experts.local_experts."
+"""Inside a Megatron MoE layer (local spec, ``SequentialMLP``): expert ``e``'s tensors are
+``mlp.experts.local_experts.{e}.linear_fc1.weight`` and ``...linear_fc2.weight``."""
+
+_HF_EXPERTS = {
+    "linear_fc1.weight": "mlp.experts.gate_up_proj",
+    "linear_fc2.weight": "mlp.experts.down_proj",
+}
+
+
+def expert_index(name: str) -> tuple[int, int, str] | None:
+    """``(layer, expert, "linear_fc1.weight" | "linear_fc2.weight")`` of a Megatron expert
+    tensor name, None for any other name."""
+    parts = name.split(".")  # decoder.layers.L.mlp.experts.local_experts.E.linear_fcN.weight
+    if len(parts) != 9 or parts[0] != "decoder" or ".".join(parts[3:6]) + "." != EXPERT_PREFIX:
+        return None
+    return int(parts[2]), int(parts[6]), f"{parts[7]}.{parts[8]}"
 
 
 def megatron_to_hf_names(shape: ModelShape, te: bool = False) -> dict[str, list[str]]:
-    """Every Megatron parameter name -> the HF names it becomes (fused tensors map to several).
+    """Every Megatron parameter name -> the HF names it becomes (fused tensors map to several;
+    each expert's tensors map to their layer's stacked ``[experts, ...]`` HF tensor).
 
     Engines use this for refit: it says which HF tensors each Megatron tensor feeds.
     """
@@ -141,7 +220,7 @@ def megatron_to_hf_names(shape: ModelShape, te: bool = False) -> dict[str, list[
     }
     for i in range(shape.num_layers):
         mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for mg_suffix, hf_suffix in _layer_names(te).items():
+        for mg_suffix, hf_suffix in _layer_names(te, shape).items():
             names[mg + mg_suffix] = [hf + hf_suffix]
         names[mg + "self_attention.linear_qkv.weight"] = [
             hf + f"self_attn.{p}_proj.weight" for p in "qkv"
@@ -150,6 +229,11 @@ def megatron_to_hf_names(shape: ModelShape, te: bool = False) -> dict[str, list[
             names[mg + "self_attention.linear_qkv.bias"] = [
                 hf + f"self_attn.{p}_proj.bias" for p in "qkv"
             ]
+        if shape.is_moe:
+            for e in range(shape.num_experts):
+                for kind, hf_name in _HF_EXPERTS.items():
+                    names[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = [hf + hf_name]
+            continue
         names[mg + "mlp.linear_fc1.weight"] = [
             hf + "mlp.gate_proj.weight",
             hf + "mlp.up_proj.weight",
@@ -172,7 +256,7 @@ def hf_to_megatron(
         out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
         for i in range(shape.num_layers):
             mg, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            for mg_suffix, hf_suffix in _layer_names(te).items():
+            for mg_suffix, hf_suffix in _layer_names(te, shape).items():
                 out[mg + mg_suffix] = hf[p + hf_suffix]
             attn = p + "self_attn."
             out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -188,6 +272,12 @@ def hf_to_megatron(
                     hf[attn + "v_proj.bias"],
                     shape,
                 )
+            if shape.is_moe:
+                for kind, hf_name in _HF_EXPERTS.items():
+                    # [experts, ...] -> one 2-D tensor per expert (views of the stacked one).
+                    for e, part in enumerate(torch.unbind(hf[p + hf_name], dim=0)):
+                        out[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = part
+                continue
             out[mg + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
             )
@@ -196,7 +286,8 @@ def hf_to_megatron(
             out["output_layer.weight"] = hf["lm_head.weight"]
     except KeyError as missing:
         raise ConversionError(
-            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2 causal LM?"
+            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2/Qwen3-MoE causal "
+            "LM (loaded with transformers 5, which stacks each layer's experts)?"
         ) from None
     return out
 
@@ -212,15 +303,31 @@ def megatron_to_hf(
 def iter_megatron_to_hf(
     items: Iterator[tuple[str, torch.Tensor]] | Any, shape: ModelShape, te: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Convert ``(megatron name, full tensor)`` pairs one at a time (streaming refit)."""
+    """Convert ``(megatron name, full tensor)`` pairs one at a time (streaming refit).
+
+    Experts (globally numbered names) are held until their layer's last expert of that tensor
+    arrives, then yielded stacked as the HF ``[experts, ...]`` tensor: at most one layer's
+    experts wait when they come in order."""
     simple = {}
     for mg_name, hf_names in megatron_to_hf_names(shape, te).items():
-        if len(hf_names) == 1:
+        if len(hf_names) == 1 and expert_index(mg_name) is None:
             simple[mg_name] = hf_names[0]
+    pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in items:
         if name.endswith("._extra_state"):
             continue
-        if name in simple:
+        expert = expert_index(name) if shape.is_moe else None
+        if expert is not None:
+            layer, e, kind = expert
+            if not 0 <= e < shape.num_experts:
+                raise ConversionError(f"{name}: expert {e} of {shape.num_experts}")
+            parts = pending.setdefault((layer, kind), {})
+            parts[e] = tensor
+            if len(parts) == shape.num_experts:
+                del pending[(layer, kind)]
+                stacked = torch.stack([parts[i] for i in range(shape.num_experts)])
+                yield f"model.layers.{layer}.{_HF_EXPERTS[kind]}", stacked
+        elif name in simple:
             yield simple[name], tensor
         elif name.endswith("self_attention.linear_qkv.weight") or name.endswith(
             "self_attention.linear_qkv.bias"
@@ -238,6 +345,11 @@ def iter_megatron_to_hf(
             continue  # the shared embedding already produced model.embed_tokens.weight
         else:
             raise ConversionError(f"no Hugging Face name for Megatron tensor {name!r}")
+    if pending:
+        (layer, kind), parts = next(iter(pending.items()))
+        raise ConversionError(
+            f"layer {layer}'s {kind} came for experts {sorted(parts)} of {shape.num_experts} only"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,3 +400,43 @@ def unshard_from_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         gates, ups = zip(*(torch.chunk(s, 2, dim=0) for s in shards), strict=True)
         return torch.cat([*gates, *ups], dim=0)
     return torch.cat(shards, dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert-parallel sharding
+
+
+def shard_for_ep(
+    full: Mapping[str, torch.Tensor], ep_rank: int, ep_size: int, shape: ModelShape
+) -> dict[str, torch.Tensor]:
+    """This expert-parallel rank's part of a full Megatron state dict: every non-expert tensor,
+    and its ``E / ep`` experts (``[ep_rank * E / ep, ...)``), renumbered from 0 as Megatron-Core's
+    ``SequentialMLP`` names its local experts."""
+    if not shape.is_moe or ep_size == 1:
+        return dict(full)
+    if shape.num_experts % ep_size:
+        raise ConversionError(
+            f"expert_model_parallel_size={ep_size} does not divide the {shape.num_experts} "
+            "experts; lower policy.megatron.expert_model_parallel_size"
+        )
+    local = shape.num_experts // ep_size
+    first = ep_rank * local
+    out = {}
+    for name, tensor in full.items():
+        expert = expert_index(name)
+        if expert is None:
+            out[name] = tensor
+        elif first <= expert[1] < first + local:
+            layer, e, kind = expert
+            out[f"decoder.layers.{layer}.{EXPERT_PREFIX}{e - first}.{kind}"] = tensor
+    return out
+
+
+def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """The full-model name of local expert tensor ``name`` on expert-parallel rank ``ep_rank``
+    (inverse of :func:`shard_for_ep`'s renumbering); other names unchanged."""
+    expert = expert_index(name)
+    if expert is None:
+        return name
+    layer, e, kind = expert
+    return f"decoder.layers.{layer}.{EXPERT_PREFIX}{ep_rank * num_local_experts + e}.{kind}"

@@ -1,4 +1,4 @@
-"""Building a Megatron-Core ``GPTModel`` for a Llama/Qwen2 Hugging Face config.
+"""Building a Megatron-Core ``GPTModel`` for a Llama/Qwen2 (or Qwen3-MoE) Hugging Face config.
 
 Two layer specs:
 
@@ -11,7 +11,7 @@ Two layer specs:
 
 On CPU the rotary embedding is also replaced by :class:`DeviceRotaryEmbedding`: Megatron-Core
 0.16's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on
-the first forward.
+the first forward; for the same reason an MoE layer's router is :class:`DeviceTopKRouter`.
 
 Importing this module imports megatron-core (the plugin's ``engine`` extra).
 """
@@ -28,6 +28,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
@@ -159,6 +160,23 @@ class DeviceRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
+class DeviceTopKRouter(TopKRouter):
+    """Megatron-Core's ``TopKRouter`` that computes its gate where its weight is.
+
+    0.16.1's ``Router.gating`` moves a CPU weight to ``torch.cuda.current_device()`` before
+    every forward (``transformer/moe/router.py:88-92``), and its ``router_gating_linear`` reads
+    ``te_general_gemm``, a name defined only when Transformer Engine is installed
+    (``moe_utils.py:1192``: ``NameError`` without it). The same product in plain torch: the
+    logits ``input @ weight.T (+ bias)`` computed in ``moe_router_dtype``."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            self.config.moe_router_dtype, input.dtype
+        )
+        bias = None if self.bias is None else self.bias.to(router_dtype)
+        return F.linear(input.to(router_dtype), self.weight.to(router_dtype), bias)
+
+
 def rope_settings(hf_config: Any) -> dict[str, Any]:
     """``rotary_base`` (and Llama 3 scaling) for ``GPTModel`` from a HF config.
 
@@ -230,11 +248,13 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     on_gpu: bool = False,
 ) -> TransformerConfig:
-    """The ``TransformerConfig`` equivalent of a Llama/Qwen2 HF config."""
+    """The ``TransformerConfig`` equivalent of a Llama/Qwen2/Qwen3-MoE HF config (MoE fields:
+    :func:`moe_settings`)."""
     shape = ModelShape.from_hf_config(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise MegatronModelError(f"hidden_act={hf_config.hidden_act!r} is not supported (silu)")
     return TransformerConfig(
+        **moe_settings(shape, tp=tp, ep=ep, on_gpu=on_gpu),
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -263,6 +283,64 @@ def transformer_config(
     )
 
 
+def moe_dispatcher(on_gpu: bool) -> str:
+    """Megatron-Core's token dispatcher: ``alltoall`` on GPU (each token goes only to the ranks
+    of its experts; Megatron's recommended one with expert parallelism), ``allgather`` on CPU.
+
+    0.16.1's ``MoEAlltoAllTokenDispatcher`` creates a ``torch.cuda.Stream()`` in its constructor
+    (``transformer/moe/token_dispatcher.py:445``), so it cannot even be built without CUDA;
+    ``flex`` needs DeepEP. ``allgather`` (every rank gathers the expert-parallel group's tokens
+    and probabilities, runs its local experts on the tokens routed to them, and
+    reduce-scatters the outputs back) runs over gloo: ``tests/test_moe.py``'s EP=2 test."""
+    return "alltoall" if on_gpu else "allgather"
+
+
+def moe_settings(
+    shape: ModelShape, *, tp: int = 1, ep: int = 1, on_gpu: bool = False
+) -> dict[str, Any]:
+    """The ``TransformerConfig`` MoE fields reproducing a Qwen3-MoE layer (empty for a dense
+    model), checked against transformers 5.19's ``Qwen3MoeSparseMoeBlock``/``TopKRouter``:
+
+    - router: ``softmax(logits)`` over all experts, top-k, renormalised when
+      ``norm_topk_prob`` (``softmax`` of the top-k *logits*, Megatron's
+      ``moe_router_pre_softmax=False``, equals that exactly); without it, softmax before top-k
+      and no renormalisation (``pre_softmax=True``). Router in float32 like HF's softmax;
+    - no shared expert, no capacity factor (dropless: every token reaches its top-k experts, as
+      in HF; no token is ever dropped), no expert bias, no token-drop padding;
+    - auxiliary loss off (``moe_router_load_balancing_type="none"``, ``moe_aux_loss_coeff=0``;
+      docs/moe.md gives why), no z-loss.
+    """
+    if not shape.is_moe:
+        return {}
+    if tp != 1:
+        raise MegatronModelError(
+            "MoE models run with tensor_model_parallel_size=1 in the megatron policy (expert "
+            "tensor parallelism is not wired); use expert_model_parallel_size instead"
+        )
+    if shape.num_experts % ep:
+        raise MegatronModelError(
+            f"expert_model_parallel_size={ep} does not divide the {shape.num_experts} experts; "
+            "lower policy.megatron.expert_model_parallel_size"
+        )
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+        "moe_router_topk": shape.num_experts_per_tok,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not shape.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None,
+        "moe_expert_capacity_factor": None,
+        "moe_token_dispatcher_type": moe_dispatcher(on_gpu),
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_shared_expert_intermediate_size": None,
+    }
+
+
 def build_gpt_model(
     hf_config: Any,
     config: TransformerConfig,
@@ -276,6 +354,12 @@ def build_gpt_model(
     ``parallel_output=True`` keeps the logits vocab-sharded under tensor parallelism: the
     worker computes logprobs with a vocab-parallel log-softmax instead of gathering them.
     """
+    shape = ModelShape.from_hf_config(hf_config)
+    if transformer_engine and (shape.is_moe or shape.qk_norm):
+        raise MegatronModelError(
+            "Qwen3-MoE models run on the local layer spec only; set "
+            "policy.megatron.transformer_engine=false"
+        )
     if transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -283,10 +367,18 @@ def build_gpt_model(
 
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(
+            # MoE: SequentialMLP experts (one ColumnParallel/RowParallel pair per expert, no
+            # grouped GEMM kernel), TopKRouter, no shared expert (config has no shared size).
+            num_experts=shape.num_experts or None,
+            moe_grouped_gemm=False,
+            qk_layernorm=shape.qk_norm,
+            normalization="RMSNorm",
+        )
         attention: ModuleSpec = spec.submodules.self_attention
         attention.submodules.core_attention = SDPAttention
-    shape = ModelShape.from_hf_config(hf_config)
+        if shape.is_moe and config.use_cpu_initialization:
+            spec.submodules.mlp.submodules.router = DeviceTopKRouter
     rope = rope_settings(hf_config)
     model = GPTModel(
         config=config,
