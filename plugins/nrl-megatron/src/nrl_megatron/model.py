@@ -29,6 +29,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
@@ -175,6 +176,96 @@ class DeviceTopKRouter(TopKRouter):
         )
         bias = None if self.bias is None else self.bias.to(router_dtype)
         return F.linear(input.to(router_dtype), self.weight.to(router_dtype), bias)
+
+
+def _gathered_sizes(n: int, device: torch.device, group: Any) -> list[int]:
+    """Every rank's token count (data-parallel ranks may hold micro batches of other shapes)."""
+    import torch.distributed as dist
+
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(group.size())]
+    dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device), group=group)
+    return [int(size) for size in sizes]
+
+
+def _all_gather_rows(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
+    """``x`` ``[sizes[rank], ...]`` of every rank, concatenated in rank order (padded to the
+    largest for the collective, then trimmed)."""
+    import torch.distributed as dist
+
+    rows = max(sizes)
+    padded = torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def _sum_own_rows(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
+    """The sum over ranks of ``x`` ``[sum(sizes), ...]``, this rank's rows only (a
+    reduce-scatter from an all-reduce: gloo has no reduce-scatter)."""
+    import torch.distributed as dist
+
+    total = x.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    start = sum(sizes[: group.rank()])
+    return total[start : start + sizes[group.rank()]]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every rank's rows gathered; backward: the sum of the ranks' gradients of this
+    rank's rows (each rank's experts saw them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _sum_own_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ScatterSumTokens(torch.autograd.Function):
+    """Forward: the ranks' partial outputs of every token summed, this rank's rows kept;
+    backward: the rows' gradients gathered from every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _sum_own_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class DeviceAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """Megatron-Core's allgather token dispatcher with its two collectives on the tokens' own
+    device, for expert parallelism on CPU (gloo).
+
+    0.16.1's ``gather_from_sequence_parallel_region`` and ``reduce_scatter_to_...`` allocate
+    their outputs on ``torch.cuda.current_device()`` (``tensor_parallel/mappings.py:141, 181``),
+    need equal token counts on every rank, and reduce-scatter, which gloo lacks. Here: token
+    counts exchanged first (data-parallel ranks' micro batches may differ in shape), rows
+    gathered padded and trimmed, the combine an all-reduce keeping this rank's rows. The rest
+    (which tokens go to which local expert, permutation, probabilities) is Megatron's own."""
+
+    def token_dispatch(self, hidden_states, probs):
+        if self.tp_size > 1 or self.ep_size > 1:
+            group = self.tp_ep_group
+            self._sizes = _gathered_sizes(hidden_states.shape[0], hidden_states.device, group)
+            with torch.no_grad():
+                self.routing_map = _all_gather_rows(self.routing_map, self._sizes, group)
+            probs = _GatherTokens.apply(probs, self._sizes, group)
+            hidden_states = _GatherTokens.apply(hidden_states, self._sizes, group)
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states):
+        if self.tp_size > 1 or self.ep_size > 1:
+            out = hidden_states.to(self.local_probs.dtype)
+            out = _ScatterSumTokens.apply(out, self._sizes, self.tp_ep_group)
+            hidden_states = out.to(hidden_states.dtype)
+        return hidden_states
 
 
 def rope_settings(hf_config: Any) -> dict[str, Any]:
@@ -377,7 +468,8 @@ def build_gpt_model(
         )
         attention: ModuleSpec = spec.submodules.self_attention
         attention.submodules.core_attention = SDPAttention
-        if shape.is_moe and config.use_cpu_initialization:
+        if shape.is_moe:
+            # On GPU too: without Transformer Engine Megatron's own gate raises NameError.
             spec.submodules.mlp.submodules.router = DeviceTopKRouter
     rope = rope_settings(hf_config)
     model = GPTModel(
@@ -403,6 +495,12 @@ def build_gpt_model(
             rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
             use_cpu_initialization=True,
         )
+    if shape.is_moe and config.use_cpu_initialization:
+        for module in model.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if type(dispatcher) is MoEAllGatherTokenDispatcher:
+                # Same state, CPU-capable collectives (no new attributes to initialise).
+                dispatcher.__class__ = DeviceAllGatherTokenDispatcher
     if config.params_dtype != torch.float32:
         # The local spec's RMSNorm (torch.nn.RMSNorm through WrappedTorchNorm) ignores
         # params_dtype and is built in float32. Megatron's trainer casts the whole model for

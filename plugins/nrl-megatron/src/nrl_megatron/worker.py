@@ -3,8 +3,17 @@ Llama/Qwen2 checkpoint, one instance per rank.
 
 Parallelism: ranks are laid out by ``megatron.core.parallel_state`` (tensor-parallel peers are
 adjacent ranks). The core shards batches over all ranks, so tensor-parallel peers must receive
-the SAME shard: the worker checks this and raises otherwise. Pipeline, context and expert
-parallel sizes above 1 are refused for now (see docs/megatron.md).
+the SAME shard: the worker checks this and raises otherwise. Pipeline and context parallel
+sizes above 1 are refused for now (see docs/megatron.md).
+
+Mixtures of experts (Qwen3-MoE): expert parallelism (``expert_model_parallel_size``) splits each
+layer's experts over ``ep`` of the data-parallel ranks (Megatron's ``SequentialMLP`` with
+``E / ep`` local experts); the dense weights stay replicated over them. On the CPU path an
+expert's gradient is averaged over its expert-data-parallel group (the ranks holding the same
+experts) and scaled as Megatron's DDP scales it, and the gradient norm sums the experts' squares
+over the expert-parallel group; export and refit gather every expert once
+(:meth:`MegatronPolicyWorker._full_megatron_tensors`). Router statistics (``moe/*``):
+:mod:`nrl_megatron.moe`.
 
 Optimizer, two paths:
 
@@ -56,9 +65,12 @@ from nrl_core.policy_setup import (
 from nrl_megatron.config import MegatronConfig
 from nrl_megatron.convert import (
     ModelShape,
+    expert_index,
+    global_expert_name,
     hf_to_megatron,
     iter_megatron_to_hf,
     megatron_to_hf_names,
+    shard_for_ep,
     shard_for_tp,
     tp_split_dim,
     unshard_from_tp,
@@ -143,6 +155,11 @@ class MegatronPolicyWorker:
         self.reference = LazyReference(
             lambda path: self._build_model(path, trainable=False), self.model_path
         )
+        from nrl_megatron.moe import METRIC_REDUCTIONS, RouterStatistics
+
+        moe = self.shape.is_moe
+        self.router_stats = RouterStatistics(self.model) if moe else None
+        self.metric_reductions = dict(METRIC_REDUCTIONS) if moe else {}
         self._build_optimizer()
         self.step = 0
         self._offloaded: set[str] = set()  # "optimizer"/"weights" in CPU memory (offload)
@@ -185,7 +202,6 @@ class MegatronPolicyWorker:
         unsupported = {
             "pipeline_model_parallel_size": pp,
             "context_parallel_size": cp,
-            "expert_model_parallel_size": ep,
         }
         for key, value in unsupported.items():
             if value != 1:
@@ -199,7 +215,10 @@ class MegatronPolicyWorker:
                 f"{self.world_size} policy ranks"
             )
         # A later worker in the same process (tests) reuses matching groups, rebuilds others.
-        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != tp:
+        if ps.model_parallel_is_initialized() and (
+            ps.get_tensor_model_parallel_world_size() != tp
+            or ps.get_expert_model_parallel_world_size() != ep
+        ):
             ps.destroy_model_parallel()
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
@@ -214,6 +233,12 @@ class MegatronPolicyWorker:
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
+        self.ep_size = ep
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+        # The ranks holding the same experts (dp / ep of them): an expert's data-parallel peers.
+        self.expert_dp_size = ps.get_expert_data_parallel_world_size()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
 
     def _build_model(self, path: str, trainable: bool):
         from transformers import AutoModelForCausalLM
@@ -223,6 +248,7 @@ class MegatronPolicyWorker:
         config = transformer_config(
             self.hf_config,
             tp=self.tp_size,
+            ep=self.ep_size,
             dtype=self.dtype,
             on_gpu=self.on_gpu,
         )
@@ -233,6 +259,7 @@ class MegatronPolicyWorker:
         # is freed right after (a rank-0-reads-and-scatters load is a later optimisation).
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = hf_to_megatron(hf.state_dict(), self.shape, te=self.options.transformer_engine)
+        full = shard_for_ep(full, self.ep_rank, self.ep_size, self.shape)
         del hf
         own = model.state_dict()
         state = {
@@ -425,12 +452,27 @@ class MegatronPolicyWorker:
         backward."""
         self._check_tp_peers_agree(micro_batch)
         self.model.train()
-        logprobs = self._logprobs(self.model, micro_batch)
+        with self._router_statistics(micro_batch):
+            logprobs = self._logprobs(self.model, micro_batch)
         loss(logprobs).backward()
+
+    def _router_statistics(self, micro_batch: Batch | PackedSequences):
+        """Count the routing of this forward (MoE models; a no-op otherwise): real tokens only,
+        padding excluded (a packed micro batch has none)."""
+        if self.router_stats is None:
+            return contextlib.nullcontext()
+        valid = None
+        if not isinstance(micro_batch, PackedSequences) and "lengths" in micro_batch:
+            from nrl_core.training import valid_token_mask
+
+            valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
+        return self.router_stats.collecting(valid)
 
     def optimizer_step(self) -> dict[str, float]:
         """Average gradients over data-parallel ranks (CPU path; Megatron DDP does it on GPU),
-        clip, step, zero the gradients; returns ``grad_norm`` (before clipping) and ``lr``."""
+        clip, step, zero the gradients; returns ``grad_norm`` (before clipping) and ``lr``, and
+        for a mixture of experts this rank's router statistics of the step (``moe/*``, see
+        :data:`nrl_megatron.moe.METRIC_REDUCTIONS`)."""
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -446,11 +488,14 @@ class MegatronPolicyWorker:
                 # (issue 40), as with dtensor. On GPUs Megatron's own optimizer steps: not
                 # covered here.
                 self._zero_grad()
-                return {"grad_norm": float(grad_norm), "lr": lr}
+                return {"grad_norm": float(grad_norm), "lr": lr, **self._routing_metrics()}
             self.optimizer.step()
         self.step += 1
         self._zero_grad()
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"grad_norm": float(grad_norm), "lr": lr, **self._routing_metrics()}
+
+    def _routing_metrics(self) -> dict[str, float]:
+        return self.router_stats.metrics() if self.router_stats is not None else {}
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer is not None:
@@ -460,12 +505,25 @@ class MegatronPolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _average_gradients_over_dp(self) -> None:
+        """Dense gradients: the mean over data-parallel ranks. An expert's gradient (MoE): the
+        sum over its expert-data-parallel peers divided by the data-parallel size, as
+        Megatron's DDP scales it (``expert_gradient_scaling_factor``): with expert parallelism
+        the token dispatcher brings every rank's tokens of an expert to the rank holding it, so
+        its local gradient already sums over ``ep`` ranks' losses."""
         if self.dp_size == 1:
             return
-        for param in self.model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-                param.grad.div_(self.dp_size)
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            expert = self.shape.is_moe and expert_index(name) is not None
+            group, size = (
+                (self.expert_dp_group, self.expert_dp_size)
+                if expert
+                else (self.dp_group, self.dp_size)
+            )
+            if size > 1:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            param.grad.div_(self.dp_size)
 
     def _clip_gradients(self) -> float:
         """Clip to ``policy.max_grad_norm`` (0 disables); return the norm before clipping.
@@ -475,19 +533,24 @@ class MegatronPolicyWorker:
         """
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         params = []
-        for param in self.model.parameters():
+        for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue
             params.append(param)
             square = param.grad.double().pow(2).sum()
-            if getattr(param, "tensor_model_parallel", False):
+            if self.ep_size > 1 and expert_index(name) is not None:
+                experts += square  # this rank's experts; the others' are on its EP peers
+            elif getattr(param, "tensor_model_parallel", False):
                 sharded += square
             else:
                 replicated += square
         if self.tp_size > 1:
             dist.all_reduce(sharded, group=self.tp_group)
-        total = float(sharded + replicated) ** 0.5
+        if self.ep_size > 1:
+            dist.all_reduce(experts, group=self.ep_group)
+        total = float(sharded + replicated + experts) ** 0.5
         if self.policy.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(
                 params, self.policy.max_grad_norm, torch.tensor(total)
@@ -535,7 +598,7 @@ class MegatronPolicyWorker:
                 "optimizer": self.optimizer.state_dict() if stepped else None,
                 "step": self.step,
                 "rng": self._rng_state(),
-                "layout": {"tp": self.tp_size, "world_size": self.world_size},
+                "layout": self._checkpoint_layout(),
             },
             Path(path) / f"rank{self.rank}.pt",
         )
@@ -551,11 +614,12 @@ class MegatronPolicyWorker:
         # weights_only (torch_load_data): a checkpoint is data; unpickling arbitrary objects
         # could run code. A refused file is one line naming it.
         state = torch_load_data(Path(path) / f"rank{self.rank}.pt", map_location="cpu")
-        layout = {"tp": self.tp_size, "world_size": self.world_size}
+        layout = self._checkpoint_layout()
         if state["layout"] != layout:
             raise MegatronSetupError(
                 f"checkpoint {path} was written with {state['layout']}, this run has {layout}; "
-                "resume with the same policy.num_workers and tensor_model_parallel_size"
+                "resume with the same policy.num_workers, tensor_model_parallel_size and "
+                "expert_model_parallel_size"
             )
         self.module.load_state_dict(state["model"])
         if state["optimizer"] is None:
@@ -568,6 +632,14 @@ class MegatronPolicyWorker:
         if "cuda" in state["rng"] and self.on_gpu:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         dist.barrier()
+
+    def _checkpoint_layout(self) -> dict[str, int]:
+        """What a rank file depends on; ``ep`` only when experts are split (files of dense or
+        EP=1 runs keep the layout they always had)."""
+        layout = {"tp": self.tp_size, "world_size": self.world_size}
+        if self.ep_size > 1:
+            layout["ep"] = self.ep_size
+        return layout
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         """The ``torch.optim`` optimizers that hold the per-parameter state: the CPU path's own,
@@ -681,10 +753,19 @@ class MegatronPolicyWorker:
 
     def _full_megatron_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` of every Megatron parameter, gathered over tensor parallelism
-        (a collective: every rank gets every tensor)."""
+        (a collective: every rank gets every tensor). With expert parallelism each local expert
+        tensor is gathered over the expert-parallel group and yielded once per expert, under
+        its global name: every expert exactly once."""
         with torch.no_grad():
             for name, tensor in self.module.state_dict().items():
                 if name.endswith("_extra_state") or tensor is None:
+                    continue
+                if self.ep_size > 1 and expert_index(name) is not None:
+                    shards = [torch.empty_like(tensor) for _ in range(self.ep_size)]
+                    dist.all_gather(shards, tensor.contiguous(), group=self.ep_group)
+                    local = self.shape.num_experts // self.ep_size
+                    for ep_rank, shard in enumerate(shards):
+                        yield global_expert_name(name, ep_rank, local), shard
                     continue
                 if self.tp_size > 1 and tp_split_dim(name) is not None:
                     shards = [torch.empty_like(tensor) for _ in range(self.tp_size)]
@@ -716,6 +797,22 @@ class MegatronPolicyWorker:
 
         return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
 
+    def _published_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (transformers' in-memory names) in the layout of the model's published
+        checkpoints: transformers 5 stacks a mixture of experts' per-expert files
+        (``mlp.experts.{i}.gate_proj.weight``, ...) into ``[experts, ...]`` tensors on load and
+        reverts that when saving; vLLM, SGLang and other converters read the per-expert files.
+        Transformers' own reversion, on a weightless (meta) instance of the architecture.
+        Unchanged for dense models."""
+        if not self.shape.is_moe:
+            return state
+        from transformers import AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+        return revert_weight_conversion(skeleton, state)
+
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
@@ -734,5 +831,7 @@ class MegatronPolicyWorker:
         te = self.options.transformer_engine
         state = dict(iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te))
         if self.rank == 0:
-            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
+            write_hf_folder(
+                path, self._published_layout(state), self.hf_config, self.tokenizer, self.dtype
+            )
         dist.barrier()
