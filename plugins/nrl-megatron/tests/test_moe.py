@@ -180,6 +180,7 @@ def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path, po
     assert 1 < got["moe/max_load"] < EXPERTS / TOP_K
 
 
+@pytest.mark.slow  # 103 s on the shared 2-core machine
 @requires_megatron
 def test_expert_parallel_two_ranks_match_one_rank(moe_path, tmp_path, pool1, pool2, start_group):
     """EP=2 on 2 gloo ranks (each holds 2 experts; data parallel 2, allgather dispatcher) vs one
@@ -242,3 +243,24 @@ def test_ep_that_does_not_divide_the_experts_is_refused(moe_path, pool1, start_g
         moe_settings(shape, ep=3)
     with pytest.raises(MegatronModelError, match="tensor_model_parallel_size=1"):
         moe_settings(shape, tp=2)
+
+
+@pytest.mark.slow  # two worker groups on 2 gloo ranks
+@requires_megatron
+def test_expert_parallel_generation_runs_ranks_in_lockstep(moe_path, pool1, pool2, start_group):
+    """Colocated generation under EP=2: the ranks hold different prompts (5 = two chunks of 4 on
+    rank 0, one prompt on rank 1) and the MoE layers' dispatcher is collective over both, so the
+    rank with less work keeps joining the forwards; greedy output equals one rank's."""
+    from nrl_core.interfaces import SamplingParams
+
+    config = make_config(moe_path)
+    prompts = [[5, 9, 12], [7, 8], [20, 21, 22, 23], [30], [11, 40, 41], [50, 51]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    single = start_group(pool1, WORKER, (moe_options(), context(config)), name="single")
+    want = single.run_all("generate", prompts, params)[0].token_ids
+
+    group = start_group(pool2, WORKER, (moe_options(2), context(config)))
+    shards = [prompts[:5], prompts[5:]]
+    # Each rank its own prompts, as the core's data-parallel mapping gives them.
+    outs = group.pool._call("call", group.key, [("generate", (s, params)) for s in shards])
+    assert outs[0].token_ids + outs[1].token_ids == want

@@ -17,7 +17,11 @@ Tensor parallelism: the logits are vocab-sharded; the last-position logits are g
 tensor-parallel group, tensor-parallel rank 0 samples and broadcasts the tokens, so peers always
 feed identical inputs to the next (collective) forward. Peers hold the same prompts (the core
 gives each tensor-parallel group one data-parallel shard), hence finish together. Forwards only
-communicate inside a tensor-parallel group, so data-parallel groups need no lockstep.
+communicate inside a tensor-parallel group, so data-parallel groups need no lockstep, except
+under expert parallelism: an MoE layer's token dispatcher is collective over the
+expert-parallel group, whose ranks hold different prompts. There the ranks run in lockstep
+(``lockstep_group``): as many chunks and forwards as the busiest rank, a rank with nothing left
+running a one-token forward whose output it discards.
 
 Sampling: :func:`nrl_core.sampling.sample`, the same function as the torch generator's, with the
 same per-data-parallel-rank seed streams (:func:`nrl_core.sampling.seeded_generator`). Logprobs:
@@ -48,6 +52,8 @@ class MegatronGenerator:
         dp_rank: this rank's data-parallel index (offsets every seed).
         tp_group, tp_size: the tensor-parallel group the forward is collective over.
         batch_size: prompts generated together (bounds the activations of one forward).
+        lockstep_group: ranks whose forwards are collective across data-parallel shards (the
+            expert-parallel group), None when there are none.
     """
 
     def __init__(
@@ -61,7 +67,9 @@ class MegatronGenerator:
         tp_group: Any = None,
         tp_size: int = 1,
         batch_size: int = 64,
+        lockstep_group: Any = None,
     ) -> None:
+        self.lockstep_group = lockstep_group
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -98,7 +106,8 @@ class MegatronGenerator:
         self.model.eval()
         try:
             with torch.no_grad():
-                for start in range(0, len(prompts), self.batch_size):
+                chunks = self._most(-(-len(prompts) // self.batch_size))
+                for start in range(0, chunks * self.batch_size, self.batch_size):
                     sl = slice(start, start + self.batch_size)
                     ids, lps, why = self._generate_chunk(prompts[sl], stops[sl], params, rng)
                     out.token_ids.extend(ids)
@@ -127,6 +136,19 @@ class MegatronGenerator:
             last = torch.cat(shards, dim=-1)
         return last
 
+    def _most(self, count: int) -> int:
+        """The largest ``count`` over the lockstep group (``count`` itself without one)."""
+        if self.lockstep_group is None:
+            return count
+        value = torch.tensor([count], dtype=torch.long, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return int(value)
+
+    def _idle_forward(self) -> None:
+        """A forward of one one-token row, output discarded: this rank's share of a lockstep
+        group's collectives while its own rows are done."""
+        self._last_logits([[self.pad_token_id]])
+
     def _agree(self, token: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel rank 0's tokens on every peer (the next forward is collective)."""
         if self.tp_size == 1:
@@ -145,8 +167,11 @@ class MegatronGenerator:
         window = max((len(s) for row in stops for s in row), default=0) + 2
         active = list(range(batch))
         for _ in range(int(params.max_new_tokens)):
-            if not active:
+            if not self._most(len(active)):
                 break
+            if not active:
+                self._idle_forward()
+                continue
             logits = self._last_logits([rows[i] for i in active])
             token, logprob = sample(logits, params, rng)
             token = self._agree(token.contiguous())

@@ -440,6 +440,7 @@ class MegatronPolicyWorker:
                 tp_group=self.tp_group,
                 tp_size=self.tp_size,
                 batch_size=self.policy.logprob_batch_size,
+                lockstep_group=self.ep_group,
             )
         return self._generator.generate(prompts, params, stop_strings)
 
