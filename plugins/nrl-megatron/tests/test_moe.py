@@ -180,7 +180,7 @@ def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path, po
     assert 1 < got["moe/max_load"] < EXPERTS / TOP_K
 
 
-@pytest.mark.slow  # 103 s on the shared 2-core machine
+@pytest.mark.slow  # 2 gloo ranks: 30 s alone on the shared 2-core machine (4 s on warm pools)
 @requires_megatron
 def test_expert_parallel_two_ranks_match_one_rank(moe_path, tmp_path, pool1, pool2, start_group):
     """EP=2 on 2 gloo ranks (each holds 2 experts; data parallel 2, allgather dispatcher) vs one
