@@ -216,6 +216,14 @@ def test_expert_parallel_two_ranks_match_one_rank(moe_path, tmp_path, pool1, poo
     assert (after - want_lp).abs().max() > 1e-4  # the step changed the model
     torch.testing.assert_close(after, want_after, rtol=0, atol=1e-5)
 
+    # Each rank's checkpoint file holds its own experts: a resume takes the same next step.
+    ep.save_checkpoint(str(tmp_path / "ckpt"))
+    second = ep.train(batch, TokenMeanNLL())
+    ep.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(ep.get_logprobs(batch), after, rtol=0, atol=0)
+    assert ep.train(batch, TokenMeanNLL()) == second
+    ep.load_checkpoint(str(tmp_path / "ckpt"))
+
     ep.export_hf(str(tmp_path / "hf"))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
