@@ -272,3 +272,28 @@ def test_expert_parallel_generation_runs_ranks_in_lockstep(moe_path, pool1, pool
     # Each rank its own prompts, as the core's data-parallel mapping gives them.
     outs = group.pool._call("call", group.key, [("generate", (s, params)) for s in shards])
     assert outs[0].token_ids + outs[1].token_ids == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@requires_megatron
+def test_moe_on_one_gpu_matches_hugging_face(moe_path, pool1, start_group):
+    """The GPU path that CPU cannot build (not run yet: no GPU so far): Megatron's ``alltoall``
+    dispatcher (a ``torch.cuda.Stream`` in its constructor), its DDP with the experts in its
+    buffers and the distributed optimizer, float32 on one GPU (EP=1). Logprobs equal
+    transformers' before the step, the router statistics equal transformers' routing, and the
+    step trains."""
+    config = make_config(moe_path, mbs=4)
+    batch = make_batch(8, seed=1)
+    expected = hf_router_metrics(moe_path, batch)
+    megatron = policy(start_group(pool1, WORKER, (moe_options(), context(config))), config)
+    valid = valid_token_mask(batch, batch["input_ids"].shape[1])
+    before = megatron.get_logprobs(batch)
+    torch.testing.assert_close(
+        before * valid, hf_logprobs(moe_path, batch) * valid, rtol=0, atol=1e-4
+    )
+    got = megatron.train(batch, TokenMeanNLL())
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= 1e-4 * max(1.0, abs(value)), (key, got[key], value)
+    assert torch.isfinite(torch.tensor(got["grad_norm"])) and got["grad_norm"] > 0
+    assert (megatron.get_logprobs(batch) - before).abs().max() > 1e-4
