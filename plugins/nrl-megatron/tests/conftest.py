@@ -75,7 +75,10 @@ def start_group():
     def start(pool, target: str, args: tuple, name: str = "policy"):
         # Tensor-parallel peers share a data-parallel shard, as in a run's worker group.
         tp = getattr(args[0], "tensor_model_parallel_size", 1) if args else 1
-        group = pool.start(target=target, num_workers=pool.num_workers, args=args, name=name, tp=tp)
+        pp = getattr(args[0], "pipeline_model_parallel_size", 1) if args else 1
+        group = pool.start(
+            target=target, num_workers=pool.num_workers, args=args, name=name, tp=tp, pp=pp
+        )
         groups.append(group)
         return group
 

@@ -1,0 +1,88 @@
+"""Pipeline parallelism in the megatron policy on CPU: 2 stages over gloo through Megatron-Core's
+own 1F1B schedule (``nrl_megatron.pipeline.megatron_pipeline_on_cpu`` maps its hard-coded CUDA
+devices to the CPU) against the same model in one process.
+
+Tolerances as in test_megatron.py: float32, losses and gradient norms 1e-5 relative, logprobs
+1e-5 absolute before a step and 1e-4 after it (Adam divides by the square root of tiny second
+moments, which amplifies rounding differences in the gradients).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from _megatron_helpers import requires_megatron
+from safetensors.torch import load_file
+from test_megatron import WORKER, context, make_config, policy
+
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
+
+pytestmark = requires_megatron
+
+
+def pp_options(pp: int):
+    from nrl_megatron.config import MegatronConfig
+
+    return MegatronConfig(pipeline_model_parallel_size=pp)
+
+
+def _exported(group) -> list[dict[str, torch.Tensor]]:
+    """Each rank's streamed export (what refit sends), checking that no name comes twice."""
+    out = []
+    for buckets in group.run_all("state_dict_buckets", 1 << 16):
+        names = Counter(name for bucket in buckets for name in bucket)
+        assert all(count == 1 for count in names.values()), names.most_common(3)
+        out.append({k: v for bucket in buckets for k, v in bucket.items()})
+    return out
+
+
+def test_two_stages_match_one(tiny_path, pool1, pool2, start_group):
+    """Loss, grad norm, logprobs before and after one step (4 micro batches: the 1F1B schedule
+    has a warm-up, a steady phase and a cool-down on 2 stages), and every stage's weights after
+    the step as the engines would receive them."""
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=3)
+    runs = {}
+    for pp, pool in ((1, pool1), (2, pool2)):
+        group = start_group(pool, WORKER, (pp_options(pp), context(config)), name=f"pp{pp}")
+        megatron = policy(group, config)
+        before = megatron.get_logprobs(batch)
+        metrics = megatron.train(batch, TokenMeanNLL())
+        after = megatron.get_logprobs(batch)
+        runs[pp] = before, metrics, after, _exported(group)
+        group.shutdown()
+
+    (want_lp, want, want_after, (want_w,)), (got_lp, got, got_after, got_w) = runs[1], runs[2]
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    for key in ("loss", "nll_sum", "tokens", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert (got_after - got_lp).abs().max() > 1e-4  # the step changed the model
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    # Both stages' ranks hold the whole model's weights, each name once, equal to one stage's.
+    for exported in got_w:
+        assert exported.keys() == want_w.keys()
+        for name, tensor in want_w.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group):
+    """Every stage's layers come back under their whole-model Hugging Face names, bit-exact."""
+    config = make_config(tiny_path)
+    group = start_group(pool2, WORKER, (pp_options(2), context(config)))
+    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
+    for exported in _exported(group):
+        assert exported.keys() == checkpoint.keys()
+        for name, tensor in checkpoint.items():
+            assert torch.equal(exported[name], tensor), name
+
+
+def test_unsupported_pipeline_splits_are_user_errors(tiny_path, tiny_qwen2_path, pool2, start_group):
+    # 4 layers over 3 stages cannot be split evenly; 2 ranks cannot hold 3 stages anyway, so
+    # the rank count is named first.
+    with pytest.raises(RuntimeError, match=r"pipeline_model_parallel_size=3 must divide the 2"):
+        start_group(pool2, WORKER, (pp_options(3), context(make_config(tiny_path))))
+    with pytest.raises(RuntimeError, match=r"MegatronSetupError: pipeline parallelism with tied"):
+        start_group(pool2, WORKER, (pp_options(2), context(make_config(tiny_qwen2_path))))
