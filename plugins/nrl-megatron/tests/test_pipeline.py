@@ -79,7 +79,9 @@ def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group)
             assert torch.equal(exported[name], tensor), name
 
 
-def test_unsupported_pipeline_splits_are_user_errors(tiny_path, tiny_qwen2_path, pool2, start_group):
+def test_unsupported_pipeline_splits_are_user_errors(
+    tiny_path, tiny_qwen2_path, pool2, start_group
+):
     # 4 layers over 3 stages cannot be split evenly; 2 ranks cannot hold 3 stages anyway, so
     # the rank count is named first.
     with pytest.raises(RuntimeError, match=r"pipeline_model_parallel_size=3 must divide the 2"):
