@@ -670,8 +670,10 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, path: str) -> None:
         """Save this rank's model shard, optimizer, step and RNG states under ``path``.
 
-        One file per rank (``rank{N}.pt``): restoring needs the same parallel layout. (Megatron's
-        ``dist_checkpointing`` would allow resharding; not wired yet, see docs/megatron.md.)
+        One file per rank (``rank{N}.pt``). On the CPU path the files also name the optimizer's
+        parameters, so that :meth:`load_checkpoint` can reshard them to another layout (not
+        Megatron's ``dist_checkpointing``: its loader unpickles metadata, and nrl loads nothing
+        that can run code). With the GPU's distributed optimizer the layout must stay the same.
 
         GPU (Megatron's distributed optimizer): its ``state_dict()`` holds only the parameter
         groups and the grad scaler; Adam's ``exp_avg``/``exp_avg_sq`` and the float32 main
@@ -696,6 +698,11 @@ class MegatronPolicyWorker:
                 "step": self.step,
                 "rng": self._rng_state(),
                 "layout": self._layout(),
+                # The CPU optimizer's parameters in its order (its state is keyed by position):
+                # what lets another layout find each moment's parameter (_load_resharded).
+                "param_names": (
+                    self._optimizer_param_names() if self.megatron_optimizer is None else None
+                ),
             },
             Path(path) / f"rank{self.rank}.pt",
         )
@@ -705,13 +712,26 @@ class MegatronPolicyWorker:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same world and tensor-parallel sizes)."""
+        """Restore what :meth:`save_checkpoint` wrote. The CPU path (``torch.optim``) also
+        loads a checkpoint of another tensor, pipeline or data-parallel layout
+        (:meth:`_load_resharded`); Megatron's distributed optimizer (GPU) needs the same
+        layout."""
         from nrl_core.safe_pickle import torch_load_data
 
         # weights_only (torch_load_data): a checkpoint is data; unpickling arbitrary objects
         # could run code. A refused file is one line naming it.
-        state = torch_load_data(Path(path) / f"rank{self.rank}.pt", map_location="cpu")
+        own_file = Path(path) / f"rank{self.rank}.pt"
+        first = torch_load_data(Path(path) / "rank0.pt", map_location="cpu")
         layout = self._layout()
+        if {"pp": 1, **first["layout"]} != layout and self._can_reshard(first):
+            self._load_resharded(path, {"pp": 1, **first["layout"]})
+            # This rank's RNG state if it existed in the saving layout, else rank 0's.
+            rng = torch_load_data(own_file if own_file.is_file() else Path(path) / "rank0.pt")
+            self._set_rng_state(rng["rng"])
+            self.step = first["step"]
+            dist.barrier()
+            return
+        state = torch_load_data(own_file, map_location="cpu")
         if {"pp": 1, **state["layout"]} != layout:
             raise MegatronSetupError(
                 f"checkpoint {path} was written with {state['layout']}, this run has {layout}; "
@@ -724,11 +744,92 @@ class MegatronPolicyWorker:
         else:
             self._load_optimizer_state(path, state["optimizer"])
         self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.on_gpu:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self._set_rng_state(state["rng"])
         dist.barrier()
+
+    def _set_rng_state(self, rng: dict) -> None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and self.on_gpu:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def _optimizer_param_names(self) -> list[str]:
+        """The local names of the optimizer's parameters, in its order (CPU path)."""
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _can_reshard(self, saved: dict) -> bool:
+        """Whether a checkpoint of another layout can be loaded here: both sides use the CPU
+        path's ``torch.optim`` optimizer (Megatron's distributed optimizer keeps its own
+        parameter-state files) and the files name the optimizer's parameters."""
+        return self.megatron_optimizer is None and saved.get("param_names") is not None
+
+    def _load_resharded(self, path: str, saved: dict) -> None:
+        """Load a checkpoint written with another tensor/pipeline/data-parallel layout
+        (``saved``): the files of data-parallel rank 0 of every (stage, tensor rank) together
+        hold the whole model and its optimizer moments; they are put together under
+        whole-model names, unsharded over the saving tensor parallelism, and this rank takes
+        its stage's layers and its tensor-parallel slice (the same functions that cut the Hugging
+        Face checkpoint at start-up)."""
+        from nrl_core.distributed.worker_group import ParallelLayout
+        from nrl_core.safe_pickle import torch_load_data
+        from nrl_megatron.pipeline import global_name, layers_per_stage, local_state
+
+        old = ParallelLayout(tp=saved["tp"], pp=saved["pp"])
+        world = saved["world_size"]
+        per = layers_per_stage(self.shape.num_layers, old.pp)
+        shards: dict[str, dict[int, torch.Tensor]] = {}  # name -> {tp rank: tensor}
+        moments: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # key -> name -> ...
+        steps: dict[str, torch.Tensor] = {}
+        for rank in range(world):
+            if old.dp_rank(rank, world) != 0:
+                continue
+            state = torch_load_data(Path(path) / f"rank{rank}.pt", map_location="cpu")
+            offset, tp_rank = old.pp_rank(rank, world) * per, old.tp_rank(rank)
+            for name, tensor in state["model"].items():
+                if not name.endswith("_extra_state") and tensor is not None:
+                    shards.setdefault(global_name(name, offset), {})[tp_rank] = tensor
+            if state["optimizer"] is None:
+                continue
+            names = state["param_names"]
+            for index, param_state in state["optimizer"]["state"].items():
+                name = global_name(names[index], offset)
+                for key, value in param_state.items():
+                    if key == "step":
+                        steps[name] = value
+                    elif isinstance(value, torch.Tensor):
+                        moments.setdefault(key, {}).setdefault(name, {})[tp_rank] = value
+
+        def whole(parts: dict[str, dict[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, by_rank in parts.items():
+                ordered = [by_rank[t] for t in sorted(by_rank)]
+                split = old.tp > 1 and tp_split_dim(name) is not None
+                out[name] = unshard_from_tp(name, ordered) if split else ordered[0]
+            return out
+
+        def mine(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            local = local_state(full, self.pp_rank, self.shape.num_layers, self.pp_size)
+            return {n: shard_for_tp(n, t, self.tp_rank, self.tp_size) for n, t in local.items()}
+
+        model_state = mine(whole(shards))
+        missing, unexpected = self.module.load_state_dict(model_state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise MegatronSetupError(
+                f"checkpoint {path} ({saved}) does not fit this model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        self._reset_optimizer_state()
+        if not steps:
+            return  # saved before the first step: a fresh optimizer
+        local_moments = {key: mine(whole(parts)) for key, parts in moments.items()}
+        per_here = layers_per_stage(self.shape.num_layers, self.pp_size)
+        params = dict(self.module.named_parameters())
+        for name in self._optimizer_param_names():
+            whole_name = global_name(name, self.pp_rank * per_here)
+            state = {key: values[name].to(self.device) for key, values in local_moments.items()}
+            self.optimizer.state[params[name]] = {"step": steps[whole_name].clone(), **state}
 
     def _layout(self) -> dict[str, int]:
         """The parallel layout a checkpoint's per-rank files belong to."""
