@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from _megatron_helpers import requires_megatron
+from safetensors.torch import load_file
 from test_megatron import WORKER, context, make_config, megatron_options
 
 from nrl_core.policy import Policy
@@ -214,10 +215,11 @@ def test_convert_exports_the_same_logits(grpo_run, pool2, start_group):
 
 
 @pytest.mark.slow
-def test_three_grpo_steps_over_two_pipeline_stages(tmp_path):
+def test_three_grpo_steps_over_two_pipeline_stages(tmp_path, pool1, start_group):
     """Issue 37's command: 2 pipeline stages (Megatron-Core's schedule over gloo), a separate
     torch engine refitted from both stages after every step (colocated generation would need
-    the whole model on a rank). 91 s on 2 shared cores (2026-11-26)."""
+    the whole model on a rank), then ``nrl convert`` of the 2-stage checkpoint. The run took
+    91 s on 2 shared cores (2026-11-26)."""
     root = _grpo(
         tmp_path,
         "policy.megatron.pipeline_model_parallel_size=2",
@@ -236,3 +238,17 @@ def test_three_grpo_steps_over_two_pipeline_stages(tmp_path):
     states = [torch.load(policy / f"rank{r}.pt", weights_only=False)["model"] for r in (0, 1)]
     assert "embedding.word_embeddings.weight" in states[0]
     assert "output_layer.weight" in states[1] and "output_layer.weight" not in states[0]
+
+    # `nrl convert` of the 2-stage checkpoint equals the Hugging Face folder a one-stage policy
+    # writes after loading the same checkpoint (resharded from 2 stages to 1).
+    out = root / "hf"
+    done = nrl(root, "convert", str(root / "ckpt"), "--to", "hf", str(out))
+    assert f"wrote {out}" in done.stdout
+    group = start_group(pool1, WORKER, (megatron_options(), context(make_config("tiny"))))
+    group.run_all("load_checkpoint", str(policy))
+    group.run_all("export_hf", str(root / "hf-one-stage"))
+    converted = load_file(str(out / "model.safetensors"))
+    one_stage = load_file(str(root / "hf-one-stage" / "model.safetensors"))
+    assert converted.keys() == one_stage.keys()
+    for name, tensor in one_stage.items():
+        assert torch.equal(converted[name], tensor), name
