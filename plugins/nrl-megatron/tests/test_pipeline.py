@@ -5,6 +5,9 @@ devices to the CPU) against the same model in one process.
 Tolerances as in test_megatron.py: float32, losses and gradient norms 1e-5 relative, logprobs
 1e-5 absolute before a step and 1e-4 after it (Adam divides by the square root of tiny second
 moments, which amplifies rounding differences in the gradients).
+
+The multi-stage cases take 60-100 s each on 2 shared cores (marked slow; `.ci/run` runs the
+whole `plugin-megatron` session, slow tests included).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def _exported(group) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_stages_match_one(tiny_path, pool1, pool2, start_group):
     """Loss, grad norm, logprobs before and after one step (4 micro batches: the 1F1B schedule
     has a warm-up, a steady phase and a cool-down on 2 stages), and every stage's weights after
@@ -123,3 +127,35 @@ def test_resume_across_a_change_of_stages(
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
     torch.testing.assert_close(resumed.get_logprobs(second), want_lp, rtol=0, atol=1e-4)
     group.shutdown()
+
+
+@pytest.mark.slow
+def test_two_stages_packed_match_one_stage_padded(tiny_path, pool1, pool2, start_group):
+    """Packed micro batches (THD, one row of all samples) pass between stages like padded ones:
+    the stages exchange each activation's shape first (variable_seq_lengths)."""
+    from test_packing import WORKER as RECORDING
+    from test_packing import long_tailed_batch
+    from test_packing import make_config as packing_config
+
+    from nrl_core.losses.nll import NLLLoss
+
+    batch = long_tailed_batch(8, seed=6)
+    runs = {}
+    for pp, pool, packing in ((1, pool1, False), (2, pool2, True)):
+        config = packing_config(tiny_path, packing=packing, mbs=2)
+        group = start_group(pool, RECORDING, (pp_options(pp), context(config)), name=f"pk{pp}")
+        megatron = policy(group, config)
+        runs[pp] = (
+            megatron.get_logprobs(batch),
+            megatron.train(batch, NLLLoss()),
+            megatron.get_logprobs(batch),
+        )
+        # What the stages scored came packed (PP=2) or padded (PP=1).
+        kinds = {kind for seen in group.run_all("seen") for kind in seen}
+        assert kinds == {"packed" if packing else "padded"}
+        group.shutdown()
+    (want_lp, want, want_after), (got_lp, got, got_after) = runs[1], runs[2]
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
