@@ -159,3 +159,31 @@ def test_two_stages_packed_match_one_stage_padded(tiny_path, pool1, pool2, start
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+
+
+def test_cpu_adapter_changes_only_megatrons_schedule_modules_and_only_inside():
+    """What ``megatron_pipeline_on_cpu`` changes: the CUDA device choices of Megatron's schedule
+    and p2p modules map to the CPU inside the context; torch itself and those modules after it
+    are untouched (the GPU path calls the schedule unchanged)."""
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+
+    with megatron_pipeline_on_cpu():
+        assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        buffer = p2p.torch.empty((3,), device=p2p.torch.cuda.current_device())
+        assert buffer.device.type == "cpu"
+        p2p.torch.cuda.synchronize()  # a no-op, not "Found no NVIDIA driver"
+        assert torch.cuda.current_device is not p2p.torch.cuda.current_device
+    assert schedules.torch is torch and p2p.torch is torch
+
+
+def test_cpu_adapter_refuses_another_megatron_release(monkeypatch):
+    import importlib.metadata
+
+    from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.0")
+    refused = pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.x, found 0\.17")
+    with refused, megatron_pipeline_on_cpu():
+        pass
