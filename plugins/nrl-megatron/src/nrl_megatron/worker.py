@@ -101,6 +101,13 @@ def _adam_step_set_aside(optimizers: Sequence[torch.optim.Optimizer]) -> Iterato
                 state[param]["step"] = step.detach().clone()
 
 
+def _input_ids(micro_batch: Batch | PackedSequences) -> torch.Tensor:
+    """``[B, T]`` token ids of a padded micro batch, ``[1, total]`` of a packed one."""
+    if isinstance(micro_batch, PackedSequences):
+        return micro_batch.input_ids
+    return micro_batch["input_ids"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -451,12 +458,7 @@ class MegatronPolicyWorker:
             return out[0]
         # Not read (the core takes each shard's result from its last stage), but the same
         # shape as the last stage's, for the packed layout's unpacking.
-        ids = (
-            micro_batch.input_ids
-            if isinstance(micro_batch, PackedSequences)
-            else (micro_batch["input_ids"])
-        )
-        return torch.zeros(ids.shape, dtype=torch.float32)
+        return torch.zeros(_input_ids(micro_batch).shape, dtype=torch.float32)
 
     def _run_schedule(
         self,
@@ -489,22 +491,7 @@ class MegatronPolicyWorker:
 
             return output, loss_func
 
-        widths = [
-            int(
-                mb.input_ids.shape[1]
-                if isinstance(mb, PackedSequences)
-                else mb["input_ids"].shape[1]
-            )
-            for mb, _ in items
-        ]
-        rows = [
-            int(
-                mb.input_ids.shape[0]
-                if isinstance(mb, PackedSequences)
-                else mb["input_ids"].shape[0]
-            )
-            for mb, _ in items
-        ]
+        rows, widths = zip(*(_input_ids(mb).shape for mb, _ in items), strict=True)
         schedule = get_forward_backward_func()
         cpu = contextlib.nullcontext() if self.on_gpu else megatron_pipeline_on_cpu()
         with cpu:
@@ -721,18 +708,19 @@ class MegatronPolicyWorker:
         # weights_only (torch_load_data): a checkpoint is data; unpickling arbitrary objects
         # could run code. A refused file is one line naming it.
         own_file = Path(path) / f"rank{self.rank}.pt"
-        first = torch_load_data(Path(path) / "rank0.pt", map_location="cpu")
+        # A rank the saving layout did not have reads rank 0's file (for its RNG state only).
+        state = torch_load_data(
+            own_file if own_file.is_file() else Path(path) / "rank0.pt", map_location="cpu"
+        )
         layout = self._layout()
-        if {"pp": 1, **first["layout"]} != layout and self._can_reshard(first):
-            self._load_resharded(path, {"pp": 1, **first["layout"]})
-            # This rank's RNG state if it existed in the saving layout, else rank 0's.
-            rng = torch_load_data(own_file if own_file.is_file() else Path(path) / "rank0.pt")
-            self._set_rng_state(rng["rng"])
-            self.step = first["step"]
+        saved = {"pp": 1, **state["layout"]}
+        if saved != layout and self._can_reshard(state):
+            self._load_resharded(path, saved)
+            self.step = state["step"]
+            self._set_rng_state(state["rng"])
             dist.barrier()
             return
-        state = torch_load_data(own_file, map_location="cpu")
-        if {"pp": 1, **state["layout"]} != layout:
+        if saved != layout:
             raise MegatronSetupError(
                 f"checkpoint {path} was written with {state['layout']}, this run has {layout}; "
                 "resume with the same policy.num_workers, tensor_model_parallel_size and "
