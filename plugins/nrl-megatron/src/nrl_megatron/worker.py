@@ -249,6 +249,9 @@ class MegatronPolicyWorker:
                 f"the model's {layers} layers; choose a divisor of {layers}"
             )
         if self.shape.tie_word_embeddings:
+            # Megatron-Core 0.16.1 builds the last stage's copy of tied embeddings with
+            # `weight.data.cuda()` (language_module.py:244), and the gradient all-reduce between
+            # the two copies is not wired here.
             raise MegatronSetupError(
                 "pipeline parallelism with tied input and output embeddings is not implemented "
                 "by the megatron policy; set policy.megatron.pipeline_model_parallel_size=1"
