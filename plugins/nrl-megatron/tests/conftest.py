@@ -67,6 +67,14 @@ def pool2():
     spawned.close()
 
 
+@pytest.fixture(scope="session")
+def pool4():
+    """Four spawned ranks forming a gloo world (pipeline x tensor or data parallel)."""
+    spawned = _pool(4)
+    yield spawned
+    spawned.close()
+
+
 @pytest.fixture
 def start_group():
     """``start_group(pool, target, args)`` -> a group with run_all/run_sharded/shutdown."""

@@ -130,6 +130,39 @@ def test_resume_across_a_change_of_stages(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_stages_times_two_match_one_rank(tp, tiny_path, pool1, pool4, start_group):
+    """4 ranks: 2 stages x TP=2 (tensor-parallel shards gathered per stage on export), or
+    2 stages x DP=2 (each stage's data-parallel ranks average their gradients; each shard's
+    result comes from its own last-stage rank) against one rank."""
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=7)
+    runs = []
+    for pool, options in (
+        (pool1, pp_options(1)),
+        (pool4, MegatronConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=tp)),
+    ):
+        group = start_group(pool, WORKER, (options, context(config)), name=f"x{pool.num_workers}")
+        megatron = policy(group, config)
+        before = megatron.get_logprobs(batch)
+        metrics = megatron.train(batch, TokenMeanNLL())
+        runs.append((before, metrics, megatron.get_logprobs(batch), _exported(group)))
+        group.shutdown()
+    (want_lp, want, want_after, (want_w,)), (got_lp, got, got_after, got_w) = runs
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    for key in ("loss", "tokens", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    assert len(got_w) == 4
+    for exported in got_w:
+        assert exported.keys() == want_w.keys()
+        for name, tensor in want_w.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
 def test_two_stages_packed_match_one_stage_padded(tiny_path, pool1, pool2, start_group):
     """Packed micro batches (THD, one row of all samples) pass between stages like padded ones:
     the stages exchange each activation's shape first (variable_seq_lengths)."""
