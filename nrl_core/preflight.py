@@ -84,6 +84,7 @@ def preflight(config: Any, registry: Registry) -> None:
 
     check_components(config, registry)
     validate_run_config(config)
+    check_pipeline_generation(config, registry)
     for key in ("policy", "teacher"):  # the teacher: `nrl run distill`
         model = getattr(config, key, None)
         if model is None:
@@ -107,6 +108,33 @@ def preflight(config: Any, registry: Registry) -> None:
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
+
+
+def check_pipeline_generation(config: Any, registry: Registry) -> None:
+    """Refuse generation inside the policy workers (``torch``, colocated) when the policy is
+    split into pipeline stages: that generation runs the whole model on each rank, and a stage
+    holds only some of its layers. Separate engines take the weights of every stage (refit)."""
+    policy, generation = getattr(config, "policy", None), getattr(config, "generation", None)
+    if policy is None or generation is None or not hasattr(policy, "options_for"):
+        return
+    options = policy.options_for()
+    # The option names nrl_core.policy.policy_layout reads (that module imports torch).
+    sizes = [
+        getattr(options, n, None)
+        for n in ("pipeline_parallel_size", "pipeline_model_parallel_size")
+    ]
+    if not any(isinstance(size, int) and size > 1 for size in sizes):
+        return
+    from nrl_core.generation import runs_in_policy_workers
+
+    spec = registry.get("generation", generation.backend, key="generation.backend")
+    if runs_in_policy_workers(spec, generation):
+        key = f"generation.{generation.backend}.colocated"
+        raise ConfigError(
+            f"generation.backend={generation.backend} generates inside the policy workers, "
+            f"which pipeline stages split (policy.{policy.selected} pipeline size > 1); set "
+            f"{key}=false (separate engines, refitted from every stage) or use one stage"
+        )
 
 
 # The least CPU share each worker asks Ray for on a CPU-only machine (nrl_core.algorithms.runtime:

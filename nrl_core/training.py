@@ -232,8 +232,15 @@ def train_on_rank(
 ) -> RankStepResult:
     """One optimizer step of one rank: ``num_micro_batches`` forward/backward passes (this
     rank's micro batches, then fillers), then the worker's optimizer step. With ``packed``,
-    the worker receives each micro batch as :class:`~nrl_core.packing.PackedSequences`."""
-    results: list[dict[str, float]] = []
+    the worker receives each micro batch as :class:`~nrl_core.packing.PackedSequences`.
+
+    A worker that must see all micro batches of the step at once (a pipeline schedule, which
+    interleaves micro batches across stages) defines ``forward_backward_micro_batches(items)``
+    with ``items`` the ``(micro batch, loss closure)`` pairs in order; it returns whether this
+    rank called the closures (a pipeline's last stage does, the others hold no logits and
+    report no metrics; the driver reads each shard's result from its last stage,
+    :meth:`~nrl_core.distributed.worker_group.ParallelLayout.result_rank`)."""
+    items, records, real_flags = [], [], []
     for index in range(num_micro_batches):
         real = index < len(micro_batches)
         # Packed bins differ in number between ranks more often than count micro batches do.
@@ -241,18 +248,28 @@ def train_on_rank(
         micro_batch = (micro_batches[index] if real else filler).trimmed()
         record: dict[str, float] = {}
         packed_batch = _packed(micro_batch, packed)
-        worker.forward_backward(
-            micro_batch if packed_batch is None else packed_batch,
-            _loss_closure(
-                micro_batch, loss_fn, stats, loss_scale if real else 0.0, record, packed_batch
-            ),
-        )
-        if not record:
-            raise RuntimeError(
-                f"{type(worker).__name__}.forward_backward never called the loss closure"
+        items.append(
+            (
+                micro_batch if packed_batch is None else packed_batch,
+                _loss_closure(
+                    micro_batch, loss_fn, stats, loss_scale if real else 0.0, record, packed_batch
+                ),
             )
-        if real:
-            results.append(record)
+        )
+        records.append(record)
+        real_flags.append(real)
+    all_at_once = getattr(worker, "forward_backward_micro_batches", None)
+    if all_at_once is not None:
+        computes_loss = bool(all_at_once(items))
+    else:
+        computes_loss = True
+        for micro_batch, closure in items:
+            worker.forward_backward(micro_batch, closure)
+    if computes_loss and not all(records):
+        raise RuntimeError(
+            f"{type(worker).__name__}.forward_backward never called the loss closure"
+        )
+    results = [r for r, real in zip(records, real_flags, strict=True) if real and computes_loss]
     step = worker.optimizer_step()
     return RankStepResult(
         results,

@@ -139,3 +139,41 @@ def test_a_loss_gets_the_logprobs_at_its_ids_with_padding_zeroed():
 
     with pytest.raises(RuntimeError, match="needs the policy's logprobs at batch\\['ids'\\]"):
         train_on_rank(_Worker(pass_at=False), [batch], 1, _AtLoss(), stats, 1.0)
+
+
+class _Stage:
+    """One pipeline stage that takes all micro batches at once: the last stage calls every
+    closure (the loss exists there only), an earlier one none."""
+
+    def __init__(self, last: bool) -> None:
+        self.last = last
+        self.calls: list[int] = []
+
+    def forward_backward(self, micro_batch, loss):
+        raise AssertionError("a worker with forward_backward_micro_batches gets them all at once")
+
+    def forward_backward_micro_batches(self, items):
+        self.calls.append(len(items))
+        if self.last:
+            for micro_batch, loss in items:
+                loss(torch.zeros(micro_batch["input_ids"].shape))
+        return self.last
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_pipeline_worker_gets_every_micro_batch_in_one_call(last):
+    from nrl_core.interfaces import GlobalBatchStats
+    from nrl_core.testing.batches import TokenMeanNLL, make_batch
+    from nrl_core.training import train_on_rank
+
+    micro_batches = list(make_batch(6, seed=0).micro_batches(2))
+    stats = GlobalBatchStats(valid_tokens=10, valid_sequences=6, max_sequence_length=16)
+    worker = _Stage(last)
+    # 4 passes for 3 real micro batches: the filler goes into the same call.
+    result = train_on_rank(worker, micro_batches, 4, TokenMeanNLL(), stats, 1.0)
+    assert worker.calls == [4]
+    # Metrics of the real micro batches from the stage that computed the loss, none from others.
+    assert len(result.micro_batch_metrics) == (3 if last else 0)

@@ -116,15 +116,23 @@ class SpawnPool:
         return results
 
     def start(
-        self, target: str, num_workers: int, args: tuple = (), name: str = "group", tp: int = 1
+        self,
+        target: str,
+        num_workers: int,
+        args: tuple = (),
+        name: str = "group",
+        tp: int = 1,
+        pp: int = 1,
     ) -> SpawnGroup:
         """Build ``target(*args)`` in every process; same signature as ``WorkerGroup.start``
-        (``tp``: tensor-parallel peers, adjacent ranks, share a data-parallel shard)."""
+        (``tp``: tensor-parallel peers, adjacent ranks, share a data-parallel shard; ``pp``:
+        pipeline stages, laid out as :class:`~nrl_core.distributed.worker_group.ParallelLayout`
+        does)."""
         assert num_workers == self.num_workers, "the pool's size is fixed"
         self._groups += 1
         key = f"{name}-{self._groups}"
         self._call("start", key, [(target, args)] * self.num_workers)
-        return SpawnGroup(self, key, tp)
+        return SpawnGroup(self, key, tp, pp)
 
     def close(self) -> None:
         """Stop the processes."""
@@ -139,9 +147,12 @@ class SpawnPool:
 class SpawnGroup:
     """One worker instance per pool process; the WorkerGroup calling API."""
 
-    def __init__(self, pool: SpawnPool, key: str, tp: int = 1) -> None:
+    def __init__(self, pool: SpawnPool, key: str, tp: int = 1, pp: int = 1) -> None:
+        from nrl_core.distributed.worker_group import ParallelLayout
+
         self.pool, self.key, self.tp = pool, key, tp
-        self.dp_size = pool.num_workers // tp
+        self.layout = ParallelLayout(tp=tp, pp=pp)
+        self.dp_size = self.layout.dp_size(pool.num_workers)
 
     def run_all(self, method, *args) -> list:
         """Call ``method(*args)`` on every rank; return the per-rank results."""
@@ -157,12 +168,13 @@ class SpawnGroup:
 
     def run_sharded(self, method, items: list, *args) -> list:
         """Call ``method(items[dp_rank], *args)`` on every rank; like ``WorkerGroup``, return
-        the result of the first rank of each data-parallel shard."""
+        the result of each data-parallel shard's ``result_rank`` (its first tensor-parallel
+        rank in the last pipeline stage)."""
         assert len(items) == self.dp_size, (len(items), self.dp_size)
-        payloads = [
-            (method, (items[rank // self.tp], *args)) for rank in range(self.pool.num_workers)
-        ]
-        return self.pool._call("call", self.key, payloads)[:: self.tp]
+        n = self.pool.num_workers
+        payloads = [(method, (items[self.layout.dp_rank(r, n)], *args)) for r in range(n)]
+        results = self.pool._call("call", self.key, payloads)
+        return [results[self.layout.result_rank(d, n)] for d in range(self.dp_size)]
 
     def shutdown(self) -> None:
         """Drop the instances (the processes stay for the next group)."""

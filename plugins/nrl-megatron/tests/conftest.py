@@ -67,6 +67,14 @@ def pool2():
     spawned.close()
 
 
+@pytest.fixture(scope="session")
+def pool4():
+    """Four spawned ranks forming a gloo world (pipeline x tensor or data parallel)."""
+    spawned = _pool(4)
+    yield spawned
+    spawned.close()
+
+
 @pytest.fixture
 def start_group():
     """``start_group(pool, target, args)`` -> a group with run_all/run_sharded/shutdown."""
@@ -75,7 +83,10 @@ def start_group():
     def start(pool, target: str, args: tuple, name: str = "policy"):
         # Tensor-parallel peers share a data-parallel shard, as in a run's worker group.
         tp = getattr(args[0], "tensor_model_parallel_size", 1) if args else 1
-        group = pool.start(target=target, num_workers=pool.num_workers, args=args, name=name, tp=tp)
+        pp = getattr(args[0], "pipeline_model_parallel_size", 1) if args else 1
+        group = pool.start(
+            target=target, num_workers=pool.num_workers, args=args, name=name, tp=tp, pp=pp
+        )
         groups.append(group)
         return group
 

@@ -59,6 +59,28 @@ def test_tp2_distributed_optimizer_matches_one_gpu(tiny_path, pool1, pool2, star
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per stage)")
+def test_pp2_megatron_schedule_matches_one_gpu(tiny_path, pool1, pool2, start_group):
+    """Two pipeline stages over NCCL through Megatron-Core's schedule, unchanged (no CPU
+    adapter), with Megatron's DDP and distributed optimizer: the same step as one GPU."""
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=6)
+    single = start_group(pool1, WORKER, (megatron_options(), context(config)), name="single")
+    one = Policy.from_config(single, config.policy)
+    want_lp = one.get_logprobs(batch)
+    want = one.train(batch, TokenMeanNLL())
+    group = start_group(
+        pool2, WORKER, (MegatronConfig(pipeline_model_parallel_size=2), context(config))
+    )
+    two = Policy.from_config(group, config.policy)
+    torch.testing.assert_close(two.get_logprobs(batch), want_lp, rtol=0, atol=1e-3)
+    got = two.train(batch, TokenMeanNLL())
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+
+
 @pytest.mark.skipif(
     not HAVE_VLLM,
     reason=(

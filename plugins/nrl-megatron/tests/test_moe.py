@@ -253,6 +253,18 @@ def test_ep_that_does_not_divide_the_experts_is_refused(moe_path, pool1, start_g
         moe_settings(shape, tp=2)
 
 
+@requires_megatron
+def test_pipeline_stages_of_a_mixture_of_experts_are_refused(moe_path, pool2, start_group):
+    """PP with MoE is not wired (the stage gather and the expert gather together): one line."""
+    from nrl_megatron.config import MegatronConfig
+
+    options = MegatronConfig(pipeline_model_parallel_size=2)
+    with pytest.raises(
+        RuntimeError, match=r"MegatronSetupError: pipeline parallelism with a mixture"
+    ):
+        start_group(pool2, WORKER, (options, context(make_config(moe_path))))
+
+
 @pytest.mark.slow  # two worker groups on 2 gloo ranks
 @requires_megatron
 def test_expert_parallel_generation_runs_ranks_in_lockstep(moe_path, pool1, pool2, start_group):

@@ -3,8 +3,17 @@ Llama/Qwen2 checkpoint, one instance per rank.
 
 Parallelism: ranks are laid out by ``megatron.core.parallel_state`` (tensor-parallel peers are
 adjacent ranks). The core shards batches over all ranks, so tensor-parallel peers must receive
-the SAME shard: the worker checks this and raises otherwise. Pipeline and context parallel
-sizes above 1 are refused for now (see docs/megatron.md).
+the SAME shard: the worker checks this and raises otherwise. Context parallel sizes above 1
+are refused for now (see docs/megatron.md).
+
+Pipeline parallelism (``pipeline_model_parallel_size`` > 1): each stage builds only its layers
+(:mod:`nrl_megatron.pipeline`); a training step runs all of the rank's micro batches through
+Megatron-Core's own schedule (``get_forward_backward_func()``, 1F1B) in
+:meth:`MegatronPolicyWorker.forward_backward_micro_batches`, and logprobs through the same
+schedule forward-only. The loss (and the logprobs) exist on the last stage only; the core reads
+each data shard's result from that stage (``ParallelLayout.result_rank``). On CPU the schedule
+runs under :func:`nrl_megatron.pipeline.megatron_pipeline_on_cpu`. Pipeline stages of a mixture
+of experts are refused (not wired together yet).
 
 Mixtures of experts (Qwen3-MoE): expert parallelism (``expert_model_parallel_size``) splits each
 layer's experts over ``ep`` of the data-parallel ranks (Megatron's ``SequentialMLP`` with
@@ -105,6 +114,13 @@ def _adam_step_set_aside(optimizers: Sequence[torch.optim.Optimizer]) -> Iterato
                 state[param]["step"] = step.detach().clone()
 
 
+def _input_ids(micro_batch: Batch | PackedSequences) -> torch.Tensor:
+    """``[B, T]`` token ids of a padded micro batch, ``[1, total]`` of a packed one."""
+    if isinstance(micro_batch, PackedSequences):
+        return micro_batch.input_ids
+    return micro_batch["input_ids"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +157,7 @@ class MegatronPolicyWorker:
         self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
+        self._check_pipeline_fits()
         for what, count in (
             ("attention", self.shape.num_heads),
             ("key/value", self.shape.num_kv_heads),
@@ -200,7 +217,6 @@ class MegatronPolicyWorker:
             o.expert_model_parallel_size,
         )
         unsupported = {
-            "pipeline_model_parallel_size": pp,
             "context_parallel_size": cp,
         }
         for key, value in unsupported.items():
@@ -209,15 +225,16 @@ class MegatronPolicyWorker:
                     f"policy.megatron.{key}={value} is not implemented yet by the megatron "
                     "policy (see docs/megatron.md); set it to 1"
                 )
-        if tp < 1 or self.world_size % tp:
+        if tp < 1 or self.world_size % (tp * pp):
             raise MegatronSetupError(
-                f"policy.megatron.tensor_model_parallel_size={tp} must divide the "
-                f"{self.world_size} policy ranks"
+                f"policy.megatron.tensor_model_parallel_size={tp} x "
+                f"pipeline_model_parallel_size={pp} must divide the {self.world_size} policy ranks"
             )
         # A later worker in the same process (tests) reuses matching groups, rebuilds others.
         if ps.model_parallel_is_initialized() and (
             ps.get_tensor_model_parallel_world_size() != tp
             or ps.get_expert_model_parallel_world_size() != ep
+            or ps.get_pipeline_model_parallel_world_size() != pp
         ):
             ps.destroy_model_parallel()
         if not ps.model_parallel_is_initialized():
@@ -239,21 +256,60 @@ class MegatronPolicyWorker:
         # The ranks holding the same experts (dp / ep of them): an expert's data-parallel peers.
         self.expert_dp_size = ps.get_expert_data_parallel_world_size()
         self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.pp_size = pp
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first_stage = self.pp_rank == 0
+        self.last_stage = self.pp_rank == pp - 1
+
+    def _check_pipeline_fits(self) -> None:
+        """Refuse, in one line, what this pipeline split does not support."""
+        if self.pp_size == 1:
+            return
+        layers = self.shape.num_layers
+        if layers % self.pp_size:
+            raise MegatronSetupError(
+                f"policy.megatron.pipeline_model_parallel_size={self.pp_size} does not divide "
+                f"the model's {layers} layers; choose a divisor of {layers}"
+            )
+        if self.shape.is_moe:
+            raise MegatronSetupError(
+                "pipeline parallelism with a mixture-of-experts model is not implemented by the "
+                "megatron policy yet; set policy.megatron.pipeline_model_parallel_size=1 (expert "
+                "parallelism works: expert_model_parallel_size)"
+            )
+        if self.shape.tie_word_embeddings:
+            # Megatron-Core 0.16.1 builds the last stage's copy of tied embeddings with
+            # `weight.data.cuda()` (language_module.py:244), and the gradient all-reduce between
+            # the two copies is not wired here.
+            raise MegatronSetupError(
+                "pipeline parallelism with tied input and output embeddings is not implemented "
+                "by the megatron policy; set policy.megatron.pipeline_model_parallel_size=1"
+            )
 
     def _build_model(self, path: str, trainable: bool):
         from transformers import AutoModelForCausalLM
 
         from nrl_megatron.model import build_gpt_model, transformer_config
+        from nrl_megatron.pipeline import local_state
 
         config = transformer_config(
             self.hf_config,
             tp=self.tp_size,
             ep=self.ep_size,
+            pp=self.pp_size,
             dtype=self.dtype,
             on_gpu=self.on_gpu,
         )
+        # Micro batches are trimmed to their own longest sample, so stages exchange their
+        # activation shapes before each transfer.
+        config.variable_seq_lengths = self.pp_size > 1
         model = build_gpt_model(
-            self.hf_config, config, transformer_engine=self.options.transformer_engine
+            self.hf_config,
+            config,
+            transformer_engine=self.options.transformer_engine,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
         )
         # Every rank reads the HF checkpoint and keeps its own slice: simple, and the host copy
         # is freed right after (a rank-0-reads-and-scatters load is a later optimisation).
@@ -261,6 +317,7 @@ class MegatronPolicyWorker:
         full = hf_to_megatron(hf.state_dict(), self.shape, te=self.options.transformer_engine)
         full = shard_for_ep(full, self.ep_rank, self.ep_size, self.shape)
         del hf
+        full = local_state(full, self.pp_rank, self.shape.num_layers, self.pp_size)
         own = model.state_dict()
         state = {
             name: shard_for_tp(name, tensor, self.tp_rank, self.tp_size).to(own[name].dtype)
@@ -351,8 +408,15 @@ class MegatronPolicyWorker:
     def _logprobs(self, model, micro_batch: Batch | PackedSequences) -> torch.Tensor:
         """``[B, T]`` logprobs of the micro batch's ``input_ids`` (position 0 is 0), with the
         graph if enabled; ``[1, total]`` in the packed layout for packed sequences."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        output, input_ids = self._stage_forward(model, micro_batch)
+        return self._token_logprobs(output, input_ids)
 
+    def _stage_forward(
+        self, model, micro_batch: Batch | PackedSequences
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's forward of the micro batch: ``(output, input_ids)``, the output being
+        the ``[B, T, V / tp]`` logits on the last stage and the hidden states it sends on
+        before (a later stage's input comes from Megatron's ``set_input_tensor``)."""
         packed_seq_params = None
         if isinstance(micro_batch, PackedSequences):
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -373,7 +437,14 @@ class MegatronPolicyWorker:
             batch, width = input_ids.shape
             positions = torch.arange(width, device=input_ids.device)[None, :].expand(batch, -1)
         # [B, T, V / tp]: parallel_output=True leaves the vocab dimension sharded.
-        logits = model(input_ids, positions, None, packed_seq_params=packed_seq_params)
+        output = model(input_ids, positions, None, packed_seq_params=packed_seq_params)
+        return output, input_ids
+
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` logprobs of ``input_ids`` (position 0 is 0) from the last stage's
+        vocab-sharded logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
         logits = logits[:, :-1].float() / self.logprob_temperature
         # Megatron's vocab-parallel cross entropy = -log_softmax(logits)[target] across the
         # tensor-parallel vocab shards, without gathering the full logits.
@@ -415,7 +486,63 @@ class MegatronPolicyWorker:
         model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
-            return self._logprobs(model, micro_batch)
+            if self.pp_size == 1:
+                return self._logprobs(model, micro_batch)
+            out = self._run_schedule(model, [(micro_batch, None)], forward_only=True)
+        if self.last_stage:
+            return out[0]
+        # Not read (the core takes each shard's result from its last stage), but the same
+        # shape as the last stage's, for the packed layout's unpacking.
+        return torch.zeros(_input_ids(micro_batch).shape, dtype=torch.float32)
+
+    def _run_schedule(
+        self,
+        model,
+        items: Sequence[tuple[Batch | PackedSequences, Callable | None]],
+        *,
+        forward_only: bool,
+    ) -> list[torch.Tensor]:
+        """Run ``items`` (micro batch, loss closure) through Megatron-Core's pipeline schedule
+        (one call: all micro batches, every stage). Training (``loss`` given): the last stage
+        back-propagates each closure's loss; returns nothing. ``forward_only`` (no closures):
+        returns the last stage's ``[B, T]`` logprobs per micro batch (other stages: [])."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+
+        count = len(items)
+
+        def forward_step(data_iterator, module):
+            micro_batch, loss = next(data_iterator)
+            output, input_ids = self._stage_forward(module, micro_batch)
+
+            def loss_func(logits, non_loss_data: bool = False):
+                logprobs = self._token_logprobs(logits, input_ids)
+                if non_loss_data:
+                    return logprobs
+                # Megatron divides a (loss, metrics) pair's loss by the number of micro
+                # batches (schedules.py:267); the core's loss is already globally normalised.
+                return loss(logprobs) * count, {}
+
+            return output, loss_func
+
+        rows, widths = zip(*(_input_ids(mb).shape for mb, _ in items), strict=True)
+        schedule = get_forward_backward_func()
+        cpu = contextlib.nullcontext() if self.on_gpu else megatron_pipeline_on_cpu()
+        with cpu:
+            # seq_length / micro_batch_size only size the first receive buffer when shapes are
+            # fixed; with variable_seq_lengths the stages send each activation's shape first.
+            result = schedule(
+                forward_step_func=forward_step,
+                data_iterator=iter(items),
+                model=[model],
+                num_microbatches=count,
+                seq_length=max(widths),
+                micro_batch_size=max(rows),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        return list(result) if forward_only and self.last_stage else []
 
     # -- colocated generation ----------------------------------------------------------------
 
@@ -428,6 +555,12 @@ class MegatronPolicyWorker:
         """Colocated generation from the policy's current weights (``generation.backend=torch``
         routes here); see :mod:`nrl_megatron.generation`. Call on all ranks together, each
         tensor-parallel group with its data-parallel shard of prompts."""
+        if self.pp_size > 1:
+            raise MegatronSetupError(
+                "colocated generation runs the whole model on each rank, which pipeline "
+                "parallelism splits; set generation.torch.colocated=false (separate engines, "
+                "refit from every stage) or pipeline_model_parallel_size=1"
+            )
         if self._generator is None:
             from nrl_megatron.generation import MegatronGenerator
 
@@ -468,6 +601,24 @@ class MegatronPolicyWorker:
 
             valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
         return self.router_stats.collecting(valid)
+
+    def forward_backward_micro_batches(
+        self,
+        items: Sequence[tuple[Batch | PackedSequences, Callable[[torch.Tensor], torch.Tensor]]],
+    ) -> bool:
+        """All micro batches of one optimizer step (``(micro batch, loss closure)`` pairs, in
+        order): through Megatron-Core's pipeline schedule when pipeline-parallel, else one
+        :meth:`forward_backward` each. Returns whether this rank computed the loss (only the
+        last pipeline stage does: its closures are called, the other stages' are not)."""
+        if self.pp_size == 1:
+            for micro_batch, loss in items:
+                self.forward_backward(micro_batch, loss)
+            return True
+        for micro_batch, _ in items:
+            self._check_tp_peers_agree(micro_batch)
+        self.model.train()
+        self._run_schedule(self.model, items, forward_only=False)
+        return self.last_stage
 
     def optimizer_step(self) -> dict[str, float]:
         """Average gradients over data-parallel ranks (CPU path; Megatron DDP does it on GPU),
@@ -531,6 +682,7 @@ class MegatronPolicyWorker:
 
         Tensor-parallel-sharded parameters (Megatron marks them ``tensor_model_parallel``)
         contribute their local squares summed over the TP group; replicated ones count once.
+        Pipeline stages hold disjoint parameters: their squares add up over the stages.
         """
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -551,7 +703,10 @@ class MegatronPolicyWorker:
             dist.all_reduce(sharded, group=self.tp_group)
         if self.ep_size > 1:
             dist.all_reduce(experts, group=self.ep_group)
-        total = float(sharded + replicated + experts) ** 0.5
+        square = sharded + replicated + experts
+        if self.pp_size > 1:
+            dist.all_reduce(square, group=self.pp_group)
+        total = float(square) ** 0.5
         if self.policy.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(
                 params, self.policy.max_grad_norm, torch.tensor(total)
@@ -574,8 +729,10 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, path: str) -> None:
         """Save this rank's model shard, optimizer, step and RNG states under ``path``.
 
-        One file per rank (``rank{N}.pt``): restoring needs the same parallel layout. (Megatron's
-        ``dist_checkpointing`` would allow resharding; not wired yet, see docs/megatron.md.)
+        One file per rank (``rank{N}.pt``). On the CPU path the files also name the optimizer's
+        parameters, so that :meth:`load_checkpoint` can reshard them to another layout (not
+        Megatron's ``dist_checkpointing``: its loader unpickles metadata, and nrl loads nothing
+        that can run code). With the GPU's distributed optimizer the layout must stay the same.
 
         GPU (Megatron's distributed optimizer): its ``state_dict()`` holds only the parameter
         groups and the grad scaler; Adam's ``exp_avg``/``exp_avg_sq`` and the float32 main
@@ -599,7 +756,12 @@ class MegatronPolicyWorker:
                 "optimizer": self.optimizer.state_dict() if stepped else None,
                 "step": self.step,
                 "rng": self._rng_state(),
-                "layout": self._checkpoint_layout(),
+                "layout": self._layout(),
+                # The CPU optimizer's parameters in its order (its state is keyed by position):
+                # what lets another layout find each moment's parameter (_load_resharded).
+                "param_names": (
+                    self._optimizer_param_names() if self.megatron_optimizer is None else None
+                ),
             },
             Path(path) / f"rank{self.rank}.pt",
         )
@@ -609,18 +771,32 @@ class MegatronPolicyWorker:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same world and tensor-parallel sizes)."""
+        """Restore what :meth:`save_checkpoint` wrote. The CPU path (``torch.optim``) also
+        loads a checkpoint of another tensor, pipeline or data-parallel layout
+        (:meth:`_load_resharded`); Megatron's distributed optimizer (GPU) needs the same
+        layout."""
         from nrl_core.safe_pickle import torch_load_data
 
         # weights_only (torch_load_data): a checkpoint is data; unpickling arbitrary objects
         # could run code. A refused file is one line naming it.
-        state = torch_load_data(Path(path) / f"rank{self.rank}.pt", map_location="cpu")
-        layout = self._checkpoint_layout()
-        if state["layout"] != layout:
+        own_file = Path(path) / f"rank{self.rank}.pt"
+        # A rank the saving layout did not have reads rank 0's file (for its RNG state only).
+        state = torch_load_data(
+            own_file if own_file.is_file() else Path(path) / "rank0.pt", map_location="cpu"
+        )
+        layout = self._layout()
+        saved = {"pp": 1, **state["layout"]}
+        if saved != layout and self._can_reshard(state, layout):
+            self._load_resharded(path, saved)
+            self.step = state["step"]
+            self._set_rng_state(state["rng"])
+            dist.barrier()
+            return
+        if saved != layout:
             raise MegatronSetupError(
                 f"checkpoint {path} was written with {state['layout']}, this run has {layout}; "
-                "resume with the same policy.num_workers, tensor_model_parallel_size and "
-                "expert_model_parallel_size"
+                "resume with the same policy.num_workers, tensor_model_parallel_size, "
+                "pipeline_model_parallel_size and expert_model_parallel_size"
             )
         self.module.load_state_dict(state["model"])
         if state["optimizer"] is None:
@@ -628,16 +804,103 @@ class MegatronPolicyWorker:
         else:
             self._load_optimizer_state(path, state["optimizer"])
         self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.on_gpu:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self._set_rng_state(state["rng"])
         dist.barrier()
 
-    def _checkpoint_layout(self) -> dict[str, int]:
-        """What a rank file depends on; ``ep`` only when experts are split (files of dense or
-        EP=1 runs keep the layout they always had)."""
-        layout = {"tp": self.tp_size, "world_size": self.world_size}
+    def _set_rng_state(self, rng: dict) -> None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and self.on_gpu:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def _optimizer_param_names(self) -> list[str]:
+        """The local names of the optimizer's parameters, in its order (CPU path)."""
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _can_reshard(self, saved: dict, layout: dict[str, int]) -> bool:
+        """Whether a checkpoint of another layout can be loaded here: both sides use the CPU
+        path's ``torch.optim`` optimizer (Megatron's distributed optimizer keeps its own
+        parameter-state files), the files name the optimizer's parameters, and neither side
+        splits experts (resharding expert-parallel files is not written)."""
+        return (
+            self.megatron_optimizer is None
+            and saved.get("param_names") is not None
+            and "ep" not in saved["layout"]
+            and "ep" not in layout
+        )
+
+    def _load_resharded(self, path: str, saved: dict) -> None:
+        """Load a checkpoint written with another tensor/pipeline/data-parallel layout
+        (``saved``): the files of data-parallel rank 0 of every (stage, tensor rank) together
+        hold the whole model and its optimizer moments; they are put together under
+        whole-model names, unsharded over the saving tensor parallelism, and this rank takes
+        its stage's layers and its tensor-parallel slice (the same functions that cut the Hugging
+        Face checkpoint at start-up)."""
+        from nrl_core.distributed.worker_group import ParallelLayout
+        from nrl_core.safe_pickle import torch_load_data
+        from nrl_megatron.pipeline import global_name, layers_per_stage, local_state
+
+        old = ParallelLayout(tp=saved["tp"], pp=saved["pp"])
+        world = saved["world_size"]
+        per = layers_per_stage(self.shape.num_layers, old.pp)
+        shards: dict[str, dict[int, torch.Tensor]] = {}  # name -> {tp rank: tensor}
+        moments: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # key -> name -> ...
+        steps: dict[str, torch.Tensor] = {}
+        for rank in range(world):
+            if old.dp_rank(rank, world) != 0:
+                continue
+            state = torch_load_data(Path(path) / f"rank{rank}.pt", map_location="cpu")
+            offset, tp_rank = old.pp_rank(rank, world) * per, old.tp_rank(rank)
+            for name, tensor in state["model"].items():
+                if not name.endswith("_extra_state") and tensor is not None:
+                    shards.setdefault(global_name(name, offset), {})[tp_rank] = tensor
+            if state["optimizer"] is None:
+                continue
+            names = state["param_names"]
+            for index, param_state in state["optimizer"]["state"].items():
+                name = global_name(names[index], offset)
+                for key, value in param_state.items():
+                    if key == "step":
+                        steps[name] = value
+                    elif isinstance(value, torch.Tensor):
+                        moments.setdefault(key, {}).setdefault(name, {})[tp_rank] = value
+
+        def whole(parts: dict[str, dict[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, by_rank in parts.items():
+                ordered = [by_rank[t] for t in sorted(by_rank)]
+                split = old.tp > 1 and tp_split_dim(name) is not None
+                out[name] = unshard_from_tp(name, ordered) if split else ordered[0]
+            return out
+
+        def mine(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            local = local_state(full, self.pp_rank, self.shape.num_layers, self.pp_size)
+            return {n: shard_for_tp(n, t, self.tp_rank, self.tp_size) for n, t in local.items()}
+
+        model_state = mine(whole(shards))
+        missing, unexpected = self.module.load_state_dict(model_state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise MegatronSetupError(
+                f"checkpoint {path} ({saved}) does not fit this model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        self._reset_optimizer_state()
+        if not steps:
+            return  # saved before the first step: a fresh optimizer
+        local_moments = {key: mine(whole(parts)) for key, parts in moments.items()}
+        per_here = layers_per_stage(self.shape.num_layers, self.pp_size)
+        params = dict(self.module.named_parameters())
+        for name in self._optimizer_param_names():
+            whole_name = global_name(name, self.pp_rank * per_here)
+            state = {key: values[name].to(self.device) for key, values in local_moments.items()}
+            self.optimizer.state[params[name]] = {"step": steps[whole_name].clone(), **state}
+
+    def _layout(self) -> dict[str, int]:
+        """The parallel layout a checkpoint's per-rank files belong to; ``ep`` only when experts
+        are split (files of dense or EP=1 runs keep the layout they always had)."""
+        layout = {"tp": self.tp_size, "pp": self.pp_size, "world_size": self.world_size}
         if self.ep_size > 1:
             layout["ep"] = self.ep_size
         return layout
@@ -753,10 +1016,40 @@ class MegatronPolicyWorker:
         return megatron_to_hf_names(self.shape, te=self.options.transformer_engine)
 
     def _full_megatron_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, full tensor)`` of every Megatron parameter, gathered over tensor parallelism
-        (a collective: every rank gets every tensor). With expert parallelism each local expert
-        tensor is gathered over the expert-parallel group and yielded once per expert, under
-        its global name: every expert exactly once."""
+        """``(name, full tensor)`` of every Megatron parameter of the whole model, gathered over
+        tensor parallelism and pipeline stages (a collective: every rank gets every tensor,
+        each exactly once, under its whole-model name). With expert parallelism each local
+        expert tensor is gathered over the expert-parallel group and yielded once per expert,
+        under its global name: every expert exactly once."""
+        if self.pp_size == 1:
+            yield from self._stage_tensors()
+            return
+        from nrl_megatron.pipeline import layers_per_stage
+
+        per = layers_per_stage(self.shape.num_layers, self.pp_size)
+        # Stage by stage: the stage's ranks know its tensors; every rank of the pipeline group
+        # learns their names and shapes, then receives each tensor by broadcast. A stage sends
+        # only its own parameters, so no name arrives twice (NeMo RL's issue #2471).
+        for stage in range(self.pp_size):
+            source = dist.get_global_rank(self.pp_group, stage)
+            mine = list(self._stage_tensors(offset=stage * per)) if stage == self.pp_rank else []
+            header = [[(n, tuple(t.shape), t.dtype) for n, t in mine]]
+            dist.broadcast_object_list(header, src=source, group=self.pp_group)
+            own = dict(mine)
+            for name, shape, dtype in header[0]:
+                tensor = (
+                    own[name]
+                    if stage == self.pp_rank
+                    else torch.empty(shape, dtype=dtype, device=self.device)
+                )
+                dist.broadcast(tensor.contiguous(), src=source, group=self.pp_group)
+                yield name, tensor
+
+    def _stage_tensors(self, offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's parameters, gathered over tensor parallelism, named with their decoder
+        layers shifted by ``offset`` (the stage's first layer in the whole model)."""
+        from nrl_megatron.pipeline import global_name
+
         with torch.no_grad():
             for name, tensor in self.module.state_dict().items():
                 if name.endswith("_extra_state") or tensor is None:
@@ -772,7 +1065,7 @@ class MegatronPolicyWorker:
                     shards = [torch.empty_like(tensor) for _ in range(self.tp_size)]
                     dist.all_gather(shards, tensor.contiguous(), group=self.tp_group)
                     tensor = unshard_from_tp(name, shards)
-                yield name, tensor.detach()
+                yield global_name(name, offset), tensor.detach()
 
     def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full state dict in Hugging Face names (the layout engines load), in buckets

@@ -1,0 +1,222 @@
+"""Pipeline parallelism in the megatron policy on CPU: 2 stages over gloo through Megatron-Core's
+own 1F1B schedule (``nrl_megatron.pipeline.megatron_pipeline_on_cpu`` maps its hard-coded CUDA
+devices to the CPU) against the same model in one process.
+
+Tolerances as in test_megatron.py: float32, losses and gradient norms 1e-5 relative, logprobs
+1e-5 absolute before a step and 1e-4 after it (Adam divides by the square root of tiny second
+moments, which amplifies rounding differences in the gradients).
+
+The multi-stage cases take 60-100 s each on 2 shared cores (marked slow; `.ci/run` runs the
+whole `plugin-megatron` session, slow tests included).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from _megatron_helpers import requires_megatron
+from safetensors.torch import load_file
+from test_megatron import WORKER, context, make_config, policy
+
+from nrl_core.testing.batches import TokenMeanNLL, make_batch
+
+pytestmark = requires_megatron
+
+
+def pp_options(pp: int):
+    from nrl_megatron.config import MegatronConfig
+
+    return MegatronConfig(pipeline_model_parallel_size=pp)
+
+
+def _exported(group) -> list[dict[str, torch.Tensor]]:
+    """Each rank's streamed export (what refit sends), checking that no name comes twice."""
+    out = []
+    for buckets in group.run_all("state_dict_buckets", 1 << 16):
+        names = Counter(name for bucket in buckets for name in bucket)
+        assert all(count == 1 for count in names.values()), names.most_common(3)
+        out.append({k: v for bucket in buckets for k, v in bucket.items()})
+    return out
+
+
+@pytest.mark.slow
+def test_two_stages_match_one(tiny_path, pool1, pool2, start_group):
+    """Loss, grad norm, logprobs before and after one step (4 micro batches: the 1F1B schedule
+    has a warm-up, a steady phase and a cool-down on 2 stages), and every stage's weights after
+    the step as the engines would receive them."""
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=3)
+    runs = {}
+    for pp, pool in ((1, pool1), (2, pool2)):
+        group = start_group(pool, WORKER, (pp_options(pp), context(config)), name=f"pp{pp}")
+        megatron = policy(group, config)
+        before = megatron.get_logprobs(batch)
+        metrics = megatron.train(batch, TokenMeanNLL())
+        after = megatron.get_logprobs(batch)
+        runs[pp] = before, metrics, after, _exported(group)
+        group.shutdown()
+
+    (want_lp, want, want_after, (want_w,)), (got_lp, got, got_after, got_w) = runs[1], runs[2]
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    for key in ("loss", "nll_sum", "tokens", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert (got_after - got_lp).abs().max() > 1e-4  # the step changed the model
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    # Both stages' ranks hold the whole model's weights, each name once, equal to one stage's.
+    for exported in got_w:
+        assert exported.keys() == want_w.keys()
+        for name, tensor in want_w.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group):
+    """Every stage's layers come back under their whole-model Hugging Face names, bit-exact."""
+    config = make_config(tiny_path)
+    group = start_group(pool2, WORKER, (pp_options(2), context(config)))
+    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
+    for exported in _exported(group):
+        assert exported.keys() == checkpoint.keys()
+        for name, tensor in checkpoint.items():
+            assert torch.equal(exported[name], tensor), name
+
+
+def test_unsupported_pipeline_splits_are_user_errors(
+    tiny_path, tiny_qwen2_path, pool2, start_group
+):
+    # 4 layers over 3 stages cannot be split evenly; 2 ranks cannot hold 3 stages anyway, so
+    # the rank count is named first.
+    with pytest.raises(RuntimeError, match=r"pipeline_model_parallel_size=3 must divide the 2"):
+        start_group(pool2, WORKER, (pp_options(3), context(make_config(tiny_path))))
+    with pytest.raises(RuntimeError, match=r"MegatronSetupError: pipeline parallelism with tied"):
+        start_group(pool2, WORKER, (pp_options(2), context(make_config(tiny_qwen2_path))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_pp,resumed_pp", [(2, 1), (1, 2)])
+def test_resume_across_a_change_of_stages(
+    saved_pp, resumed_pp, tiny_path, tmp_path, pool1, pool2, start_group
+):
+    """A checkpoint written with one pipeline split, resumed with the other, takes the same
+    second step as a run that never stopped (weights and AdamW moments resharded over stages)."""
+    config = make_config(tiny_path, mbs=2)
+    first, second = make_batch(8, seed=4), make_batch(8, seed=5)
+    pools = {1: pool1, 2: pool2}
+
+    def start(pp: int, name: str):
+        group = start_group(pools[pp], WORKER, (pp_options(pp), context(config)), name=name)
+        return group, policy(group, config)
+
+    group, uninterrupted = start(1, "uninterrupted")
+    uninterrupted.train(first, TokenMeanNLL())
+    want = uninterrupted.train(second, TokenMeanNLL())
+    want_lp = uninterrupted.get_logprobs(second)
+    group.shutdown()
+
+    group, saving = start(saved_pp, "saving")
+    saving.train(first, TokenMeanNLL())
+    saving.save_checkpoint(str(tmp_path / "ckpt"))
+    group.shutdown()
+
+    group, resumed = start(resumed_pp, "resumed")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    got = resumed.train(second, TokenMeanNLL())
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    torch.testing.assert_close(resumed.get_logprobs(second), want_lp, rtol=0, atol=1e-4)
+    group.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_stages_times_two_match_one_rank(tp, tiny_path, pool1, pool4, start_group):
+    """4 ranks: 2 stages x TP=2 (tensor-parallel shards gathered per stage on export), or
+    2 stages x DP=2 (each stage's data-parallel ranks average their gradients; each shard's
+    result comes from its own last-stage rank) against one rank."""
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=7)
+    runs = []
+    for pool, options in (
+        (pool1, pp_options(1)),
+        (pool4, MegatronConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=tp)),
+    ):
+        group = start_group(pool, WORKER, (options, context(config)), name=f"x{pool.num_workers}")
+        megatron = policy(group, config)
+        before = megatron.get_logprobs(batch)
+        metrics = megatron.train(batch, TokenMeanNLL())
+        runs.append((before, metrics, megatron.get_logprobs(batch), _exported(group)))
+        group.shutdown()
+    (want_lp, want, want_after, (want_w,)), (got_lp, got, got_after, got_w) = runs
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    for key in ("loss", "tokens", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    assert len(got_w) == 4
+    for exported in got_w:
+        assert exported.keys() == want_w.keys()
+        for name, tensor in want_w.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_two_stages_packed_match_one_stage_padded(tiny_path, pool1, pool2, start_group):
+    """Packed micro batches (THD, one row of all samples) pass between stages like padded ones:
+    the stages exchange each activation's shape first (variable_seq_lengths)."""
+    from test_packing import WORKER as RECORDING
+    from test_packing import long_tailed_batch
+    from test_packing import make_config as packing_config
+
+    from nrl_core.losses.nll import NLLLoss
+
+    batch = long_tailed_batch(8, seed=6)
+    runs = {}
+    for pp, pool, packing in ((1, pool1, False), (2, pool2, True)):
+        config = packing_config(tiny_path, packing=packing, mbs=2)
+        group = start_group(pool, RECORDING, (pp_options(pp), context(config)), name=f"pk{pp}")
+        megatron = policy(group, config)
+        runs[pp] = (
+            megatron.get_logprobs(batch),
+            megatron.train(batch, NLLLoss()),
+            megatron.get_logprobs(batch),
+        )
+        # What the stages scored came packed (PP=2) or padded (PP=1).
+        kinds = {kind for seen in group.run_all("seen") for kind in seen}
+        assert kinds == {"packed" if packing else "padded"}
+        group.shutdown()
+    (want_lp, want, want_after), (got_lp, got, got_after) = runs[1], runs[2]
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+
+
+def test_cpu_adapter_changes_only_megatrons_schedule_modules_and_only_inside():
+    """What ``megatron_pipeline_on_cpu`` changes: the CUDA device choices of Megatron's schedule
+    and p2p modules map to the CPU inside the context; torch itself and those modules after it
+    are untouched (the GPU path calls the schedule unchanged)."""
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+
+    with megatron_pipeline_on_cpu():
+        assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        buffer = p2p.torch.empty((3,), device=p2p.torch.cuda.current_device())
+        assert buffer.device.type == "cpu"
+        p2p.torch.cuda.synchronize()  # a no-op, not "Found no NVIDIA driver"
+        assert torch.cuda.current_device is not p2p.torch.cuda.current_device
+    assert schedules.torch is torch and p2p.torch is torch
+
+
+def test_cpu_adapter_refuses_another_megatron_release(monkeypatch):
+    import importlib.metadata
+
+    from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.0")
+    refused = pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.x, found 0\.17")
+    with refused, megatron_pipeline_on_cpu():
+        pass
