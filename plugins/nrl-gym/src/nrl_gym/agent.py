@@ -19,7 +19,11 @@ from typing import Any
 import httpx
 
 from nrl_core.agents import Endpoint, ModelCall, Trajectory
-from nrl_gym.config import NemoGymAgentConfig
+from nrl_core.errors import ConfigError
+from nrl_gym.config import EXAMPLE_CONFIG, NemoGymAgentConfig
+
+AGENT_NAME = "nemo_gym"
+"""The name this agent is registered under (:mod:`nrl_gym.plugin`)."""
 
 ROW_KEY = "nemo_gym_row"
 """Where the ``nemo_gym_jsonl`` dataset keeps a row's own fields in the sample's metadata."""
@@ -33,22 +37,39 @@ class NemoGymAgent:
         self.servers: Any = None
         self._endpoint: Endpoint | None = None
         self._keep_log = _run_log(context)
+        self.task_configs = task_configs(context)
+        self._declared: dict[str, set[str]] = {}  # task -> the agents its configs declare
+
+    def config_paths(self) -> list[str]:
+        """Every Gym config file ``ng_run`` starts: ``agent.nemo_gym.config_paths`` and each
+        task's ``agent_configs`` (once each, in order), else the example's."""
+        paths = [*self.options.config_paths, *(p for ps in self.task_configs.values() for p in ps)]
+        return list(dict.fromkeys(paths)) or [EXAMPLE_CONFIG]
 
     def _ensure_servers(self, endpoint: Endpoint) -> None:
         if self.servers is not None and self._endpoint == endpoint:
             return
-        from nrl_gym.install import gym_venv
+        from nrl_gym.install import config_instances, gym_venv
         from nrl_gym.servers import GymServers
 
         self.close()
         servers = GymServers(keep_log=self._keep_log)
         if self.options.head_server_url:
+            if self.task_configs:
+                raise ConfigError(
+                    f"data.tasks {', '.join(map(repr, self.task_configs))} name agent_configs, "
+                    "which nrl cannot start in a NeMo Gym it joins (agent.nemo_gym."
+                    "head_server_url); start them with that Gym, or leave head_server_url unset"
+                )
             servers.join(self.options.head_server_url, timeout_s=self.options.startup_timeout_s)
         else:
             venv = gym_venv(self.options.nemo_gym_version, self.options.gym_python)
+            self._declared = {
+                task: config_instances(venv, paths) for task, paths in self.task_configs.items()
+            }
             servers.start(
                 venv,
-                list(self.options.config_paths),
+                self.config_paths(),
                 endpoint,
                 timeout_s=self.options.startup_timeout_s,
                 ray_address=_run_ray_address(),
@@ -59,7 +80,21 @@ class NemoGymAgent:
 
     def run(self, rows: Sequence[dict[str, Any]], endpoint: Endpoint) -> list[Trajectory]:
         self._ensure_servers(endpoint)
+        for row in rows:
+            self._check_route(row)
         return asyncio.run(self._run_all(rows))
+
+    def _check_route(self, row: dict[str, Any]) -> None:
+        """A task with its own ``agent_configs`` runs only on the agents those declare: a row
+        naming another one (another task's, or a typo) would train on the wrong environment."""
+        declared = self._declared.get(row.get("task"))
+        name = (row.get(ROW_KEY, row).get("agent_ref") or {}).get("name")
+        if declared is not None and name not in declared:
+            raise ConfigError(
+                f"task {row.get('task')!r}: a row names agent_ref.name={name!r}, which its "
+                f"agent_configs do not declare (they declare: {', '.join(sorted(declared))}); "
+                "fix the row's agent_ref.name or add the Gym config that declares it"
+            )
 
     async def _run_all(self, rows: Sequence[dict[str, Any]]) -> list[Trajectory]:
         limit = asyncio.Semaphore(self.options.max_concurrency)
@@ -90,6 +125,18 @@ class NemoGymAgent:
         if self.servers is not None:
             self.servers.stop()
             self.servers = None
+
+
+def task_configs(context: Any) -> dict[str, list[str]]:
+    """Task name -> its ``agent_configs``, for the tasks this agent (``nemo_gym``) drives."""
+    config = getattr(context, "config", None)
+    default = getattr(getattr(config, "agent", None), "name", None)
+    tasks = getattr(getattr(config, "data", None), "tasks", None) or ()
+    return {
+        task.name: list(task.agent_configs)
+        for task in tasks
+        if (task.agent or default) == AGENT_NAME and getattr(task, "agent_configs", None)
+    }
 
 
 def _run_log(context: Any) -> Path | None:
