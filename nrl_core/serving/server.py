@@ -59,6 +59,7 @@ class PolicyServer:
         self.enforced: SamplingParams | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()  # set when the serving thread has ended
         self._app: Any = None
 
     @property
@@ -146,13 +147,20 @@ class PolicyServer:
             config.http_protocol_class, self.config.read_timeout_s
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="nrl-serve", daemon=True
-        )
+        server, done = self._server, threading.Event()
+        self._done = done
+
+        def serve() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                done.set()
+
+        self._thread = threading.Thread(target=serve, name="nrl-serve", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if done.is_set() or time.monotonic() > deadline:
                 raise RuntimeError(f"the policy endpoint did not start on {host}:{bound_port}")
             time.sleep(0.02)
         self._socket = sock
@@ -165,15 +173,18 @@ class PolicyServer:
         if self._server is None:
             return
         self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._socket.close()
+        # Waits on an Event, not Thread.join: on Python < 3.13 a signal handler raising while
+        # the main thread is inside join() marks the thread stopped although it still runs,
+        # and the socket closed here then broke uvicorn's own shutdown ("Invalid file
+        # descriptor: -1" after SIGTERM). uvicorn closes the socket itself once it has stopped.
+        if not self._done.wait(timeout=10):
+            self._socket.close()  # uvicorn's loop is stuck: free the port anyway
         self._server = None
 
     def serve_forever(self) -> None:
         """Block until the serving thread ends (Ctrl-C / SIGTERM end it through the caller)."""
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=0.5)
+        while self._server is not None and not self._done.wait(timeout=0.5):
+            pass
 
 
 def _header_timeout(protocol: type, timeout_s: float) -> type:

@@ -119,6 +119,12 @@ class RunData:
                     f"data.tasks[{index}].agent={agent}: agents drive rollouts in `nrl run grpo` "
                     f"only; `nrl {self.algorithm}` rolls out with the core's loop (agent: env)"
                 )
+            if agent == BUILTIN_AGENT and task.agent_configs:
+                raise ConfigError(
+                    f"data.tasks[{index}].agent_configs is for a task driven by a registered "
+                    f"agent (e.g. agent: nemo_gym), but task {task.name!r} uses the core's loop "
+                    "(agent: env); set its agent or remove agent_configs"
+                )
             if agent == BUILTIN_AGENT and hasattr(config, "env"):
                 env = task.env or config.env.name
                 self.registry.get("environment", env, key=f"data.tasks[{index}].env")

@@ -117,6 +117,14 @@ class TaskConfig:
     val_dataset: str | None = option(
         None, "Validation JSONL file of this task (default: the dataset's own or a held-out share)."
     )
+    agent_configs: list[str] = option(
+        [],
+        (
+            "Config files of this task's agent, for an agent that reads them (`nemo_gym`: this "
+            "task's own Gym config files, served beside `agent.nemo_gym.config_paths`; the "
+            "task's rows must name an agent they declare). Not for `agent: env`."
+        ),
+    )
 
 
 @attrs.define

@@ -15,11 +15,13 @@ class NemoGymAgentConfig:
     """How NeMo Gym's servers are found or started, and how rows are sent to them."""
 
     config_paths: list[str] = option(
-        [EXAMPLE_CONFIG],
+        [],
         (
             "NeMo Gym config files of the environments (resources server + agent), absolute or "
-            "relative to the installed Gym package; the training model server "
-            f"(`{TRAINING_MODEL_CONFIG}`) pointed at nrl's endpoint is added."
+            "relative to the installed Gym package, shared by every Gym task; each task's own "
+            "(`data.tasks[i].agent_configs`) are added, and one `ng_run` serves them all, with "
+            f"the training model server (`{TRAINING_MODEL_CONFIG}`) pointed at nrl's "
+            f"endpoint. With none anywhere: `{EXAMPLE_CONFIG}`."
         ),
     )
     head_server_url: str | None = option(

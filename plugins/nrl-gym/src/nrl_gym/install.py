@@ -196,6 +196,24 @@ def server_dirs(venv: Path, config_paths: Iterable[str]) -> list[Path]:
     return found
 
 
+def config_instances(venv: Path, config_paths: Iterable[str]) -> set[str]:
+    """The server instances the Gym config files declare (their top-level keys: the names
+    rows give in ``agent_ref.name``); a file that cannot be read declares none."""
+    import yaml
+
+    site = package_dir(venv)
+    names: set[str] = set()
+    for config in config_paths:
+        path = Path(config) if Path(config).is_absolute() else site / config
+        try:
+            blocks = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # ng_run names the file in its own error
+        if isinstance(blocks, dict):
+            names.update(str(name) for name in blocks)
+    return names
+
+
 def server_venvs(venv: Path, config_paths: Iterable[str] = (), python: str | None = None) -> Path:
     """A ``uv_venv_dir`` where every server directory of the package links to ``venv``, except
     the configured servers whose ``requirements.txt`` asks for more: those link to a venv with

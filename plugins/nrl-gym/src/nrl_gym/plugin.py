@@ -6,7 +6,7 @@ from nrl_core import hookimpl
 @hookimpl
 def nrl_register_agents(register):
     register(
-        "nemo_gym",
+        "nemo_gym",  # nrl_gym.agent.AGENT_NAME (not imported here: the plugin stays light)
         "nrl_gym.agent:NemoGymAgent",
         config="nrl_gym.config:NemoGymAgentConfig",
         description="NeMo Gym environments: rows run by Gym's agents against nrl's endpoint",
