@@ -93,12 +93,11 @@ class ParserPlugin:
         register("plus", PlusParser, description="+NAME calls NAME (a test plugin)")
 
 
-def test_a_plugins_tool_parser_is_registered_listed_and_used_by_the_endpoint(
-    tmp_path, plugin_host
-):
+def test_a_plugins_tool_parser_is_registered_listed_and_used_by_the_endpoint(tmp_path, plugin_host):
+    from rich.console import Console
+
     from nrl_core.cli.output import plugins_table
     from nrl_core.testing.tokenizers import bpe_tokenizer
-    from rich.console import Console
 
     info = plugin_host.add(ParserPlugin(), "test-parsers")
     assert info.status == "ok", info.error
@@ -161,9 +160,7 @@ def mistral_server(tmp_path_factory):
 def test_mistral_calls_follow_a_special_token_that_decoding_drops(mistral_server):
     server, taught = mistral_server
     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
-    reply = client.chat.completions.create(
-        model="tiny", messages=GO, tools=WEATHER, temperature=0
-    )
+    reply = client.chat.completions.create(model="tiny", messages=GO, tools=WEATHER, temperature=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     cities = [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls]
