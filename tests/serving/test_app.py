@@ -725,9 +725,7 @@ def test_a_named_tool_choice_is_forced_in_the_prompt_and_the_next_turn_continues
     prompt ids, the model generates the arguments, and the parsed call comes back with
     finish_reason "stop" (OpenAI's and vLLM's answer to a named function). The next turn's
     prompt starts with this turn's prompt + generation ids (NeMo Gym's contiguity)."""
-    from nrl_core.serving.tool_calls import HermesParser
-
-    opening = HermesParser().opening("get_weather")
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '  # hermes's, as the template
     assert CALL_TEXT.startswith(opening)
     plain = client.chat.completions.create(
         model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=1

@@ -12,7 +12,6 @@ import pytest
 
 from nrl_core import hookimpl
 from nrl_core.config.schema import ServerConfig
-from nrl_core.serving.tool_calls import ToolParser, make_call
 
 GO = [{"role": "user", "content": "go"}]
 NO = [{"role": "user", "content": "no"}]
@@ -77,13 +76,21 @@ def _serve(tmp_path, tokenizer, examples, config, registry=None):
     return server, taught
 
 
-class PlusParser(ToolParser):
-    """A plugin's parser: an answer ``+NAME`` is a call to NAME without arguments."""
+class PlusParser:
+    """A plugin's parser (what :class:`~nrl_core.serving.tool_calls.ToolParser` asks for): an
+    answer ``+NAME`` is a call to NAME without arguments; it cannot force a call."""
+
+    special_tokens = ()
 
     def parse(self, text, tools):
         if not text.startswith("+") or not text[1:].isalpha():
             return text, []
-        return None, [make_call(0, text, text[1:], {})]
+        call = {"id": "call_0", "type": "function", "function": {"name": text[1:]}}
+        call["function"]["arguments"] = "{}"
+        return None, [call]
+
+    def opening(self, name):
+        return None
 
 
 class ParserPlugin:
