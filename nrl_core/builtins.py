@@ -121,3 +121,15 @@ def nrl_register_losses(register):
         description="on-policy distillation: reverse/forward/mixed KL to a teacher's top-k "
         "(nrl run distill)",
     )
+
+
+@hookimpl
+def nrl_register_tool_parsers(register):
+    # nrl_core.serving.tool_calls imports only the standard library.
+    for name, cls, what in (
+        ("hermes", "HermesParser", "<tool_call>{JSON}</tool_call> (Qwen2/2.5/3, Hermes)"),
+        ("llama3_json", "Llama3JsonParser", "the whole answer is JSON calls (Llama 3.1-3.3)"),
+        ("mistral", "MistralParser", "[TOOL_CALLS][{JSON}, ...] (Mistral, Mixtral)"),
+        ("qwen3_coder", "Qwen3CoderParser", "<tool_call><function=NAME> XML (Qwen3-Coder)"),
+    ):
+        register(name, f"nrl_core.serving.tool_calls:{cls}", description=what)

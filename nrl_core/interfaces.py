@@ -374,3 +374,24 @@ class DatasetLoader(Protocol):
         """``split`` is ``"train"`` or ``"validation"``; raise ``KeyError`` for a split that
         the dataset does not have."""
         ...
+
+
+class ToolParser(Protocol):
+    """Parses tool calls out of the policy endpoint's generated text
+    (:mod:`nrl_core.serving.tool_calls`, whose ``ToolParser`` base class implements this).
+    Built with no arguments, in the driver."""
+
+    special_tokens: Sequence[str]
+    """Special tokens the parser reads: the generated ids are decoded keeping them."""
+
+    def parse(
+        self, text: str, tools: list[dict[str, Any]] | None
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """``(content, tool_calls)``: the calls in OpenAI's shape (arguments as a JSON
+        string), the text outside them as content (None if none); never raises."""
+        ...
+
+    def opening(self, name: str | None) -> str | None:
+        """The text that opens a call to ``name`` (None: to any function, up to its name), as
+        the chat template writes it; None when the parser cannot force a call."""
+        ...

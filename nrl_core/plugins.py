@@ -32,6 +32,7 @@ HOOK_KINDS: dict[str, ComponentKind] = {
     "nrl_register_losses": "loss",
     "nrl_register_clusters": "cluster",
     "nrl_register_datasets": "dataset",
+    "nrl_register_tool_parsers": "tool_parser",
 }
 
 

@@ -7,7 +7,8 @@ and the fix. :class:`~nrl_core.algorithms.runtime.RunSession` and ``nrl eval`` c
 
 What is checked (each in well under a second; no model or data is loaded here):
 
-* every selected component is registered (:func:`check_components`);
+* every selected component is registered (:func:`check_components`), and so is
+  ``server.tool_parser`` (:func:`check_tool_parser`);
 * the settings that span sections (:func:`~nrl_core.config.validation.validate_run_config`,
   again: a config may have been built or changed in code);
 * the model and tokenizer (:func:`check_model_source`): ``tiny``, a Hugging Face folder with
@@ -78,11 +79,23 @@ def check_components(config: Any, registry: Registry) -> None:
         registry.get(section.component_kind, name, key=f"{field.name}.{section.selector}")
 
 
+def check_tool_parser(config: Any, registry: Registry) -> None:
+    """Fail when ``server.tool_parser`` names a parser nobody registers (the endpoint would
+    fail on its first request otherwise)."""
+    from nrl_core.serving.tool_calls import KEYWORDS, unknown_parser_message
+
+    name = getattr(getattr(config, "server", None), "tool_parser", None)
+    if name is None or name in KEYWORDS or ("tool_parser", name) in registry:
+        return
+    raise ConfigError(unknown_parser_message(name, registry.names("tool_parser")))
+
+
 def preflight(config: Any, registry: Registry) -> None:
     """Every check that needs only the driver: raise ``ConfigError`` on the first problem."""
     from nrl_core.config.validation import validate_run_config
 
     check_components(config, registry)
+    check_tool_parser(config, registry)
     validate_run_config(config)
     check_pipeline_generation(config, registry)
     for key in ("policy", "teacher"):  # the teacher: `nrl run distill`

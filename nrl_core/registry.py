@@ -1,4 +1,4 @@
-"""What plugins register: named components of seven kinds, each with a lazily imported target.
+"""What plugins register: named components of eight kinds, each with a lazily imported target.
 
 A component is registered with a ``"module:attr"`` string (or the object itself). The string is
 imported only when the component is used, and usually only inside the Ray actor that runs it,
@@ -18,7 +18,7 @@ import attrs
 from nrl_core.errors import ComponentLoadError, UnknownComponentError
 
 ComponentKind = Literal[
-    "policy", "generation", "environment", "agent", "loss", "cluster", "dataset"
+    "policy", "generation", "environment", "agent", "loss", "cluster", "dataset", "tool_parser"
 ]
 KINDS: tuple[ComponentKind, ...] = get_args(ComponentKind)
 

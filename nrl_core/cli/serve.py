@@ -72,6 +72,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _warn_broken(host, args)
     registry = host.registry()
     config = resolve_serve_config(args, registry)
+    from nrl_core.preflight import check_tool_parser
+
+    check_tool_parser(config, registry)  # before anything heavy starts
 
     from nrl_core.algorithms.runtime import RunSession
 

@@ -32,6 +32,7 @@ SECTION_OF_KIND = {
     "loss": "loss",
     "cluster": "cluster",
     "dataset": "data",
+    "tool_parser": "server",
 }
 """Config section of each component kind (``env.math``, ``data.arithmetic``...)."""
 

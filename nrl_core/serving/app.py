@@ -11,9 +11,10 @@ verifiers read.
   (:mod:`nrl_core.serving.prompts`). A stop string is cut from the content, not from the
   token ids. With ``logprobs``, each token's entry is ``"token_id:<id>"`` when
   ``return_tokens_as_token_ids`` is set (vLLM's convention), its text otherwise. What cannot
-  be honoured exactly (``top_logprobs`` > 0, ``response_format`` other than text, a forced
-  ``tool_choice``, penalties, ``logit_bias``) is a 400 naming the field; another model name
-  a 404.
+  be honoured exactly (``top_logprobs`` > 0, ``response_format`` other than text,
+  penalties, ``logit_bias``) is a 400 naming the field; another model name a 404. A forced
+  ``tool_choice`` (``required`` or a named function) appends the tool parser's call opening to
+  the prompt (:mod:`nrl_core.serving.tool_calls`): its tokens are prompt tokens.
 - ``POST /tokenize``: the prompt ids a chat request would get (same splice), or a text's ids.
 - ``POST /inference/v1/generate``: token ids in, token ids and logprobs out (verifiers' client).
 
@@ -53,7 +54,7 @@ from nrl_core.serving.request_checks import (
     too_large,
     vocab_size,
 )
-from nrl_core.serving.tool_calls import parse_tool_calls
+from nrl_core.serving.tool_calls import ToolParser, decode_keeping, load_parser, tool_names
 
 if TYPE_CHECKING:
     from nrl_core.interfaces import SamplingParams
@@ -73,6 +74,9 @@ class ServedPolicy(Protocol):
     tokenizer: Any
     prompts: PromptBuilder
     tool_parser: Any
+    """The name of the tool parser (``server.tool_parser``, ``auto`` resolved), looked up in
+    the server's ``registry`` attribute when it has one (the run's), else in the installed
+    plugins'."""
     reasoning_parser: str | None
     batcher: RequestBatcher
     sampling_for: Callable[..., SamplingParams]
@@ -102,9 +106,62 @@ def _answer(exc: Exception) -> JSONResponse:
     return _error(status, str(exc), "server_error" if status >= 500 else kind)
 
 
+@attrs.frozen
+class ForcedCall:
+    """A request's forced ``tool_choice``: the call opening appended to its prompt."""
+
+    opening: str
+    """The parser's text that opens the call (:meth:`ToolParser.opening`)."""
+    name: str | None
+    """The named function; None for ``required`` (any of the request's tools)."""
+    names: tuple[str, ...]
+    """The request's tool names: a call to another function is not returned as a call."""
+
+
+def forced_call(body: dict[str, Any], parser: ToolParser | None, parser_name: str):
+    """The :class:`ForcedCall` of a request's ``tool_choice``, or None (``auto``, ``none``,
+    absent); a 400 for a malformed one, one without ``tools``, a named function not among
+    them (as vLLM answers it), or a parser that cannot open a call."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return None
+    name = None
+    if choice != "required":
+        function = choice.get("function", choice) if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if (
+            not isinstance(choice, dict)
+            or choice.get("type", "function") != "function"
+            or not isinstance(name, str)
+            or not name
+        ):
+            raise RequestError(
+                f"tool_choice={choice!r:.80} is not one of 'auto', 'none', 'required' or "
+                '{"type": "function", "function": {"name": ...}}'
+            )
+    tools = body.get("tools")
+    names = tool_names([_tool_for_template(t) for t in tools]) if isinstance(tools, list) else []
+    if not names:
+        raise RequestError(f"tool_choice={choice!r:.80} needs `tools` (the functions to call)")
+    if name is not None and name not in names:
+        raise RequestError(
+            f"Tool {name!r:.80} has not been passed in `tools` (tool_choice names it; the "
+            f"tools are {', '.join(names)})"
+        )
+    opening = parser.opening(name) if parser is not None else None
+    if not opening:
+        raise RequestError(
+            f"tool_choice={choice!r:.80} cannot be honoured: server.tool_parser={parser_name} "
+            "cannot open a call; use tool_choice 'auto' (or a parser that can force one)"
+        )
+    return ForcedCall(opening, name, tuple(names))
+
+
 def create_app(server: ServedPolicy) -> FastAPI:
-    """The FastAPI app serving ``server``'s backend."""
+    """The FastAPI app serving ``server``'s backend. Raises ``ValueError`` when
+    ``server.tool_parser`` names no registered parser."""
     app = FastAPI(title="nrl policy endpoint", docs_url=None, redoc_url=None)
+    parser = load_parser(server.tool_parser, getattr(server, "registry", None))
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
@@ -167,11 +224,19 @@ def create_app(server: ServedPolicy) -> FastAPI:
             raise RequestError("`chat_template_kwargs` must be an object")
         if body.get("tool_choice") == "none":
             tools = None  # the model is not to call any: it is not shown them
-        return server.prompts.build(
+        forced = forced_call(body, parser, server.tool_parser)
+        ids = server.prompts.build(
             body.get("messages"),
             [_tool_for_template(t) for t in tools or []],
             chat_template_kwargs=kwargs or None,
         )
+        if forced is not None:
+            # The call's opening is the server's, not the model's: prompt tokens, so training
+            # never counts them as sampled, and the next turn's prompt still starts with
+            # this turn's prompt + generation ids.
+            opening = server.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
+            ids = [*ids, *opening]
+        return ids
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -194,8 +259,12 @@ def create_app(server: ServedPolicy) -> FastAPI:
             for i in range(n)
         ]
         dones = await asyncio.gather(*(generated(prompt, p, stops, reproducible) for p in every))
+        forced = forced_call(body, parser, server.tool_parser)
         choices = await asyncio.to_thread(
-            lambda: [_choice(server, body, i, prompt, d, stops) for i, d in enumerate(dones)]
+            lambda: [
+                _choice(server, body, i, prompt, d, stops, parser, forced)
+                for i, d in enumerate(dones)
+            ]
         )
         generated_count = sum(len(done.token_ids) for done in dones)
         answer = {
@@ -377,12 +446,6 @@ def refuse_unhonoured(body: dict[str, Any]) -> None:
                 f"response_format type {kind!r:.40} is not supported (no guided decoding); "
                 "leave response_format out, or ask for the format in the prompt"
             )
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise RequestError(
-            f"tool_choice={choice!r:.80} is not supported: 'auto' and 'none' are (forcing a "
-            "call needs guided decoding); leave it out and say which tool in the prompt"
-        )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be true or false")
@@ -403,19 +466,43 @@ def cut_at_stop(text: str, stops: list[str] | None) -> tuple[str, str | None]:
 
 
 def _choice(
-    server: ServedPolicy, body: dict[str, Any], index: int, prompt: list[int], done: Any, stops
+    server: ServedPolicy,
+    body: dict[str, Any],
+    index: int,
+    prompt: list[int],
+    done: Any,
+    stops,
+    parser: ToolParser | None = None,
+    forced: ForcedCall | None = None,
 ) -> dict[str, Any]:
     """One choice of a chat answer.
 
     The stop string is cut from the content only: ``generation_token_ids`` (and the log probs)
     keep every sampled token, the one that completed the stop string included, since that is
-    what the policy sampled and what the next turn's prompt continues from."""
-    text, stop_reason = cut_at_stop(server.prompts.decode(done.token_ids), stops)
-    reasoning, text = split_reasoning(text, server.reasoning_parser)
-    if body.get("tool_choice") == "none":
+    what the policy sampled and what the next turn's prompt continues from.
+
+    A forced call (``forced``) is parsed from its opening plus the generated text; a call to a
+    function other than the one asked for (``required``: other than the request's tools) is
+    not returned as a call, and the generated text is then the content (the finish reason is
+    the generation's). The finish reason is ``tool_calls`` when calls were parsed, except for
+    a named function (``stop``, as OpenAI and vLLM answer it) and a ``required`` call cut by
+    the length limit (``length``)."""
+    keep = parser.special_tokens if parser is not None else ()
+    decoded = decode_keeping(server.tokenizer, done.token_ids, keep) if keep else None
+    text, stop_reason = cut_at_stop(decoded or server.prompts.decode(done.token_ids), stops)
+    reasoning = None
+    if forced is None:  # a forced call opens the answer: there is no reasoning before it
+        reasoning, text = split_reasoning(text, server.reasoning_parser)
+    if body.get("tool_choice") == "none" or parser is None:
         content, calls = text, []
+    elif forced is not None:
+        content, calls = parser.parse(forced.opening + text, body.get("tools"))
+        wanted = (forced.name,) if forced.name is not None else forced.names
+        calls = [call for call in calls if call["function"]["name"] in wanted]
+        if not calls:
+            content = text
     else:
-        content, calls = parse_tool_calls(text, server.tool_parser, body.get("tools"))
+        content, calls = parser.parse(text, body.get("tools"))
     if body.get("parallel_tool_calls") is False:
         calls = calls[:1]  # vLLM's rule: the first call only
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -431,10 +518,12 @@ def _choice(
         generation_log_probs=done.logprobs,
     )
     finish = "stop" if stop_reason is not None else done.finish_reason
+    if calls and (forced is None or (forced.name is None and finish == "stop")):
+        finish = "tool_calls"
     choice: dict[str, Any] = {
         "index": index,
         "message": message,
-        "finish_reason": "tool_calls" if calls else finish,
+        "finish_reason": finish,
         "stop_reason": stop_reason,
     }
     if body.get("logprobs"):

@@ -227,7 +227,11 @@ class PromptBuilder:
     def _check_text(self, message: dict[str, Any], index: int) -> None:
         """The message's text must still be what its generated ids say."""
         content = _text(message.get("content"), index).strip()
-        generated = self.decode(message.get("generation_token_ids") or [])
+        ids = message.get("generation_token_ids") or []
+        generated = self.decode(ids)
+        if content and content not in generated:
+            # A parser may read special tokens (Mistral's [TOOL_CALLS]) that stay in content.
+            generated = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         if content and content not in generated:
             raise PromptError(
                 f"messages[{index}] (assistant): its content is not the text of its "

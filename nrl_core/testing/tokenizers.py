@@ -44,3 +44,32 @@ def bpe_tokenizer(template: str = PLAIN_TEMPLATE):
 def ids_of(tokenizer, text: str) -> list[int]:
     """The ids of ``text`` alone (no special tokens added)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+MISTRAL_SPECIALS = ("[TOOL_CALLS]", "[ARGS]")
+"""Mistral's tool-call special tokens (decoding with ``skip_special_tokens`` drops them)."""
+
+
+def mistral_tokenizer(template: str = PLAIN_TEMPLATE):
+    """A character-level tokenizer (printable ASCII) whose special tokens include Mistral's
+    :data:`MISTRAL_SPECIALS`, for testing the ``mistral`` tool parser."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", EOS, "<|unk|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate([*specials, *MISTRAL_SPECIALS, *chars])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=EOS,
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=[*specials[3:], *MISTRAL_SPECIALS],
+    )
+    tokenizer.chat_template = template
+    return tokenizer

@@ -65,6 +65,7 @@ def test_grouped_by_kind_in_config_order(monkeypatch, capsys):
         "dataset",
         "agent",
         "cluster",
+        "tool_parser",
     ]
 
 

@@ -679,7 +679,12 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(plain_client):
     refused = [
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs=2 is not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format type 'json_object'"),
-        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice='required' is not supported"),
+        ({"tool_choice": "required"}, "tool_choice='required' needs `tools`"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": TOOLS},
+            "Tool 'f' has not been passed in `tools`",
+        ),
+        ({"tool_choice": "forced", "tools": TOOLS}, "tool_choice='forced' is not one of"),
         ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
         ({"logit_bias": {"5": 10}}, "logit_bias="),
         ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
@@ -710,6 +715,78 @@ def test_tool_choice_none_parses_no_call(client):
     )
     prompt = choice.message.model_extra["prompt_token_ids"]
     assert len(prompt) < len(with_tools.choices[0].message.model_extra["prompt_token_ids"])
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_is_forced_in_the_prompt_and_the_next_turn_continues_it(client, server):
+    """The call's opening (with the function's name) is appended to the prompt: its ids are
+    prompt ids, the model generates the arguments, and the parsed call comes back with
+    finish_reason "stop" (OpenAI's and vLLM's answer to a named function). The next turn's
+    prompt starts with this turn's prompt + generation ids (NeMo Gym's contiguity)."""
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '  # hermes's, as the template
+    assert CALL_TEXT.startswith(opening)
+    plain = client.chat.completions.create(
+        model="tool-tiny", messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=1
+    ).choices[0]
+    first = client.chat.completions.create(
+        model="tool-tiny",
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "sf"}
+    extra = choice.message.model_extra
+    # The prompt is the question's, then the opening's ids; the model generated the rest.
+    question = plain.message.model_extra["prompt_token_ids"]
+    assert extra["prompt_token_ids"][: len(question)] == question
+    forced = extra["prompt_token_ids"][len(question) :]
+    assert server.tokenizer.decode(forced) == opening
+    generated = extra["generation_token_ids"]
+    assert server.tokenizer.decode(generated, skip_special_tokens=True).startswith('{"city"')
+    assert first.usage.completion_tokens == len(generated) == len(extra["generation_log_probs"])
+    tokenized = httpx.post(
+        server.base_url.removesuffix("/v1") + "/tokenize",
+        json={"messages": QUESTION, "tools": TOOLS, "tool_choice": NAMED},
+    ).json()["tokens"]
+    assert tokenized == extra["prompt_token_ids"]  # /tokenize gives the same prompt
+
+    history = [
+        *QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+    ]
+    second = client.chat.completions.create(
+        model="tool-tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=128
+    )
+    sampled = extra["prompt_token_ids"] + generated
+    assert second.choices[0].message.model_extra["prompt_token_ids"][: len(sampled)] == sampled
+    assert second.choices[0].message.content == ANSWER
+
+
+def test_tool_choice_required_opens_a_call_and_the_model_names_the_tool(client, server):
+    reply = client.chat.completions.create(
+        model="tool-tiny",
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "sf"}
+    generated = choice.message.model_extra["generation_token_ids"]
+    assert server.tokenizer.decode(generated, skip_special_tokens=True).startswith("get_weather")
 
 
 def test_a_tool_call_the_way_verifiers_chat_client_asks_for_it(server):

@@ -105,3 +105,41 @@ def test_llama3_json_calls_are_the_whole_text():
     ]
     for prose in ('The answer is {"name": 1}', '{"name": "a"} and then text', '{"no": "name"}'):
         assert parse_tool_calls(prose, "llama3_json") == (prose, [])
+
+
+def test_mistral_calls_in_both_of_its_formats():
+    from nrl_core.serving.tool_calls import MistralParser
+
+    parser = MistralParser()
+    listed = '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    content, calls = parser.parse("Sure. " + listed, None)
+    assert content == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"x": 1}),
+        ("b", {}),
+    ]
+    # Mistral's v11+ tokenizers: one [TOOL_CALLS]NAME[ARGS]{...} per call.
+    content, calls = parser.parse('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', None)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]
+    for text in ("[TOOL_CALLS][{bad", '[TOOL_CALLS]a{"x": 1}', "no calls at all"):
+        assert parser.parse(text, None) == (text, [])
+
+
+def test_each_builtin_parser_reads_its_own_forced_opening_back():
+    """A forced call is parsed from the parser's opening + what the model generates after it."""
+    from nrl_core.serving.tool_calls import load_parser
+
+    rest = {
+        "hermes": '{"city": "sf"}}\n</tool_call>',
+        "llama3_json": '{"city": "sf"}}',
+        "mistral": '{"city": "sf"}}]',
+        "qwen3_coder": "<parameter=city>\nsf\n</parameter>\n</function>\n</tool_call>",
+    }
+    for name, after in rest.items():
+        parser = load_parser(name)
+        content, calls = parser.parse(parser.opening("get_weather") + after, WEATHER)
+        assert content is None, name
+        assert [c["function"]["name"] for c in calls] == ["get_weather"], name
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "sf"}, name
+        # `required`: the opening stops where the model names the function.
+        assert parser.opening("get_weather").startswith(parser.opening(None)), name

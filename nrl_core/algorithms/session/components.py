@@ -484,6 +484,7 @@ class Components:
             max_model_len=self.config.policy.max_total_sequence_length,
             config=server_config,
         )
+        self.server.registry = self.registry  # the run's tool parsers (plugins' included)
         self.server.start(server_config.host, server_config.port)
         self._closers.append(self.server.stop)
         return self.server

@@ -93,11 +93,11 @@ class ServerConfig:
         "auto",
         (
             "How tool calls are parsed out of generated text (vLLM's --tool-call-parser "
-            "names): `auto` (by model family), `hermes` (<tool_call>JSON</tool_call>), "
-            "`qwen3_coder` (<tool_call><function=...> XML), `llama3_json` (bare JSON), or "
-            "`none`."
+            "names): `auto` (`hermes`), `none`, or a registered parser: `hermes` "
+            "(<tool_call>JSON</tool_call>), `qwen3_coder` (<tool_call><function=...> XML), "
+            "`llama3_json` (bare JSON), `mistral` ([TOOL_CALLS] JSON), or one a plugin "
+            "registers (`nrl plugins`)."
         ),
-        validator=one_of("auto", "hermes", "qwen3_coder", "llama3_json", "none"),
     )
     reasoning_parser: str | None = option(
         None,
