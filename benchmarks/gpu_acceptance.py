@@ -27,6 +27,11 @@ Stages, in order, each in a subprocess of its own with a time limit:
   Megatron's distributed optimizer): first the refit's Hugging Face-named buckets, bit-exact
   against the checkpoint; then training steps, logprobs and the same hand-over. SKIP when
   megatron-core is not importable (the dev venv; the GPU bundle brings its wheel).
+- ``megatron_moe``: the same worker on a tiny Qwen3-MoE (4 experts, top-2) built in the work
+  folder: on ``cuda`` Megatron-Core's ``alltoall`` dispatcher, Megatron DDP with the experts and
+  the distributed optimizer (what CPU cannot build); the refit and ``export_hf`` bit-exact, each
+  expert once; logprobs against transformers' forward; training steps and ``train/moe/*``. Not
+  in ``quick`` (SKIP there, with how to run it); same SKIP as ``megatron`` without megatron-core.
 - ``grpo_step``: ``nrl run grpo`` through the real CLI on the built model (policy ``dtensor``,
   colocated ``torch`` generation, the ``arithmetic`` environment, the trainer recomputing the
   rollouts' logprobs); tokens/s and ``train/gen_logprob_error`` from its ``metrics.jsonl``.
