@@ -142,8 +142,8 @@ def test_cpu_mode_passes_every_stage_and_reports_its_figures(tmp_path):
         figures = moe["figures"]
         assert (figures["dispatcher"], figures["optimizer"]) == ("allgather", "torch")
         assert figures["refit_bit_exact"] is True and figures["export_bit_exact"] is True
-        # 4 experts x gate/up/down x 2 layers (the tiny profile), each under its own name.
-        assert figures["export_expert_tensors"] == 4 * 3 * 2
+        # 4 experts x gate/up/down x 4 layers (build_tiny_model's), each under its own name.
+        assert figures["export_expert_tensors"] == 4 * 3 * 4
         assert figures["hf_logprob_mean_abs"] <= 1e-5
         assert figures["loss_last"] < figures["loss_first"]
         assert figures["train/moe/load_cv"] > 0 and 1 <= figures["train/moe/max_load"] <= 2
