@@ -27,6 +27,11 @@ Stages, in order, each in a subprocess of its own with a time limit:
   Megatron's distributed optimizer): first the refit's Hugging Face-named buckets, bit-exact
   against the checkpoint; then training steps, logprobs and the same hand-over. SKIP when
   megatron-core is not importable (the dev venv; the GPU bundle brings its wheel).
+- ``megatron_moe``: the same worker on a tiny Qwen3-MoE (4 experts, top-2) built in the work
+  folder: on ``cuda`` Megatron-Core's ``alltoall`` dispatcher, Megatron DDP with the experts and
+  the distributed optimizer (what CPU cannot build); the refit and ``export_hf`` bit-exact, each
+  expert once; logprobs against transformers' forward; training steps and ``train/moe/*``. Not
+  in ``quick`` (SKIP there, with how to run it); same SKIP as ``megatron`` without megatron-core.
 - ``grpo_step``: ``nrl run grpo`` through the real CLI on the built model (policy ``dtensor``,
   colocated ``torch`` generation, the ``arithmetic`` environment, the trainer recomputing the
   rollouts' logprobs); tokens/s and ``train/gen_logprob_error`` from its ``metrics.jsonl``.
@@ -72,6 +77,7 @@ STAGES: tuple[str, ...] = (
     "generation",
     "cuda_ipc_refit",
     "megatron",
+    "megatron_moe",
     "grpo_step",
 )
 """Every stage, in the order they run."""
@@ -98,6 +104,15 @@ SHOWN = {
         "peak_mem_gb",
         "offload_freed_gb",
         "refit_bit_exact",
+    ),
+    "megatron_moe": (
+        "dispatcher",
+        "optimizer",
+        "hf_logprob_mean_abs",
+        "train/moe/load_cv",
+        "train/moe/max_load",
+        "refit_bit_exact",
+        "export_bit_exact",
     ),
     "grpo_step": ("tokens_per_s", "step_s", "generation_s", "train_s", "gen_logprob_error"),
 }
@@ -136,7 +151,8 @@ class Profile:
     grpo_overrides: tuple[str, ...]
     limits: dict[str, int]
     """Upper bound of each stage in seconds (:data:`STAGES`); their sum is the default
-    ``--budget-s``."""
+    ``--budget-s``. A stage the profile has no limit for is reported SKIP (``quick`` leaves
+    ``megatron_moe`` out)."""
 
 
 PROFILES = {
@@ -175,6 +191,7 @@ PROFILES = {
             "generation": 90,
             "cuda_ipc_refit": 120,
             "megatron": 120,
+            "megatron_moe": 120,
             "grpo_step": 180,
         },
     ),
@@ -215,6 +232,7 @@ PROFILES = {
             "generation": 180,
             "cuda_ipc_refit": 180,
             "megatron": 240,
+            "megatron_moe": 120,
             "grpo_step": 420,
         },
     ),
@@ -240,6 +258,8 @@ PROFILES["quick"] = replace(
         "generation.torch.generation_batch_size=32",
         "policy.max_total_sequence_length=128",
     ),
+    # No megatron_moe: the plan has 15 s to spare and the megatron stage alone took 25 s on an
+    # H100 (docs/performance.md), so it runs with --profile qwen2-0.5b.
     limits={
         "model": 50,
         "dtensor": 70,
@@ -272,7 +292,7 @@ def plan_seconds(profile: Profile) -> int:
     """The longest one invocation of every stage can take with ``profile``, the bundle's
     install before it included: the install estimate, every stage's limit (the default
     ``--budget-s`` caps their sum) and the grace of a last stage stopped at its limit."""
-    return INSTALL_ESTIMATE_S + sum(profile.limits[name] for name in STAGES) + GRACE_S
+    return INSTALL_ESTIMATE_S + sum(profile.limits.get(name, 0) for name in STAGES) + GRACE_S
 
 
 class UsageError(Exception):
@@ -444,14 +464,17 @@ def _require_model(ctx: StageContext) -> Path:
 # Stages: dtensor and megatron (one policy rank through the core's Policy facade)
 
 
-def _run_config(ctx: StageContext, backend: str):
-    """A GRPO run config whose policy section is the built model in the profile's precision."""
+def _run_config(
+    ctx: StageContext, backend: str, model: Path | None = None, lr: float | None = None
+):
+    """A GRPO run config whose policy section is the built model (or ``model``) in the
+    profile's precision (learning rate: the profile's, or ``lr``)."""
     from nrl_core.config.schema import GRPOConfig, OptimizerConfig, PolicyConfig
 
     p = ctx.profile
     policy = PolicyConfig(
         backend=backend,
-        model_name=str(_require_model(ctx)),
+        model_name=str(model or _require_model(ctx)),
         precision=p.dtype,
         num_workers=1,
         train_global_batch_size=p.train_batch,
@@ -459,7 +482,7 @@ def _run_config(ctx: StageContext, backend: str):
         logprob_batch_size=p.micro_batch,
         max_total_sequence_length=p.train_seq,
         max_grad_norm=1.0,
-        optimizer=OptimizerConfig(name="adamw", lr=p.lr),
+        optimizer=OptimizerConfig(name="adamw", lr=lr or p.lr),
     )
     return GRPOConfig(seed=0, policy=policy)
 
@@ -752,6 +775,217 @@ def _megatron_refit_content(ctx: StageContext, worker) -> dict[str, Any]:
         "refit_gather_gb_per_s": round(total_bytes / 1e9 / seconds, 3),
         "refit_bit_exact": True,
     }
+
+
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+"""The tiny Qwen3-MoE of the ``megatron_moe`` stage (as plugins/nrl-megatron/tests/test_moe.py)."""
+
+
+def _moe_model(ctx: StageContext) -> Path:
+    """The tiny Qwen3-MoE (every layer a mixture of 4 experts, top-2) in the profile's
+    precision, built once per workdir; whatever the profile, the stage checks the MoE path,
+    not throughput."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nrl_core.testing.tiny import build_tiny_model
+
+    target = Path(ctx.workdir) / f"moe-{ctx.profile.dtype}"
+    if (target / "config.json").exists():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    source = build_tiny_model(
+        partial.with_name(partial.name + "-f32"),
+        arch="qwen3_moe",
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+    )
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    # transformers' router init (std 0.02) routes nearly every token to the same experts;
+    # larger router weights spread them, so that the routing and its statistics mean something.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    # Saved in the policy's precision, so that the refit and the export can be bit-exact.
+    model = model.to(_torch_dtype(ctx.profile.dtype))
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(source).save_pretrained(partial)
+    shutil.rmtree(source, ignore_errors=True)
+    del model
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
+    """One rank of the megatron policy on the tiny Qwen3-MoE: on ``cuda`` the path CPU cannot
+    build (Megatron-Core's ``alltoall`` dispatcher creates a CUDA stream; Megatron DDP with the
+    experts in its buffers; the distributed optimizer), bf16; on ``cpu`` the ``allgather``
+    dispatcher and torch.optim, float32. Checks, in order: the refit's Hugging Face-named
+    tensors are transformers' in-memory state dict, each name once, bit-exact; ``export_hf``
+    writes the checkpoint's per-expert files, each expert once, bit-exact; logprobs equal
+    transformers' forward of the same weights on the device; training steps lower the loss and
+    report the router statistics (``train/moe/*``)."""
+    if not _have_megatron():
+        raise Skip(
+            "megatron-core not installed (the GPU bundle brings its wheel: "
+            "benchmarks/gpu_bundle.py; on CPU: nox -s plugin-megatron)"
+        )
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from nrl_megatron.config import MegatronConfig
+    from nrl_megatron.moe import METRIC_REDUCTIONS
+    from nrl_megatron.worker import MegatronPolicyWorker
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.distributed.worker_group import InProcessGroup
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.losses.nll import NLLLoss
+    from nrl_core.policy import Policy
+
+    p = ctx.profile
+    path = _moe_model(ctx)
+    # The tiny model's learning rate whatever the profile: a few steps must lower the loss
+    # clearly above bf16's rounding (the 0.5B profiles' 1e-4 is sized for the 0.5B model).
+    config = _run_config(ctx, "megatron", model=path, lr=1e-3)
+    dtype = _torch_dtype(p.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    worker = MegatronPolicyWorker(MegatronConfig(), ComponentContext(config=config, seed=0))
+    try:
+        dispatcher = worker.module.config.moe_token_dispatcher_type
+        want = "alltoall" if ctx.on_gpu else "allgather"
+        check(dispatcher == want, f"MoE token dispatcher {dispatcher!r}, expected {want!r}")
+        uses_megatron_optimizer = worker.megatron_optimizer is not None
+        check(
+            uses_megatron_optimizer == ctx.on_gpu,
+            f"Megatron distributed optimizer in use: {uses_megatron_optimizer} on {ctx.device}",
+        )
+        devices = {t.device.type for t in worker.module.parameters()}
+        check(devices == {ctx.device}, f"parameters on {devices}, expected {ctx.device}")
+
+        # The refit: transformers' in-memory names (experts stacked), each once, bit-exact.
+        sent: list[str] = []
+        differ = []
+        for bucket in worker.state_dict_buckets(int(p.refit_bucket_mb * 2**20)):
+            for name, tensor in bucket.items():
+                sent.append(name)
+                want_t = hf_state.get(name)
+                if want_t is None or not torch.equal(tensor.cpu(), want_t):
+                    differ.append(name)
+        twice = sorted({n for n in sent if sent.count(n) > 1})
+        check(not twice, f"refit sends {len(twice)} names more than once, e.g. {twice[:3]}")
+        missing = sorted(set(hf_state) - set(sent) - {"lm_head.weight"})
+        check(not missing, f"refit lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        check(not differ, f"refit: {len(differ)} tensors differ from transformers': {differ[:3]}")
+
+        # The export: the checkpoint's published (per-expert) files, each expert once.
+        exported = Path(ctx.workdir) / "moe-export"
+        shutil.rmtree(exported, ignore_errors=True)
+        worker.export_hf(str(exported))
+        saved = _safetensors(path, load_file)
+        written = _safetensors(exported, load_file)
+        experts = [n for n in written if ".mlp.experts." in n]
+        layers = worker.hf_config.num_hidden_layers
+        # gate, up and down of every expert of every layer, each under its own name.
+        check(
+            len(experts) == len(set(experts)) == 3 * MOE_EXPERTS * layers,
+            f"export holds {len(experts)} expert tensors, expected {3 * MOE_EXPERTS * layers}",
+        )
+        check(
+            written.keys() == saved.keys(),
+            f"export names differ from the checkpoint's: {sorted(written.keys() ^ saved.keys())[:3]}",
+        )
+        differ = [n for n in saved if not torch.equal(written[n], saved[n])]
+        check(not differ, f"export: {len(differ)} tensors differ from the checkpoint: {differ[:3]}")
+
+        # Logprobs before any step against transformers' forward of the same weights.
+        policy = Policy.from_config(InProcessGroup(worker), config.policy)
+        batch = _train_batch(ctx, worker.hf_config.vocab_size)
+        got = policy.get_logprobs(batch).float()
+        hf.to(ctx.device)
+        ids = batch["input_ids"].to(ctx.device)
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(input_ids=ids).logits[:, :-1].float(), -1)
+        want_lp = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+        del hf
+        valid = torch.arange(got.shape[1])[None, :] < batch["lengths"][:, None]
+        valid[:, 0] = False
+        diff = (got - want_lp.cpu())[valid].abs()
+        # float32 on CPU: the experts' outputs are summed in another order (test_moe.py: 1e-5
+        # absolute per token); bf16 on a GPU rounds each kernel shape differently.
+        mean_tol = 0.05 if ctx.on_gpu else 1e-5
+        check(
+            float(diff.mean()) <= mean_tol,
+            f"Megatron and transformers logprobs differ by {float(diff.mean()):.3g} on average "
+            f"(max {float(diff.max()):.3g}; allowed mean {mean_tol})",
+        )
+
+        # Training steps with the router statistics of each.
+        loss = NLLLoss()
+        tokens = int(batch["lengths"].sum())
+        _reset_peak_memory(ctx)
+        first = policy.train(batch, loss)
+        _synchronize(ctx)
+        started = time.perf_counter()
+        for _ in range(p.train_steps):
+            last = policy.train(batch, loss)
+        _synchronize(ctx)
+        train_s = time.perf_counter() - started
+        check(
+            math.isfinite(first["loss"]) and last["loss"] < first["loss"],
+            f"loss did not go down on the batch it trains on: {first['loss']} -> {last['loss']}",
+        )
+        check(math.isfinite(last["grad_norm"]) and last["grad_norm"] > 0, f"grad_norm {last}")
+        moe = {}
+        for key in METRIC_REDUCTIONS:
+            check(key in last, f"the step reports no {key} (keys: {sorted(last)})")
+            check(math.isfinite(last[key]), f"{key} is {last[key]}")
+            moe[f"train/{key}"] = round(float(last[key]), 5)
+        # Dropless top-k routing: the busiest expert takes at least the mean load and at most
+        # every token (num_experts / top_k times the mean).
+        check(
+            1 <= moe["train/moe/max_load"] <= MOE_EXPERTS / MOE_TOP_K + 1e-6,
+            f"train/moe/max_load {moe['train/moe/max_load']} outside [1, {MOE_EXPERTS / MOE_TOP_K}]",
+        )
+        peak_gb = _peak_memory_gb(ctx)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {
+        "dispatcher": dispatcher,
+        "optimizer": "megatron-distributed" if uses_megatron_optimizer else "torch",
+        "backend": "nccl" if ctx.on_gpu else "gloo",
+        "dtype": p.dtype,
+        "experts": MOE_EXPERTS,
+        "top_k": MOE_TOP_K,
+        "hf_logprob_mean_abs": float(f"{float(diff.mean()):.3g}"),
+        "hf_logprob_max_abs": float(f"{float(diff.max()):.3g}"),
+        "refit_tensors": len(sent),
+        "refit_bit_exact": True,
+        "export_tensors": len(written),
+        "export_expert_tensors": len(experts),
+        "export_bit_exact": True,
+        "train_tokens_per_s": round(tokens * p.train_steps / train_s, 1),
+        "loss_first": round(first["loss"], 4),
+        "loss_last": round(last["loss"], 4),
+        "grad_norm": round(last["grad_norm"], 4),
+        "peak_mem_gb": round(peak_gb, 3),
+        **moe,
+    }
+
+
+def _safetensors(folder: Path, load_file) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1131,6 +1365,7 @@ STAGE_FUNCTIONS = {
     "generation": stage_generation,
     "cuda_ipc_refit": stage_cuda_ipc_refit,
     "megatron": stage_megatron,
+    "megatron_moe": stage_megatron_moe,
     "grpo_step": stage_grpo_step,
 }
 
@@ -1258,6 +1493,14 @@ def _not_run(name: str, reason: str) -> dict[str, Any]:
     return {"name": name, "status": "FAIL", "seconds": 0.0, "figures": {}, "reason": reason}
 
 
+def _not_in_profile(name: str, profile: str) -> dict[str, Any]:
+    reason = (
+        f"not in the {profile} profile (its time limit would not fit that profile's plan); "
+        f"run it with --profile qwen2-0.5b --only {name}"
+    )
+    return {"name": name, "status": "SKIP", "seconds": 0.0, "figures": {}, "reason": reason}
+
+
 def _tail(path: str, lines: int = 15) -> str:
     try:
         text = Path(path).read_text(errors="replace").splitlines()
@@ -1350,7 +1593,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     profile = PROFILES[args.profile or DEFAULT_PROFILE[device]]
-    budget_s = args.budget_s or float(sum(profile.limits[name] for name in stages))
+    budget_s = args.budget_s or float(sum(profile.limits.get(name, 0) for name in stages))
     own_workdir = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="nrl-acc-")).resolve()
     log_dir = workdir / "logs"
@@ -1388,7 +1631,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pending, running = list(stages), []
     if args.jobs > 1:  # longest first, so that the slowest stage does not start last
-        pending.sort(key=lambda n: (n != "model", -profile.limits[n]))
+        pending.sort(key=lambda n: (n != "model", -profile.limits.get(n, 0)))
     while pending or running:
         # `model` runs alone: every other stage loads what it builds.
         model_first = bool(running) and running[0].name == "model"
@@ -1396,7 +1639,9 @@ def main(argv: list[str] | None = None) -> int:
             name = pending.pop(0)
             left = budget_s - (time.perf_counter() - started)
             model = entries.get("model")
-            if name != "model" and model is not None and model["status"] != "PASS":
+            if name not in profile.limits:
+                finish(_not_in_profile(name, profile.name))
+            elif name != "model" and model is not None and model["status"] != "PASS":
                 finish(_not_run(name, "the model stage failed"))
             elif left < 5:
                 finish(_not_run(name, f"no time left in --budget-s {budget_s:g}"))

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_acceptance.py"
-STAGES = ["model", "dtensor", "generation", "cuda_ipc_refit", "megatron", "grpo_step"]
+STAGES = [
+    "model",
+    "dtensor",
+    "generation",
+    "cuda_ipc_refit",
+    "megatron",
+    "megatron_moe",
+    "grpo_step",
+]
 
 
 def have_megatron() -> bool:
@@ -43,7 +51,9 @@ def test_the_default_gpu_plan_fits_one_eight_minute_device_command():
     acc = load_script()
     profile = acc.PROFILES[acc.DEFAULT_PROFILE["cuda"]]
     assert profile.name == "quick"
-    assert set(profile.limits) == set(acc.STAGES)
+    # megatron_moe does not fit the plan: it runs with the full profile (and on CPU).
+    assert set(profile.limits) == set(acc.STAGES) - {"megatron_moe"}
+    assert all(set(p.limits) == set(acc.STAGES) for p in acc.PROFILES.values() if p is not profile)
     stages_s = sum(profile.limits.values())
     assert acc.plan_seconds(profile) == acc.INSTALL_ESTIMATE_S + stages_s + acc.GRACE_S
     assert acc.plan_seconds(profile) <= acc.QUICK_PLAN_S == 8 * 60
@@ -126,6 +136,20 @@ def test_cpu_mode_passes_every_stage_and_reports_its_figures(tmp_path):
     else:
         assert stages["megatron"]["status"] == "SKIP"
         assert "megatron-core not installed" in stages["megatron"]["reason"]
+    moe = stages["megatron_moe"]
+    if have_megatron():
+        assert moe["status"] == "PASS", moe
+        figures = moe["figures"]
+        assert (figures["dispatcher"], figures["optimizer"]) == ("allgather", "torch")
+        assert figures["refit_bit_exact"] is True and figures["export_bit_exact"] is True
+        # 4 experts x gate/up/down x 4 layers (build_tiny_model's), each under its own name.
+        assert figures["export_expert_tensors"] == 4 * 3 * 4
+        assert figures["hf_logprob_mean_abs"] <= 1e-5
+        assert figures["loss_last"] < figures["loss_first"]
+        assert figures["train/moe/load_cv"] > 0 and 1 <= figures["train/moe/max_load"] <= 2
+        assert figures["train/moe/aux_loss"] > 0
+    else:
+        assert moe["status"] == "SKIP" and "megatron-core not installed" in moe["reason"]
     grpo = stages["grpo_step"]["figures"]
     assert grpo["steps"] == 2 and grpo["tokens_per_s"] > 0 and grpo["step_s"] > 0
 
@@ -145,6 +169,22 @@ def test_bad_arguments_get_one_error_line_and_exit_2(args, message):
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert message in result.stderr
+
+
+def test_a_stage_the_profile_leaves_out_is_skipped_with_its_reason(tmp_path):
+    """``quick`` has no limit for megatron_moe: the stage is a SKIP that says how to run it,
+    never a silent omission (``--budget-s 1``: nothing heavy runs, the model stage fails)."""
+    out = tmp_path / "report.json"
+    result = run_script(
+        "--device", "cpu", "--profile", "quick", "--only", "megatron_moe", "--budget-s", "1",
+        "--out", str(out), "--workdir", str(tmp_path / "work"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr  # the model stage had no time
+    stages = {s["name"]: s for s in json.loads(out.read_text())["stages"]}
+    assert stages["megatron_moe"]["status"] == "SKIP"
+    assert "not in the quick profile" in stages["megatron_moe"]["reason"]
+    assert "--profile qwen2-0.5b --only megatron_moe" in stages["megatron_moe"]["reason"]
+    assert "SKIP megatron_moe" in result.stdout
 
 
 def test_a_stage_without_time_left_fails_the_run_and_is_reported(tmp_path):
