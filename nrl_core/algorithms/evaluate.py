@@ -28,6 +28,7 @@ from nrl_core.algorithms.grpo import sampling_params
 from nrl_core.algorithms.recipes import resolve_eval_config
 from nrl_core.algorithms.rollout import Episode, rollout, start_episodes
 from nrl_core.algorithms.runtime import RunSession
+from nrl_core.algorithms.samples import sample_records
 from nrl_core.checkpoint import POLICY_CHECKPOINT
 from nrl_core.config.schema import EvalConfig
 from nrl_core.errors import ConfigError
@@ -184,6 +185,11 @@ def evaluate(
         episodes = roll_out(session, config)
         record = build_record(config, step, ks, episodes, session)
         session.log(0, _flat("eval", record["metrics"], record["tasks"]))
+        if config.logger.sample_period:
+            # The responses themselves, like a validation pass's: what two evaluations of one
+            # checkpoint (two backends) can be compared on response by response.
+            chosen = episodes[: config.logger.num_samples]
+            session.metrics.log_samples(0, sample_records(chosen), split="eval")
         path = output_path(config)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2) + "\n")

@@ -198,3 +198,7 @@ def test_nrl_eval_on_the_tiny_model_writes_eval_json(tmp_path):
     # The metrics also go to the run's metrics log, like a training run's.
     logged = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").open()]
     assert logged[-1]["eval/accuracy"] == metrics["accuracy"]
+    # And its first logger.num_samples (4) responses to samples.jsonl, like a validation pass.
+    samples = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").open()]
+    assert [(s["step"], s["split"]) for s in samples] == [(0, "eval")] * 4
+    assert all(s["task"] == "arithmetic" and s["answer"] is not None for s in samples)

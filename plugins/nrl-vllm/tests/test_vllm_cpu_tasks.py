@@ -49,9 +49,12 @@ def tasks_run(tmp_path_factory) -> Path:
     command += ["generation.backend=vllm", "generation.actor_env=venv", TASKS]
     command += [f"logger.log_dir={tmp}", "logger.run_name=run", "cluster.num_cpus=2"]
     command += [f"checkpointing.checkpoint_dir={tmp / 'run' / 'ckpt'}"]
-    # A few SFT warm-up steps move the policy away from the weights the engine loaded from the
-    # model folder: a refit that did not happen shows in step 1's gen_logprob_error.
-    command += ["grpo.sft_warmup_steps=4", "grpo.max_num_steps=2", "grpo.val_period=2"]
+    # SFT warm-up steps move the policy away from the weights the engine loaded from the model
+    # folder: a refit that did not happen shows in step 1's gen_logprob_error. 30 of them (the
+    # recipe's count) also make the checkpoint's greedy answers depend on the problem (measured
+    # with the torch backend: "1" or "11" by the size of the sum, where 12 steps answer "1" to
+    # every problem and 4 steps stop at once), so the eval comparison below has answers to compare.
+    command += ["grpo.sft_warmup_steps=30", "grpo.max_num_steps=2", "grpo.val_period=2"]
     command += ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"]
     command += ["policy.train_global_batch_size=16", "policy.train_micro_batch_size=8"]
     command += ["policy.max_total_sequence_length=256", "data.max_val_samples=4"]
@@ -84,29 +87,46 @@ def test_multi_turn_game_and_agent_task_train_on_the_vllm_engine(tasks_run):
     assert not {"val/chat/accuracy", "val/accuracy"} & set(rows[-1])
 
 
-def _eval(run: Path, out: Path, backend: str) -> dict:
-    command = [sys.executable, "-m", "nrl_core.cli", "eval", "-q"]
-    command += [f"eval.checkpoint={run / 'ckpt'}", f"eval.output={out}"]
-    command += [f"logger.log_dir={out.parent}", f"logger.run_name={backend}", "cluster.num_cpus=2"]
+def _eval(run: Path | None, out: Path, backend: str) -> tuple[dict, list[dict]]:
+    """``nrl eval`` of ``run``'s checkpoint (None: the model folder's weights, untrained),
+    greedy, on ``backend``: its ``eval.json`` record and its responses (``samples.jsonl``)."""
+    command = [sys.executable, "-m", "nrl_core.cli", "eval", "-q", f"eval.output={out}"]
+    if run is not None:
+        command += [f"eval.checkpoint={run / 'ckpt'}"]
+    command += [f"logger.log_dir={out.parent}", f"logger.run_name={out.stem}", "cluster.num_cpus=2"]
     command += ["generation.temperature=0", "eval.num_samples=1", "data.max_val_samples=16"]
-    command += [f"generation.backend={backend}"]
+    command += ["logger.num_samples=16", f"generation.backend={backend}"]
     if backend == "vllm":
         command += ["generation.actor_env=venv"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env())
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(out.read_text())
+    lines = (out.parent / out.stem / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert len(samples) == 16 and {s["split"] for s in samples} == {"eval"}
+    return json.loads(out.read_text()), samples
+
+
+def _responses(samples: list[dict]) -> list[tuple]:
+    return [(s["prompt"], s["completion"], s["finish_reason"]) for s in samples]
 
 
 def test_nrl_eval_of_a_checkpoint_with_vllm_equals_the_torch_backend(tasks_run, tmp_path):
     """``nrl eval`` of the run's checkpoint, greedy: vLLM (the engine refit from the loaded
-    checkpoint) scores the same problems, with the same response lengths, as the torch backend
-    (generation inside the policy workers). An engine left with the model folder's weights
-    answers differently (the checkpoint is 4 SFT + 2 GRPO steps away from them)."""
-    torch_record = _eval(tasks_run, tmp_path / "torch.json", "torch")
-    vllm_record = _eval(tasks_run, tmp_path / "vllm.json", "vllm")
+    checkpoint) gives every problem the same response as the torch backend (generation inside
+    the policy workers), character for character (the tiny tokenizer's tokens), hence the same
+    metrics. The model folder's weights, which an engine that missed the refit would keep,
+    answer differently (checked here: else this test could not tell)."""
+    torch_record, torch_samples = _eval(tasks_run, tmp_path / "torch.json", "torch")
+    vllm_record, vllm_samples = _eval(tasks_run, tmp_path / "vllm.json", "vllm")
+    _, initial_samples = _eval(None, tmp_path / "initial.json", "torch")
     assert vllm_record["generation"]["backend"] == "vllm"
     assert vllm_record["checkpoint"] == torch_record["checkpoint"]
     assert torch_record["checkpoint"].endswith("step_2")
+    assert _responses(vllm_samples) == _responses(torch_samples)
+    # The checkpoint is trained: its answers depend on the problem, and are not the model
+    # folder's (whose untrained greedy answers run to max_new_tokens).
+    assert len({s["completion"] for s in torch_samples}) > 1, torch_samples
+    assert _responses(initial_samples) != _responses(torch_samples), torch_samples
     keys = ["num_problems", "accuracy", "pass@1", "reward_mean", "response_length_mean"]
     keys += ["truncated_fraction", "finished_fraction"]
     assert {k: vllm_record["metrics"].get(k) for k in keys} == {
