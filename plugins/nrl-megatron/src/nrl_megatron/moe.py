@@ -17,24 +17,12 @@ and logged (``moe/aux_loss``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
-METRIC_REDUCTIONS = {"moe/load_cv": "mean", "moe/max_load": "max", "moe/aux_loss": "mean"}
-"""How the router statistics combine over ranks (each rank reports its own tokens'):
+from nrl_core.moe import METRIC_REDUCTIONS
+from nrl_core.moe import RouterStatistics as _CoreRouterStatistics
 
-* ``moe/load_cv``: coefficient of variation (standard deviation / mean) of the tokens routed to
-  each expert, averaged over MoE layers; 0 is a perfect balance, ``sqrt(E/k - 1)`` (``E``
-  experts, top-``k``) all tokens on the same ``k`` experts. Mean over ranks.
-* ``moe/max_load``: the busiest expert's tokens over the mean per expert, the largest over
-  layers (1 = balanced, at most ``E/k``). Max over ranks.
-* ``moe/aux_loss``: the Switch-Transformer load-balancing loss as transformers computes it
-  (``E * sum_e f_e * P_e``, ``f_e`` the fraction of routed tokens per expert times ``k``,
-  ``P_e`` the mean softmax probability over all experts), averaged over layers: ``k`` when
-  balanced. Mean over ranks.
-"""
+__all__ = ["METRIC_REDUCTIONS", "RouterStatistics", "routers"]
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -44,76 +32,26 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
-class RouterStatistics:
-    """Counts, over the training forwards of one optimizer step, the tokens each router of
-    ``model`` sends to each expert (padding excluded) and the sums of its softmax
-    probabilities; :meth:`metrics` reports :data:`METRIC_REDUCTIONS`' statistics."""
+class RouterStatistics(_CoreRouterStatistics):
+    """The core's router statistics (:class:`nrl_core.moe.RouterStatistics`, what
+    :data:`~nrl_core.moe.METRIC_REDUCTIONS` reports), counted from a forward hook on each
+    ``TopKRouter`` of ``model`` (tokens sequence-major: Megatron's ``[s, b, h]``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = routers(model)
-        self.num_experts = [r.config.num_moe_experts for r in self.routers]
-        self._mask: torch.Tensor | None = None
-        self._active = False
-        self._reset()
+        super().__init__([r.config.num_moe_experts for r in self.routers], sequence_first=True)
         for index, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(index))
 
-    def _reset(self) -> None:
-        self._counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
-        self._probs = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
-        self._tokens = [0.0 for _ in self.num_experts]
-
     def _hook(self, index: int):
         def record(module, args, output) -> None:
-            if not self._active:
+            if not self.active:
                 return
             _, routing_map = output
             with torch.no_grad():
                 # The router's own logits again (its forward does not return them): the
                 # probabilities over *all* experts that the auxiliary loss uses.
                 logits = module.gating(args[0]).reshape(routing_map.shape)
-                probs = torch.softmax(logits.float(), dim=-1)
-                chosen = routing_map
-                if self._mask is not None:
-                    keep = self._mask.to(chosen.device)
-                    probs, chosen = probs[keep], chosen[keep]
-                self._counts[index] += chosen.sum(0).to("cpu", torch.float64)
-                self._probs[index] += probs.sum(0).to("cpu", torch.float64)
-                self._tokens[index] += probs.shape[0]
+            self.count(index, torch.softmax(logits.float(), dim=-1), routing_map)
 
         return record
-
-    @contextlib.contextmanager
-    def collecting(self, valid: torch.Tensor | None) -> Iterator[None]:
-        """Count the router forwards run inside. ``valid``: ``[B, T]`` booleans of real tokens
-        of the padded micro batch, or None when all are (packed sequences)."""
-        # Megatron's hidden states are [s, b, h]: the router's tokens are sequence-major.
-        self._mask = None if valid is None else valid.t().reshape(-1)
-        self._active = True
-        try:
-            yield
-        finally:
-            self._mask, self._active = None, False
-
-    def metrics(self) -> dict[str, float]:
-        """This rank's statistics since the last call (then reset); empty when nothing was
-        counted."""
-        cvs, max_loads, aux = [], [], []
-        for counts, probs, tokens, experts in zip(
-            self._counts, self._probs, self._tokens, self.num_experts, strict=True
-        ):
-            if tokens == 0:
-                continue
-            mean = counts.mean()
-            cvs.append(float(counts.std(correction=0) / mean))
-            max_loads.append(float(counts.max() / mean))
-            fraction = counts / tokens  # sums to top_k
-            aux.append(float(experts * (fraction * probs / tokens).sum()))
-        self._reset()
-        if not cvs:
-            return {}
-        return {
-            "moe/load_cv": sum(cvs) / len(cvs),
-            "moe/max_load": max(max_loads),
-            "moe/aux_loss": sum(aux) / len(aux),
-        }

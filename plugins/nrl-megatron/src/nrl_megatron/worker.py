@@ -595,12 +595,7 @@ class MegatronPolicyWorker:
         padding excluded (a packed micro batch has none)."""
         if self.router_stats is None:
             return contextlib.nullcontext()
-        valid = None
-        if not isinstance(micro_batch, PackedSequences) and "lengths" in micro_batch:
-            from nrl_core.training import valid_token_mask
-
-            valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
-        return self.router_stats.collecting(valid)
+        return self.router_stats.collecting(micro_batch)
 
     def forward_backward_micro_batches(
         self,

@@ -1,0 +1,111 @@
+"""Router statistics of mixture-of-experts models, the same for every policy backend.
+
+A policy plugin finds its routers and hooks their forwards (each library's router returns a
+different tuple); per forward it hands this module the router's softmax probabilities over all
+experts and which experts each token was sent to (:meth:`RouterStatistics.count`). The counting
+over a step's micro batches, the padding mask, the statistics and how they combine over ranks
+live here once, so that ``train/moe/*`` means the same thing in every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+METRIC_REDUCTIONS = {"moe/load_cv": "mean", "moe/max_load": "max", "moe/aux_loss": "mean"}
+"""How the router statistics combine over ranks (each rank reports its own tokens'):
+
+* ``moe/load_cv``: coefficient of variation (standard deviation / mean) of the tokens routed to
+  each expert, averaged over MoE layers; 0 is a perfect balance, ``sqrt(E/k - 1)`` (``E``
+  experts, top-``k``) all tokens on the same ``k`` experts. Mean over ranks.
+* ``moe/max_load``: the busiest expert's tokens over the mean per expert, the largest over
+  layers (1 = balanced, at most ``E/k``). Max over ranks.
+* ``moe/aux_loss``: the Switch-Transformer load-balancing loss as transformers computes it
+  (``E * sum_e f_e * P_e``, ``f_e`` the fraction of routed tokens per expert times ``k``,
+  ``P_e`` the mean softmax probability over all experts), averaged over layers: ``k`` when
+  balanced. Mean over ranks.
+"""
+
+
+class RouterStatistics:
+    """Counts, over the training forwards of one optimizer step, the tokens each MoE layer sends
+    to each expert (padding excluded) and the sums of its router's softmax probabilities;
+    :meth:`metrics` reports :data:`METRIC_REDUCTIONS`' statistics.
+
+    ``num_experts``: the experts of each MoE layer, in the order of the ``layer`` indices given
+    to :meth:`count`. ``sequence_first``: whether the router sees the micro batch's tokens
+    sequence-major (Megatron's ``[s, b, h]``) rather than batch-major (Hugging Face's
+    ``[b, s, h]``), which decides how the padding mask is flattened.
+    """
+
+    def __init__(self, num_experts: Sequence[int], *, sequence_first: bool = False) -> None:
+        self.num_experts = list(num_experts)
+        self.sequence_first = sequence_first
+        self._mask: torch.Tensor | None = None
+        self.active = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
+        self._probs = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
+        self._tokens = [0.0 for _ in self.num_experts]
+
+    @contextlib.contextmanager
+    def collecting(self, micro_batch: Any) -> Iterator[None]:
+        """Count the router forwards run inside, for ``micro_batch`` (a padded
+        :class:`~nrl_core.data.Batch`, whose padding is left out, or packed sequences, which
+        have none). Not a recomputation in the backward: call it around the forward only."""
+        from nrl_core.packing import PackedSequences
+
+        mask = None
+        if not isinstance(micro_batch, PackedSequences) and "lengths" in micro_batch:
+            from nrl_core.training import valid_token_mask
+
+            valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
+            mask = (valid.t() if self.sequence_first else valid).reshape(-1)
+        self._mask, self.active = mask, True
+        try:
+            yield
+        finally:
+            self._mask, self.active = None, False
+
+    def count(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Add one router forward of MoE layer ``layer``: ``probs`` ``[tokens, experts]``, the
+        softmax over all experts; ``chosen`` ``[tokens, experts]``, 1 where a token was sent to
+        the expert (its top-k). Tokens in the router's order; padding is dropped here."""
+        if not self.active:
+            return
+        with torch.no_grad():
+            probs, chosen = probs.detach().float(), chosen.detach()
+            if self._mask is not None:
+                keep = self._mask.to(probs.device)
+                probs, chosen = probs[keep], chosen[keep]
+            self._counts[layer] += chosen.sum(0).to("cpu", torch.float64)
+            self._probs[layer] += probs.sum(0).to("cpu", torch.float64)
+            self._tokens[layer] += probs.shape[0]
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's statistics since the last call (then reset); empty when nothing was
+        counted."""
+        cvs, max_loads, aux = [], [], []
+        for counts, probs, tokens, experts in zip(
+            self._counts, self._probs, self._tokens, self.num_experts, strict=True
+        ):
+            if tokens == 0:
+                continue
+            mean = counts.mean()
+            cvs.append(float(counts.std(correction=0) / mean))
+            max_loads.append(float(counts.max() / mean))
+            fraction = counts / tokens  # sums to top_k, as transformers' tokens_per_expert
+            aux.append(float(experts * (fraction * probs / tokens).sum()))
+        self._reset()
+        if not cvs:
+            return {}
+        return {
+            "moe/load_cv": sum(cvs) / len(cvs),
+            "moe/max_load": max(max_loads),
+            "moe/aux_loss": sum(aux) / len(aux),
+        }
