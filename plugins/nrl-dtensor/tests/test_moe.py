@@ -12,6 +12,7 @@ from test_dtensor import full_params, group_policy, local_policy, local_worker, 
 from nrl_core.data import Batch, pad_sequences
 from nrl_core.interfaces import SamplingParams
 from nrl_core.testing.batches import TokenMeanNLL, make_batch
+from nrl_core.testing.moe import transformers_router_metrics
 from nrl_core.training import valid_token_mask
 
 EXPERTS, TOP_K = 4, 2
@@ -29,31 +30,6 @@ def moe_path(tmp_path_factory):
         num_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
     )
-
-
-def hf_router_metrics(path, batch: Batch) -> dict[str, float]:
-    """``moe/*`` of ``batch`` from transformers' own router logits (``output_router_logits``)
-    and its own load-balancing loss, padding excluded."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = batch["input_ids"]
-    valid = valid_token_mask(batch, ids.shape[1])
-    with torch.no_grad():
-        layers = model(input_ids=ids, output_router_logits=True).router_logits
-    cvs, max_loads, aux = [], [], []
-    for logits in layers:
-        top = logits.softmax(-1).topk(TOP_K, dim=-1).indices[valid.reshape(-1)]
-        counts = torch.bincount(top.reshape(-1), minlength=EXPERTS).double()
-        cvs.append(float(counts.std(correction=0) / counts.mean()))
-        max_loads.append(float(counts.max() / counts.mean()))
-        aux.append(float(load_balancing_loss_func((logits,), EXPERTS, TOP_K, valid.long())))
-    return {
-        "moe/load_cv": sum(cvs) / len(cvs),
-        "moe/max_load": max(max_loads),
-        "moe/aux_loss": sum(aux) / len(aux),
-    }
 
 
 def assert_metrics_close(got: dict, expected: dict) -> None:
@@ -77,7 +53,7 @@ def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path):
     started from."""
     config = make_config(moe_path, mbs=4)
     batch = make_batch(8, seed=1)
-    expected = hf_router_metrics(moe_path, batch)
+    expected = transformers_router_metrics(moe_path, batch)
     got = local_policy(config).train(batch, TokenMeanNLL())
     assert_metrics_close(got, expected)
     # Not a degenerate routing: some experts get more than others, none all tokens.
@@ -155,7 +131,7 @@ def test_two_ranks_with_experts_sharded_match_one_rank(moe_path, start_group, da
     policy = group_policy(start_group, config, options)
     assert policy.group.run_all("is_sharded") == [data_parallel == "shard"] * 2
     shards, _ = policy._shards(batch)
-    per_rank = [hf_router_metrics(moe_path, shard) for shard in shards]
+    per_rank = [transformers_router_metrics(moe_path, shard) for shard in shards]
     got = policy.train(batch, TokenMeanNLL())
     assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
     assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]

@@ -16,6 +16,7 @@ from test_megatron import WORKER, context, make_config, policy
 
 from nrl_core.data import Batch
 from nrl_core.testing.batches import TokenMeanNLL, make_batch
+from nrl_core.testing.moe import transformers_router_metrics
 from nrl_core.training import valid_token_mask
 
 EXPERTS, TOP_K = 4, 2
@@ -68,31 +69,6 @@ def hf_logprobs(path, batch: Batch) -> torch.Tensor:
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
     return torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-
-
-def hf_router_metrics(path, batch: Batch) -> dict[str, float]:
-    """``moe/*`` of ``batch`` from transformers' own router logits (``output_router_logits``)
-    and its own load-balancing loss, padding excluded."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = batch["input_ids"]
-    valid = valid_token_mask(batch, ids.shape[1])
-    with torch.no_grad():
-        layers = model(input_ids=ids, output_router_logits=True).router_logits
-    cvs, max_loads, aux = [], [], []
-    for logits in layers:
-        top = logits.softmax(-1).topk(TOP_K, dim=-1).indices[valid.reshape(-1)]
-        counts = torch.bincount(top.reshape(-1), minlength=EXPERTS).double()
-        cvs.append(float(counts.std(correction=0) / counts.mean()))
-        max_loads.append(float(counts.max() / counts.mean()))
-        aux.append(float(load_balancing_loss_func((logits,), EXPERTS, TOP_K, valid.long())))
-    return {
-        "moe/load_cv": sum(cvs) / len(cvs),
-        "moe/max_load": max(max_loads),
-        "moe/aux_loss": sum(aux) / len(aux),
-    }
 
 
 def moe_options(ep: int = 1):
@@ -163,7 +139,7 @@ def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path, po
     weights the step started from; the step also trains (logprobs equal HF's before)."""
     config = make_config(moe_path, mbs=4)
     batch = make_batch(8, seed=1)
-    expected = hf_router_metrics(moe_path, batch)
+    expected = transformers_router_metrics(moe_path, batch)
     megatron = policy(start_group(pool1, WORKER, (moe_options(), context(config))), config)
     valid = valid_token_mask(batch, batch["input_ids"].shape[1])  # the policy zeroes padding
     torch.testing.assert_close(
@@ -297,7 +273,7 @@ def test_moe_on_one_gpu_matches_hugging_face(moe_path, pool1, start_group):
     step trains."""
     config = make_config(moe_path, mbs=4)
     batch = make_batch(8, seed=1)
-    expected = hf_router_metrics(moe_path, batch)
+    expected = transformers_router_metrics(moe_path, batch)
     megatron = policy(start_group(pool1, WORKER, (moe_options(), context(config))), config)
     valid = valid_token_mask(batch, batch["input_ids"].shape[1])
     before = megatron.get_logprobs(batch)
