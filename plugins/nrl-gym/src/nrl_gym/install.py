@@ -177,16 +177,10 @@ def server_requirements(server_dir: Path) -> list[str]:
 
 def server_dirs(venv: Path, config_paths: Iterable[str]) -> list[Path]:
     """The server directories (``<kind>/<name>``) the Gym config files name, in order."""
-    import yaml
-
     site = package_dir(venv)
     found: list[Path] = []
     for config in config_paths:
-        path = Path(config) if Path(config).is_absolute() else site / config
-        try:
-            blocks = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # ng_run names the file in its own error
+        blocks = _read_config(site, config)
         for block in blocks.values() if isinstance(blocks, dict) else ():
             for kind, servers in block.items() if isinstance(block, dict) else ():
                 if kind in SERVER_KINDS and isinstance(servers, dict):
@@ -199,16 +193,10 @@ def server_dirs(venv: Path, config_paths: Iterable[str]) -> list[Path]:
 def config_instances(venv: Path, config_paths: Iterable[str]) -> set[str]:
     """The server instances the Gym config files declare (their top-level keys: the names
     rows give in ``agent_ref.name``); a file that cannot be read declares none."""
-    import yaml
-
     site = package_dir(venv)
     names: set[str] = set()
     for config in config_paths:
-        path = Path(config) if Path(config).is_absolute() else site / config
-        try:
-            blocks = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # ng_run names the file in its own error
+        blocks = _read_config(site, config)
         if isinstance(blocks, dict):
             names.update(str(name) for name in blocks)
     return names
@@ -257,3 +245,15 @@ def _uv_bin() -> str:
         return find_uv_bin()
     except ImportError:
         return shutil.which("uv") or "uv"
+
+
+def _read_config(site: Path, config: str):
+    """A Gym config file's YAML (a path relative to Gym's package folder ``site``, or
+    absolute); None when it cannot be read: ng_run names the file in its own error."""
+    import yaml
+
+    path = Path(config) if Path(config).is_absolute() else site / config
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
