@@ -133,10 +133,12 @@ def nrl_register_tool_parsers(register: Register) -> None:
     (vLLM's ``--tool-call-parser`` names are the convention).
 
     The target is a class honouring :class:`nrl_core.interfaces.ToolParser` (subclass
-    :class:`nrl_core.serving.tool_calls.ToolParser`), built with no arguments in the driver where the endpoint runs (so it must import only what
-    ``nrl_core`` does): ``parse(text, tools)`` returns ``(content, tool_calls)`` of a
-    generated text; ``opening(name)`` returns the text that opens a call (to let requests
-    force one with ``tool_choice``), or None; ``special_tokens`` names the special tokens it
-    reads, which the generated ids are then decoded keeping. The core registers ``hermes``,
-    ``llama3_json``, ``mistral`` and ``qwen3_coder``.
+    :class:`nrl_core.serving.tool_calls.ToolParser`), built with no arguments in the driver
+    where the endpoint runs (so it must import only what ``nrl_core`` does): ``parse(text,
+    tools)`` returns ``(content, tool_calls)`` of a generated text; ``opening(name)`` returns
+    the text that opens a call (to let requests force one with ``tool_choice``), or None;
+    ``special_tokens`` names the special tokens it reads, which the generated ids are then
+    decoded keeping. The core registers ``hermes``, ``llama3_json``, ``mistral`` and
+    ``qwen3_coder``. Options come from ``server.*``: a parser takes none of its own, only its
+    name in ``server.tool_parser``.
     """

@@ -43,6 +43,7 @@ def test_plugins_json_lists_every_workspace_plugin(capsys):
                 "loss",
                 "cluster",
                 "dataset",
+                "tool_parser",
             }
             assert ":" in component["target"]
     kinds = {(c["kind"], c["name"]) for p in data for c in p["components"]}
@@ -114,8 +115,10 @@ def test_help_does_not_import_heavy_modules():
     assert out.stdout.strip() == "[]"
 
 
-def test_doctor_reports_versions_and_engine_extras():
-    result = nrl("doctor", env={"COLUMNS": "250"})
+def test_doctor_reports_versions_and_engine_extras(tmp_path):
+    # An empty venv folder: the hint to build an engine's venv is printed only while it is
+    # missing, and a workspace that has run vLLM already has its venv.
+    result = nrl("doctor", env={"COLUMNS": "250", "NRL_VENV_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "torch" in result.stdout and "ray" in result.stdout
     # The engines are not installed in the dev environment: doctor says where they run.
