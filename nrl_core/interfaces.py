@@ -105,6 +105,13 @@ class PolicyWorker(Protocol):
 
     Contract on gradients: the worker's gradient reduction AVERAGES over data-parallel ranks
     (what FSDP and DDP do); the core multiplies each loss by the data-parallel size to undo it.
+
+    Optional: a worker that must see all micro batches of an optimizer step at once (a pipeline
+    schedule interleaves them across stages) defines
+    ``forward_backward_micro_batches(items) -> bool``, with ``items`` the ``(micro batch, loss
+    closure)`` pairs in order; the core then calls it instead of :meth:`forward_backward`, and it
+    returns whether this rank called the closures (only a pipeline's last stage does;
+    :func:`nrl_core.training.train_on_rank`).
     """
 
     def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:
