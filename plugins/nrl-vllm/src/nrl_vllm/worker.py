@@ -116,12 +116,13 @@ class VllmGenerationWorker:
             if self._closing:
                 return
             proc = next(p for p in procs if p.sentinel in dead)
-            proc.join(timeout=5)
-            code = proc.exitcode
+            code = _exit_code(proc)
             how = (
                 f"was killed by signal {-code}"
                 if code is not None and code < 0
-                else (f"exited with code {code}")
+                else f"exited with code {code}"
+                if code is not None
+                else "ended (its exit status was collected elsewhere)"
             )
             self.engine_died = f"vLLM's engine-core process ({proc.name}, pid {proc.pid}) {how}"
             from vllm.v1.engine.exceptions import EngineDeadError
@@ -299,3 +300,27 @@ class VllmGenerationWorker:
             engine.llm_engine.engine_core.shutdown()
         if self._loop is not None:
             self._loop.close()
+
+
+def _exit_code(proc) -> int | None:
+    """How the dead process ``proc`` (a ``multiprocessing`` child) ended: its exit code, or
+    ``-signal``. vLLM's own monitor thread polls the same child at the same moment, and of two
+    concurrent polls the one whose ``waitpid`` finds the child already reaped reads None
+    (``popen_fork.poll``), so read the status first without reaping it (``WNOWAIT``), then
+    give the other poller a moment to record it."""
+    import time
+
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        info = None
+    if info is not None:
+        if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            return -info.si_status
+        return info.si_status
+    for _ in range(50):
+        code = proc.exitcode
+        if code is not None:
+            return code
+        time.sleep(0.1)
+    return None
