@@ -35,18 +35,44 @@ class RouterStatistics:
     to each expert (padding excluded) and the sums of its router's softmax probabilities;
     :meth:`metrics` reports :data:`METRIC_REDUCTIONS`' statistics.
 
-    ``num_experts``: the experts of each MoE layer, in the order of the ``layer`` indices given
-    to :meth:`count`. ``sequence_first``: whether the router sees the micro batch's tokens
-    sequence-major (Megatron's ``[s, b, h]``) rather than batch-major (Hugging Face's
-    ``[b, s, h]``), which decides how the padding mask is flattened.
+    ``routers``: the router module of each MoE layer, in order; a forward hook on each counts
+    what :meth:`routing` reads from its output (a backend subclasses this class and defines
+    it). ``num_experts``: the experts of each of those layers. ``sequence_first``: whether the
+    router sees the micro batch's tokens sequence-major (Megatron's ``[s, b, h]``) rather than
+    batch-major (Hugging Face's ``[b, s, h]``), which decides how the padding mask is
+    flattened.
     """
 
-    def __init__(self, num_experts: Sequence[int], *, sequence_first: bool = False) -> None:
+    def __init__(
+        self,
+        routers: Sequence[torch.nn.Module],
+        num_experts: Sequence[int],
+        *,
+        sequence_first: bool = False,
+    ) -> None:
+        self.routers = list(routers)
         self.num_experts = list(num_experts)
         self.sequence_first = sequence_first
         self._mask: torch.Tensor | None = None
         self.active = False
         self._reset()
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(index))
+
+    def routing(
+        self, router: torch.nn.Module, args: tuple, output: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From one forward of ``router`` (its positional ``args`` and ``output``): the softmax
+        probabilities ``[tokens, experts]`` over all experts, and ``[tokens, experts]`` with 1
+        where a token was sent to the expert (see :meth:`count`)."""
+        raise NotImplementedError
+
+    def _hook(self, index: int):
+        def record(router: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self.active:
+                self.count(index, *self.routing(router, args, output))
+
+        return record
 
     def _reset(self) -> None:
         self._counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]

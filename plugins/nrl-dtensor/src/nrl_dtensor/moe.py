@@ -48,18 +48,12 @@ class RouterStatistics(_CoreRouterStatistics):
     Hugging Face router of ``model`` (tokens batch-major, as the router sees them)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if is_router(m)]
-        super().__init__([r.num_experts for r in self.routers])
-        for index, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(index))
+        found = [m for m in model.modules() if is_router(m)]
+        super().__init__(found, [r.num_experts for r in found])
 
-    def _hook(self, index: int):
-        def record(module, args, output) -> None:
-            if not self.active:
-                return
-            logits, _, indices = output
-            probs = torch.softmax(logits.detach().float(), dim=-1)
-            chosen = torch.zeros_like(probs).scatter_(1, indices.reshape(probs.shape[0], -1), 1.0)
-            self.count(index, probs, chosen)
-
-        return record
+    def routing(self, router, args, output) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Hugging Face router returns ``(router_logits, top_k_weights, top_k_indices)``."""
+        logits, _, indices = output
+        probs = torch.softmax(logits.detach().float(), dim=-1)
+        chosen = torch.zeros_like(probs).scatter_(1, indices.reshape(probs.shape[0], -1), 1.0)
+        return probs, chosen

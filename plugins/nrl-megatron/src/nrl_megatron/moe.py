@@ -38,20 +38,13 @@ class RouterStatistics(_CoreRouterStatistics):
     ``TopKRouter`` of ``model`` (tokens sequence-major: Megatron's ``[s, b, h]``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = routers(model)
-        super().__init__([r.config.num_moe_experts for r in self.routers], sequence_first=True)
-        for index, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(index))
+        found = routers(model)
+        super().__init__(found, [r.config.num_moe_experts for r in found], sequence_first=True)
 
-    def _hook(self, index: int):
-        def record(module, args, output) -> None:
-            if not self.active:
-                return
-            _, routing_map = output
-            with torch.no_grad():
-                # The router's own logits again (its forward does not return them): the
-                # probabilities over *all* experts that the auxiliary loss uses.
-                logits = module.gating(args[0]).reshape(routing_map.shape)
-            self.count(index, torch.softmax(logits.float(), dim=-1), routing_map)
-
-        return record
+    def routing(self, router, args, output) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's ``TopKRouter`` returns ``(probs, routing_map)``; the probabilities over
+        *all* experts come from its own logits again (its forward does not return them)."""
+        _, routing_map = output
+        with torch.no_grad():
+            logits = router.gating(args[0]).reshape(routing_map.shape)
+        return torch.softmax(logits.float(), dim=-1), routing_map
