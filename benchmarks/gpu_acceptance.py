@@ -663,6 +663,20 @@ def _have_megatron() -> bool:
         return False
 
 
+def _check_megatron_path(ctx: StageContext, worker: Any) -> bool:
+    """On a GPU the worker must take Megatron's own path (DDP + distributed optimizer) with its
+    parameters on the device; on CPU it falls back to torch.optim over the same module (see
+    nrl_megatron.worker). Returns whether Megatron's distributed optimizer is in use."""
+    uses_megatron_optimizer = worker.megatron_optimizer is not None
+    check(
+        uses_megatron_optimizer == ctx.on_gpu,
+        f"Megatron distributed optimizer in use: {uses_megatron_optimizer} on {ctx.device}",
+    )
+    devices = {p.device.type for p in worker.module.parameters()}
+    check(devices == {ctx.device}, f"parameters on {devices}, expected {ctx.device}")
+    return uses_megatron_optimizer
+
+
 def stage_megatron(ctx: StageContext) -> dict[str, Any]:
     """One rank of the megatron policy (it starts its own one-rank world)."""
     if not _have_megatron():
@@ -681,15 +695,7 @@ def stage_megatron(ctx: StageContext) -> dict[str, Any]:
     config = _run_config(ctx, "megatron")
     worker = MegatronPolicyWorker(MegatronConfig(), ComponentContext(config=config, seed=0))
     try:
-        # On a GPU the worker must take Megatron's own path (DDP + distributed optimizer); on
-        # CPU it falls back to torch.optim over the same module (see nrl_megatron.worker).
-        uses_megatron_optimizer = worker.megatron_optimizer is not None
-        check(
-            uses_megatron_optimizer == ctx.on_gpu,
-            f"Megatron distributed optimizer in use: {uses_megatron_optimizer} on {ctx.device}",
-        )
-        devices = {p.device.type for p in worker.module.parameters()}
-        check(devices == {ctx.device}, f"parameters on {devices}, expected {ctx.device}")
+        uses_megatron_optimizer = _check_megatron_path(ctx, worker)
         refit = _megatron_refit_content(ctx, worker)
         policy = Policy.from_config(InProcessGroup(worker), config.policy)
         # policy.sequence_packing=auto: the steps and logprobs above run packed (THD).
@@ -862,13 +868,7 @@ def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
         dispatcher = worker.module.config.moe_token_dispatcher_type
         want = "alltoall" if ctx.on_gpu else "allgather"
         check(dispatcher == want, f"MoE token dispatcher {dispatcher!r}, expected {want!r}")
-        uses_megatron_optimizer = worker.megatron_optimizer is not None
-        check(
-            uses_megatron_optimizer == ctx.on_gpu,
-            f"Megatron distributed optimizer in use: {uses_megatron_optimizer} on {ctx.device}",
-        )
-        devices = {t.device.type for t in worker.module.parameters()}
-        check(devices == {ctx.device}, f"parameters on {devices}, expected {ctx.device}")
+        uses_megatron_optimizer = _check_megatron_path(ctx, worker)
 
         # The refit: transformers' in-memory names (experts stacked), each once, bit-exact.
         sent: list[str] = []
