@@ -18,6 +18,7 @@ import json
 import os
 import string
 from pathlib import Path
+from typing import Any
 
 BUILDER_VERSION = "2"
 """Bump when the builder's output changes, so cached copies are rebuilt."""
@@ -221,6 +222,30 @@ def resolve_model_name(name: str) -> str:
     """Map ``"tiny"`` (and the other :data:`NAMED_SIZES`) to the cached tiny model folder;
     pass every other name through."""
     return str(tiny_model_path(**NAMED_SIZES[name])) if name in NAMED_SIZES else name
+
+
+def tiny_llama_over(tokenizer: Any, path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """Save an untrained 2-layer Llama (hidden size 64) sized to ``tokenizer``'s vocabulary,
+    with that tokenizer, into ``path``; return the folder. For tests whose tokenizer is their
+    subject (a BPE vocabulary, a tool-call format's special tokens) and that then
+    :func:`memorize` what the model must say."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
 
 
 def memorize(

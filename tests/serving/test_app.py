@@ -255,29 +255,16 @@ def test_an_api_key_is_required_when_set(tool_model):
 def _served_bpe_model(tmp_path, template: str, completion_text: str, server_config=None):
     """A tiny Llama over the BPE vocabulary of test_prompts (merge a + b -> "ab"), taught to
     answer "go" with ``completion_text`` ("|" separates pieces encoded on their own)."""
-    import torch
     from nrl_dtensor.generation import TorchGenerator
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from nrl_core.serving.prompts import PromptBuilder
     from nrl_core.serving.server import PolicyServer
-    from nrl_core.testing.tiny import memorize
+    from nrl_core.testing.tiny import memorize, tiny_llama_over
     from nrl_core.testing.tokenizers import bpe_tokenizer, ids_of
 
     tokenizer = bpe_tokenizer(template)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
+    tiny_llama_over(tokenizer, tmp_path / "base")
     prompt = PromptBuilder(tokenizer).build([{"role": "user", "content": "go"}])
     completion = []
     for piece in completion_text.split("|"):

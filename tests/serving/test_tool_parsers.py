@@ -34,28 +34,15 @@ NOT_A_TOOL = 'nope", "arguments": {}}]'
 def _serve(tmp_path, tokenizer, examples, config, registry=None):
     """A tiny Llama over ``tokenizer``, taught each ``(messages, prefix text, answer text)``
     of ``examples`` (greedy, the prompt as the endpoint builds it + ``prefix``), served."""
-    import torch
     from nrl_dtensor.generation import TorchGenerator
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from nrl_core.serving.prompts import PromptBuilder
     from nrl_core.serving.server import PolicyServer
-    from nrl_core.testing.tiny import memorize
+    from nrl_core.testing.tiny import memorize, tiny_llama_over
     from nrl_core.testing.tokenizers import ids_of
 
-    torch.manual_seed(0)
-    model_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    AutoModelForCausalLM.from_config(model_config).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
+    tiny_llama_over(tokenizer, tmp_path / "base")
     builder = PromptBuilder(tokenizer)
     taught = [
         (
