@@ -11,6 +11,8 @@
   the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
 
+import contextlib
+
 import nox
 
 nox.options.default_venv_backend = "uv"
@@ -92,6 +94,21 @@ def bench_trl(session: nox.Session) -> None:
     session.run("python", "benchmarks/vs_trl.py", *session.posargs)
 
 
+@contextlib.contextmanager
+def _no_segment_left(session: nox.Session):
+    """The session fails if its engines left an nrl refit bucket (``nrl-*``) or a vLLM message
+    queue (``psm_*``) in ``/dev/shm`` that was not there before and that no live process maps
+    (one that some process maps is in use: another program's)."""
+    from nrl_core.distributed.reaper import orphaned_segments, segment_names
+
+    before = segment_names()
+    yield
+    left = [n for n in orphaned_segments(before) if n.startswith(("nrl-", "psm_"))]
+    if left:
+        session.error(f"left in /dev/shm by this session: {', '.join(left)}")
+    session.log("/dev/shm: no segment left behind")
+
+
 def _plugin_session(distribution: str, extras: list[str]):
     def session_fn(session: nox.Session) -> None:
         _sync(
@@ -114,6 +131,9 @@ def _plugin_session(distribution: str, extras: list[str]):
             # test_refit_wire.py round-trips refit messages through vLLM's msgpack (a dev tool).
             session.install("msgspec>=0.19")
             env["NRL_VLLM_CPU_TESTS"] = "1"
+            with _no_segment_left(session):
+                session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
+            return
         session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
 
     session_fn.__doc__ = f"{distribution} alone: core + this plugin, its own tests."

@@ -226,7 +226,10 @@ class LocalCluster:
     :attr:`keep_temp_on_failure` is set (``nrl run -v``): then one line on stderr says where
     the logs are. A watcher process (:mod:`nrl_core.distributed.reaper`) does the same when
     this process dies without shutting down (``kill -9``), and stops the Ray agents that would
-    otherwise linger for a minute.
+    otherwise linger for a minute. On every exit path the shared-memory segments that the run's
+    processes left in ``/dev/shm`` are unlinked (a refit bucket of a policy rank killed
+    mid-refit, the message queues of a stopped vLLM or SGLang engine; see
+    :class:`~nrl_core.distributed.reaper.SegmentLedger`).
 
     Args:
         options: unused (the cluster component registers no options class).
@@ -266,6 +269,10 @@ class LocalCluster:
         self._reaper: subprocess.Popen | None = None
         self._processes: dict[int, int] = {}  # Ray's processes when it was stopped
         self._previous_handlers: dict[int, Any] = {}
+        self.segment_prefix = f"nrl-{uuid.uuid4().hex[:8]}-"
+        """Names this run's shared-memory segments (set as ``NRL_SHM_PREFIX`` for Ray's
+        processes), so that the clean-up finds them all."""
+        self._previous_prefix: str | None = None
 
     @property
     def ray_link(self) -> Path | None:
@@ -316,8 +323,12 @@ class LocalCluster:
             kwargs["num_cpus"] = self.config.num_cpus
         if self.config.gpus_per_node is not None:
             kwargs["num_gpus"] = self.config.gpus_per_node
-        if self._temp_pending:
-            self._start_reaper()
+        self._start_reaper()
+        # Before ray.init: Ray's processes inherit this process's environment.
+        from nrl_core.weight_sync.shm import SEGMENT_PREFIX_VAR
+
+        self._previous_prefix = os.environ.get(SEGMENT_PREFIX_VAR)
+        os.environ[SEGMENT_PREFIX_VAR] = self.segment_prefix
         # Ours to restore at shutdown: ray.init installs a SIGTERM handler of its own.
         self._previous_handlers = {
             signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)
@@ -427,15 +438,17 @@ class LocalCluster:
     def _shutdown(self, *, keep_temp: bool, say: bool) -> None:
         self._stop_ray()
         self._restore_handlers()
+        self._restore_prefix()
+        from nrl_core.distributed.reaper import kill, remove_temp_dir
+
+        # Ray's agents and workers exit on their own once the raylet is gone; give them a
+        # moment (files they still write would reappear), then make sure: the watcher
+        # unlinks the run's shared memory once they are dead (_stop_reaper).
+        kill(self._processes, grace_s=5)
         if not self._temp_pending:
             self._stop_reaper()
             return
         self._temp_pending = False
-        from nrl_core.distributed.reaper import kill, remove_temp_dir
-
-        # Ray's agents and workers exit on their own once the raylet is gone; give them a
-        # moment (files they still write would reappear), then make sure.
-        kill(self._processes, grace_s=5)
         if keep_temp:
             self._stop_reaper()
             if say:
@@ -453,13 +466,17 @@ class LocalCluster:
             return
         import ray
 
-        from nrl_core.distributed.reaper import session_processes
+        from nrl_core.distributed.reaper import session_processes, shm_mappings
 
         self._started = False
         # Found now: once the raylet is gone its agents and workers are nobody's children.
         with contextlib.suppress(OSError):  # no /proc: nothing to wait for
             watcher = self._reaper.pid if self._reaper is not None else None
             self._processes = session_processes(os.getpid(), str(self.temp_dir), watcher)
+            # What they map at the last moment (an engine's queue made since the watcher's
+            # last look), for the watcher to unlink once they are dead.
+            for name, inode in shm_mappings(self._processes).items():
+                self._tell_reaper(f"seen {name} {inode}".encode())
         try:
             if ray.is_initialized():
                 ray.shutdown()  # flushes the last forwarded lines: still to the run log
@@ -473,9 +490,12 @@ class LocalCluster:
         from nrl_core.distributed import reaper
 
         link = self.ray_link
+        owned = "owned" if self._temp_pending else "borrowed"
+        command = [sys.executable, "-I", "-S", reaper.__file__, str(self.temp_dir)]
+        command += [str(link or ""), self.segment_prefix, owned]
         try:
             self._reaper = subprocess.Popen(
-                [sys.executable, "-I", "-S", reaper.__file__, str(self.temp_dir), str(link or "")],
+                command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -486,6 +506,16 @@ class LocalCluster:
             return
         if self._keep_temp_on_failure:
             self._tell_reaper(b"keep")
+
+    def _restore_prefix(self) -> None:
+        from nrl_core.weight_sync.shm import SEGMENT_PREFIX_VAR
+
+        if os.environ.get(SEGMENT_PREFIX_VAR) != self.segment_prefix:
+            return  # never set (or another cluster's since)
+        if self._previous_prefix is None:
+            os.environ.pop(SEGMENT_PREFIX_VAR, None)
+        else:
+            os.environ[SEGMENT_PREFIX_VAR] = self._previous_prefix
 
     def _tell_reaper(self, command: bytes) -> None:
         if self._reaper is None or self._reaper.stdin is None:

@@ -1,5 +1,5 @@
 """Clean up after a driver that dies without stopping its local Ray head (``kill -9``, the
-out-of-memory killer).
+out-of-memory killer), and after every run, the shared memory its processes left.
 
 Ray starts its GCS server and raylet with ``PR_SET_PDEATHSIG``, so they die with the driver;
 but the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``), noticing that
@@ -9,14 +9,17 @@ temp folder ``/tmp/nrl-ray-<id>`` stays behind. :class:`~nrl_core.distributed.cl
 therefore starts this script as a small watcher process of its own, in its own session (a
 Ctrl-C in the terminal does not reach it)::
 
-    python -I -S reaper.py TEMP_DIR [LINK]
+    python -I -S reaper.py TEMP_DIR [LINK [SEGMENT_PREFIX [owned|borrowed]]]
 
 While the driver lives, the watcher follows the driver's Ray processes (the children whose
-command line names ``TEMP_DIR``, and everything below them) once a second. When the driver is
-gone (its parent pid changes, or its stdin closes) without having written ``done``, it kills
-those processes and removes ``TEMP_DIR`` and the ``LINK`` symlink to it, unless the driver
-wrote ``keep`` (``nrl run -v``: the logs of a failed run stay). After a clean shutdown the
-driver does all of that itself and writes ``done``.
+command line names ``TEMP_DIR``, and everything below them) once a second, and notes the
+shared-memory segments they map (:class:`SegmentLedger`). When the driver is gone (its parent
+pid changes, or its stdin closes) without having written ``done``, it kills those processes,
+unlinks the run's segments, and removes ``TEMP_DIR`` (unless ``borrowed``: a folder the driver
+did not make) and the ``LINK`` symlink to it, unless the driver wrote ``keep`` (``nrl run -v``:
+the logs of a failed run stay). After a clean shutdown (or a Ctrl-C / SIGTERM) the driver stops
+the processes and the temp folder itself, tells the watcher the segments its processes mapped
+last (``seen NAME INODE``) and writes ``done``; the watcher then unlinks the run's segments.
 
 Standard library only (it runs with ``-S``, without site-packages); also imported by the
 cluster module for :func:`session_processes` and :func:`remove_temp_dir`.
@@ -146,34 +149,161 @@ def remove_temp_dir(temp_dir: str, link: str | None = None, attempts: int = 5) -
     return not os.path.lexists(temp_dir)
 
 
+# -- shared memory ------------------------------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+"""Where POSIX shared-memory segments live on Linux (``shm_open`` names)."""
+
+FOREIGN_AFTER_S = 10.0
+"""A new segment that no process of the run maps within this time is another program's."""
+
+
+def segment_names(shm_dir: str = SHM_DIR) -> set[str]:
+    """The names in ``shm_dir`` now (empty where there is none)."""
+    try:
+        return set(os.listdir(shm_dir))
+    except OSError:
+        return set()
+
+
+def shm_mappings(pids, shm_dir: str = SHM_DIR) -> dict[str, int]:
+    """``{name: inode}`` of the shared-memory segments (files of ``shm_dir`` still linked) that
+    the processes ``pids`` map, read from ``/proc/<pid>/maps``."""
+    marker = shm_dir.encode() + b"/"
+    found: dict[str, int] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as file:
+                data = file.read()
+        except OSError:
+            continue
+        if marker not in data:  # most processes map none: skip the line split
+            continue
+        for line in data.splitlines():
+            # address perms offset dev inode pathname (which may hold spaces)
+            fields = line.split(None, 5)
+            if len(fields) < 6 or not fields[5].startswith(marker):
+                continue
+            if fields[5].endswith(b" (deleted)"):
+                continue  # already unlinked
+            name = fields[5][len(marker) :].decode(errors="replace")
+            if "/" not in name:
+                found[name] = int(fields[4])
+    return found
+
+
+def orphaned_segments(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
+    """The segments of ``shm_dir`` that are not in ``before`` and that no live process maps:
+    what a run left behind (a check for test suites: a segment some process still maps is in
+    use, not leaked)."""
+    new = segment_names(shm_dir) - set(before)
+    if not new:
+        return []
+    pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    return sorted(new - shm_mappings(pids, shm_dir).keys())
+
+
+class SegmentLedger:
+    """The shared-memory segments a run's processes leave in ``/dev/shm``, unlinked by
+    :meth:`release` once those processes are dead.
+
+    A process killed mid-work never unlinks what it created: the policy rank that dies inside a
+    refit leaves its bucket, a stopped vLLM or SGLang engine its message queues (hundreds of MiB
+    each). Two kinds of segment are the run's:
+
+    * nrl's own, named with the run's ``prefix`` (``NRL_SHM_PREFIX``, which the driver sets for
+      every process of its Ray head): all of them, however short-lived;
+    * any other that appeared after the ledger started and that a process of the run was seen
+      mapping (:meth:`observe`, polled while they live and once more just before they are
+      stopped; :meth:`record` takes what the driver saw). It is unlinked only if the name still
+      names the file seen then (same inode).
+
+    Segments that existed before, or that only other programs map, are never touched.
+    """
+
+    def __init__(self, prefix: str | None = None, shm_dir: str = SHM_DIR) -> None:
+        self.prefix = prefix or None
+        self.shm_dir = shm_dir
+        self._before = segment_names(shm_dir)
+        self._seen: dict[str, int] = {}
+        self._unclaimed: dict[str, float] = {}  # new, unmapped by the run: since when
+
+    def observe(self, pids) -> None:
+        """Record the new segments that ``pids`` (the run's processes) map now."""
+        now = time.monotonic()
+        current = segment_names(self.shm_dir)
+        self._unclaimed = {n: t for n, t in self._unclaimed.items() if n in current}
+        new = current - self._before - self._seen.keys()
+        new = {n for n in new if now - self._unclaimed.setdefault(n, now) < FOREIGN_AFTER_S}
+        if new:
+            self.record({n: i for n, i in shm_mappings(pids, self.shm_dir).items() if n in new})
+
+    def record(self, mappings: dict[str, int]) -> None:
+        """Take segments (``{name: inode}``) seen mapped by the run's processes."""
+        for name, inode in mappings.items():
+            if name not in self._before:
+                self._seen[name] = inode
+                self._unclaimed.pop(name, None)
+
+    def release(self) -> list[str]:
+        """Unlink the run's segments that are still there; returns their names."""
+        removed = []
+        for name in sorted(segment_names(self.shm_dir)):
+            ours = self.prefix is not None and name.startswith(self.prefix)
+            inode = self._seen.get(name)
+            if not ours and inode is None:
+                continue
+            path = os.path.join(self.shm_dir, name)
+            try:
+                if not ours and os.stat(path).st_ino != inode:
+                    continue  # another file by that name since
+                os.unlink(path)
+            except OSError:
+                continue
+            removed.append(name)
+        return removed
+
+
 def main(argv: list[str]) -> int:
     """Watch the parent (the driver) until it says ``done`` or dies; see the module doc."""
     temp_dir = argv[1]
     link = argv[2] if len(argv) > 2 and argv[2] else None
+    ledger = SegmentLedger(argv[3] if len(argv) > 3 else None)
+    owns_temp = len(argv) <= 4 or argv[4] == "owned"
     driver = os.getppid()
     keep = False
     tracked: dict[int, int] = {}
     next_poll = 0.0
     stdin = sys.stdin.fileno()
+    pending = b""
     while True:
         ready, _, _ = select.select([stdin], [], [], POLL_S / 2)
         if ready:
             # Unbuffered reads: a buffered reader could hold "done" while select waits.
-            chunk = os.read(stdin, 4096)
+            chunk = os.read(stdin, 65536)
             if not chunk:
                 break  # EOF: the driver's end of the pipe closed, so the driver is gone
-            for command in chunk.split():
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                command, *args = line.split() or [b""]
                 if command == b"done":
+                    # The driver stopped every process of the run (they are dead now).
+                    ledger.release()
                     return 0
                 if command in (b"keep", b"remove"):
                     keep = command == b"keep"
+                elif command == b"seen" and len(args) == 2 and args[1].isdigit():
+                    ledger.record({args[0].decode(errors="replace"): int(args[1])})
         if os.getppid() != driver:
             break
         if time.monotonic() >= next_poll:
             tracked = alive(tracked) | session_processes(driver, temp_dir, os.getpid())
+            ledger.observe(tracked)
             next_poll = time.monotonic() + POLL_S
+    ledger.observe(alive(tracked))  # those still running, before they are stopped
     kill(tracked)
-    if not keep:
+    ledger.release()
+    if owns_temp and not keep:
         remove_temp_dir(temp_dir, link)
     return 0
 

@@ -4,6 +4,7 @@ policy and an engine on the same node (CPU)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,18 @@ from nrl_core.weight_sync.packing import bucket_layout, pack_bucket
 
 if TYPE_CHECKING:
     import torch
+
+SEGMENT_PREFIX_VAR = "NRL_SHM_PREFIX"
+"""Names the segments of one run (``nrl-<run id>-``): the local cluster sets it for every
+process of its Ray head, so that what a process killed mid-refit leaves is found and unlinked
+after the run (:class:`nrl_core.distributed.reaper.SegmentLedger`)."""
+
+
+def segment_prefix() -> str:
+    """This run's segment name prefix (``nrl-`` outside a local cluster)."""
+    prefix = os.environ.get(SEGMENT_PREFIX_VAR, "")
+    ok = prefix.startswith("nrl-") and "/" not in prefix and len(prefix) <= 64
+    return prefix if ok else "nrl-"
 
 
 @attrs.define
@@ -71,14 +84,18 @@ def _attach_shm(name: str):
 
 def send_shm(bucket: dict[str, torch.Tensor], post: Post, wait: Wait) -> int:
     """Pack ``bucket`` into a fresh segment, have every engine load it (``post`` the request,
-    ``wait`` for the answers), then unlink the segment. Returns the payload bytes."""
+    ``wait`` for the answers), then unlink the segment. Returns the payload bytes.
+
+    A process killed before the ``finally`` (its run stopped by a signal while a refit is in
+    flight: Ray kills its workers) cannot unlink; the run's prefix lets the local cluster's
+    clean-up find the segment."""
     from multiprocessing import shared_memory
 
     import torch
 
     meta = bucket_layout(bucket)
     shm = shared_memory.SharedMemory(
-        create=True, size=max(1, meta.nbytes), name=f"nrl-{uuid.uuid4().hex[:16]}"
+        create=True, size=max(1, meta.nbytes), name=f"{segment_prefix()}{uuid.uuid4().hex[:16]}"
     )
     try:
         view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=meta.nbytes)

@@ -74,3 +74,36 @@ class EchoWorker:
         except ImportError:
             return False, sys.executable
         return True, sys.executable
+
+
+class SegmentWorker:
+    """Leaves shared memory in ``/dev/shm`` the way a process killed mid-work does."""
+
+    def __init__(self, *args, **kwargs):
+        self._mapped = []
+
+    def refit_forever(self):
+        """A refit whose engines never answer: nrl's bucket segment exists until this process
+        is killed, and the ``finally`` that unlinks it never runs."""
+        import torch
+
+        from nrl_core.weight_sync.shm import send_shm
+
+        send_shm({"w": torch.ones(256)}, lambda meta, handle: handle, lambda _: time.sleep(3600))
+
+    def queue(self, size=1 << 20):
+        """A segment made as vLLM's message queues are (multiprocessing's ``psm_`` name, kept
+        mapped, not left to a resource tracker), never unlinked; returns its name."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        resource_tracker.unregister(shm._name, "shared_memory")
+        self._mapped.append(shm)
+        return shm.name
+
+    def attach(self, name):
+        """Map someone else's segment (it must outlive this run)."""
+        from nrl_core.weight_sync.shm import _attach_shm
+
+        self._mapped.append(_attach_shm(name))
+        return name

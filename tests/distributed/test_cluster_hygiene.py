@@ -154,6 +154,87 @@ def test_kill_9_of_the_driver_leaves_no_ray_process_within_seconds(tmp_path, kee
         _cleanup(proc, started, temp_dir)
 
 
+# -- shared memory -------------------------------------------------------------------------
+
+_HOLD_SEGMENTS = """
+import os
+before = set(os.listdir("/dev/shm"))
+rank0 = group.actors[0]
+queues = group.run_all("queue")
+rank0.call.remote("attach", ({theirs!r},), {{}})
+refit = rank0.call.remote("refit_forever", (), {{}})
+deadline = time.monotonic() + 60
+while not (bucket := [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("nrl-")]):
+    assert time.monotonic() < deadline, "no refit segment"
+    time.sleep(0.05)
+prefix = getattr(cluster, "segment_prefix", None)
+print("BUSY", json.dumps({{"queues": queues, "bucket": bucket, "prefix": prefix}}), flush=True)
+"""
+
+
+def _segment(name: str | None = None, size: int = 4096):
+    """A segment of this test process's (not the run's), left to the test to unlink."""
+    from multiprocessing import shared_memory
+
+    return shared_memory.SharedMemory(create=True, size=size, name=name)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill-9", "shutdown"])
+def test_a_stopped_run_leaves_no_shared_memory_of_its_own(tmp_path, how):
+    """Issue 55: a run stopped while a refit was in flight left its bucket segment in
+    ``/dev/shm`` (Ray kills the policy rank before the ``finally`` that unlinks it), and every
+    stopped vLLM engine its message queues (``psm_*``). However the run ends (SIGTERM while
+    the driver waits inside Ray, ``kill -9`` of the driver, a shutdown while a worker is still
+    busy), the segments its processes made are unlinked; a segment that existed before, even
+    one a worker mapped, and one made meanwhile by another program, stay."""
+    theirs = _segment(f"nrl-test-{uuid.uuid4().hex[:8]}")  # existed before; a worker maps it
+    late = None
+    then = (
+        _HOLD_SEGMENTS.format(theirs=theirs.name)
+        + {
+            "sigterm": "time.sleep(600)",  # (a signal inside ray.get: the CLI's exit code, below)
+            "kill-9": "time.sleep(600)",
+            "shutdown": "cluster.shutdown(); print('DONE', flush=True)",
+        }[how]
+    )
+    proc, _, temp_dir, _ = _driver(
+        tmp_path, target="nrl_test_workers:SegmentWorker", then="import ray\n" + then
+    )
+    started = descendants(proc.pid)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("BUSY"), line + proc.stderr.read()[-3000:]
+        made = json.loads(line.split(" ", 1)[1])
+        ours = [*made["queues"], *made["bucket"]]
+        assert len(made["queues"]) == 2 and len(made["bucket"]) == 1, made
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in ours)
+        # Named for this run in the worker (Ray's processes inherit the driver's prefix): the
+        # clean-up finds a bucket that lived too briefly for the watcher to see it mapped.
+        assert made["bucket"][0].startswith(made["prefix"]), made
+        late = _segment()  # another program's, made while the run runs: not the run's
+        time.sleep(1.5)  # the watcher has looked at the run's processes at least once
+        started |= descendants(proc.pid)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        elif how == "kill-9":
+            proc.kill()
+        proc.wait(timeout=120)
+        code = {"sigterm": 143, "kill-9": -9, "shutdown": 0}[how]
+        assert proc.returncode == code, proc.stderr.read()[-3000:]
+        assert _wait_gone(started, temp_dir, 30) == ([], [])
+        deadline = time.monotonic() + 10
+        while [n for n in ours if os.path.exists(f"/dev/shm/{n}")] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [n for n in ours if os.path.exists(f"/dev/shm/{n}")] == []
+        assert os.path.exists(f"/dev/shm/{theirs.name}") and os.path.exists(f"/dev/shm/{late.name}")
+    finally:
+        _cleanup(proc, started, temp_dir)
+        for shm in (theirs, late):
+            if shm is not None:
+                shm.close()
+                shm.unlink()
+
+
 # -- listening sockets ---------------------------------------------------------------------
 
 

