@@ -56,6 +56,7 @@ import os
 import random
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -71,6 +72,7 @@ from nrl_core.policy_setup import (
     model_and_tokenizer,
     policy_dtype,
 )
+from nrl_core.weight_sync.layout import CHECKPOINT, IN_MEMORY, hf_skeleton, in_layout
 from nrl_megatron.config import MegatronConfig
 from nrl_megatron.convert import (
     ModelShape,
@@ -1092,13 +1094,20 @@ class MegatronPolicyWorker:
                     tensor = unshard_from_tp(name, shards)
                 yield global_name(name, offset), tensor.detach()
 
-    def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield the full state dict in Hugging Face names (the layout engines load), in buckets
-        of at most ``bucket_bytes`` (a larger tensor gets its own). A collective."""
+    def state_dict_buckets(
+        self, bucket_bytes: int, layout: str = IN_MEMORY
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield the full state dict in Hugging Face names, in the weight ``layout`` an engine
+        loads (``in_memory``: transformers' ``state_dict()`` names, experts stacked;
+        ``checkpoint``: the published files', one tensor per expert, see
+        :mod:`nrl_core.weight_sync.layout`), in buckets of at most ``bucket_bytes`` (a larger
+        tensor gets its own). A collective."""
         from nrl_core.weight_sync import iter_buckets
 
         te = self.options.transformer_engine
         named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
+        if layout != IN_MEMORY:
+            named = in_layout(named, layout, self._hf_skeleton)
         yield from iter_buckets(named, bucket_bytes)
 
     def push_weights(self, sender, bucket_bytes: int):
@@ -1114,23 +1123,14 @@ class MegatronPolicyWorker:
 
         from nrl_core.weight_sync import push_from_rank
 
-        return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
+        buckets = self.state_dict_buckets(bucket_bytes, layout=sender.layout)
+        return push_from_rank(sender, buckets, rank=self.rank)
 
-    def _published_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state`` (transformers' in-memory names) in the layout of the model's published
-        checkpoints: transformers 5 stacks a mixture of experts' per-expert files
-        (``mlp.experts.{i}.gate_proj.weight``, ...) into ``[experts, ...]`` tensors on load and
-        reverts that when saving; vLLM, SGLang and other converters read the per-expert files.
-        Transformers' own reversion, on a weightless (meta) instance of the architecture.
-        Unchanged for dense models."""
-        if not self.shape.is_moe:
-            return state
-        from transformers import AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.hf_config)
-        return revert_weight_conversion(skeleton, state)
+    @cached_property
+    def _hf_skeleton(self):
+        """A weightless (meta) transformers model of this architecture: what
+        :func:`~nrl_core.weight_sync.in_layout` needs to know its load-time conversions."""
+        return hf_skeleton(self.hf_config)
 
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
@@ -1150,7 +1150,7 @@ class MegatronPolicyWorker:
         te = self.options.transformer_engine
         state = dict(iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te))
         if self.rank == 0:
-            write_hf_folder(
-                path, self._published_layout(state), self.hf_config, self.tokenizer, self.dtype
-            )
+            # vLLM, SGLang and other converters read the published (per-expert) layout.
+            state = dict(in_layout(state.items(), CHECKPOINT, self._hf_skeleton))
+            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         dist.barrier()
