@@ -149,6 +149,27 @@ def test_refit_stream_is_in_the_layout_the_engine_loads(moe_path, engine):
         assert torch.equal(tensor, want[name].to(tensor.dtype)), name
 
 
+@pytest.mark.slow  # 2 gloo ranks
+@pytest.mark.gpu_sim
+def test_sharded_ranks_stream_the_checkpoint_file_for_vllm_and_sglang(moe_path, start_group):
+    """The same stream from 2 ranks with the experts' 3-D weights sharded by FSDP2 (the GPU
+    default): each rank's is the saved ``model.safetensors``, name for name and value for
+    value, each expert once."""
+    from safetensors import safe_open
+
+    from nrl_core.config.schema import EngineOptions
+
+    policy = group_policy(start_group, make_config(moe_path), DTensorConfig(data_parallel="shard"))
+    assert policy.group.run_all("is_sharded") == [True, True]
+    with safe_open(str(moe_path / "model.safetensors"), "pt") as f:
+        want = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    for buckets in policy.group.run_all("bucket_list", 1 << 14, EngineOptions.weight_layout):
+        sent = [item for bucket in buckets for item in bucket.items()]
+        assert sorted(name for name, _ in sent) == sorted(want)
+        for name, tensor in sent:
+            assert torch.equal(tensor, want[name].to(tensor.dtype)), name
+
+
 def test_tensor_parallel_is_refused_for_moe_in_one_line(moe_path):
     """The dense TP plan would leave the experts unsharded; the worker says so."""
     from nrl_dtensor.worker import DTensorPolicyWorker, DTensorSetupError
