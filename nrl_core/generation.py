@@ -26,7 +26,7 @@ from nrl_core.data import split_even
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
-from nrl_core.weight_sync import NameMap, RefitStats, WeightSender
+from nrl_core.weight_sync import CHECKPOINT, NameMap, RefitStats, WeightSender
 
 COLOCATED_SHARE = 0.5
 """The share of each GPU bundle that the policy and its colocated engines each ask for: the two
@@ -80,6 +80,7 @@ class GenerationEngines:
         colocated: engines share GPUs with the policy (sleep after generating).
         name_map: policy-to-engine parameter names (None: identical, as for dtensor + HF).
         nccl_per_tensor: see :class:`~nrl_core.weight_sync.WeightSender`.
+        layout: the weight layout the engines load (their options' ``weight_layout``).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class GenerationEngines:
         colocated: bool = False,
         name_map: NameMap | None = None,
         nccl_per_tensor: bool = False,
+        layout: str = CHECKPOINT,
     ) -> None:
         self.group = group
         self.transport = transport
@@ -100,6 +102,7 @@ class GenerationEngines:
         self.colocated = colocated
         self.name_map = name_map
         self.nccl_per_tensor = nccl_per_tensor
+        self.layout = layout
         self.last_refit: RefitStats | None = None
         self._nccl_ready = False
         self.tp_size = 1
@@ -144,6 +147,7 @@ class GenerationEngines:
             nccl_per_tensor=self.nccl_per_tensor,
             timeout_s=self.group.timeout_s,
             ipc_ranks=self.ipc_ranks(),
+            layout=self.layout,
         )
 
     def ipc_ranks(self) -> frozenset[int] | None:
@@ -271,6 +275,7 @@ def start_generation_engines(
         dtype=getattr(options, "dtype", None) if on_gpu else None,
         colocated=colocated,
         nccl_per_tensor=generation.backend == "sglang",
+        layout=getattr(options, "weight_layout", CHECKPOINT),
     )
     engines_obj.tp_size = tp
     return engines_obj

@@ -299,3 +299,64 @@ def test_cuda_ipc_handles_come_only_from_policy_ranks_that_feed_an_engine(coloca
         assert handle.by_gpu == {"g": "args"}  # rank 0's copy, for the engine on its GPU
     else:
         assert shared == [] and packed == [] and handle.by_gpu == {}
+
+
+# -- weight layouts (nrl_core.weight_sync.layout) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """The tiny Qwen3-MoE (4 experts, 2 layers) as transformers loads it, and its folder."""
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.testing.tiny import tiny_model_path
+
+    path = tiny_model_path(
+        tmp_path_factory.mktemp("nrl-moe"), arch="qwen3_moe", hidden_size=64, num_layers=2
+    )
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path
+
+
+@pytest.mark.gpu_sim
+def test_checkpoint_layout_streams_the_published_file_one_tensor_at_a_time(tiny_moe):
+    """``in_layout(..., CHECKPOINT)`` turns transformers' in-memory state dict (experts stacked
+    into ``mlp.experts.gate_up_proj`` / ``down_proj``) into the saved ``model.safetensors``,
+    name for name and value for value, as it streams: each output comes from the one input
+    tensor pulled last (nothing is read ahead or held back)."""
+    from safetensors import safe_open
+
+    from nrl_core.weight_sync import CHECKPOINT, IN_MEMORY, in_layout
+
+    model, path = tiny_moe
+    state = list(model.state_dict().items())
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name, _ in state)
+    pulled: list[str] = []
+
+    def source():
+        for name, tensor in state:
+            pulled.append(name)
+            yield name, tensor
+
+    out = {}
+    for name, tensor in in_layout(source(), CHECKPOINT, model):
+        assert name not in out
+        out[name] = tensor
+        origin = pulled[-1]  # the tensor it came from: the last one pulled, nothing ahead
+        if name != origin:
+            # model.layers.L.mlp.experts.E.up_proj.weight of model.layers.L.mlp.experts.gate_up_proj
+            assert origin.startswith(name.rsplit(".", 3)[0] + "."), (name, origin)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert sorted(out) == sorted(f.keys())
+        for name in f.keys():  # noqa: SIM118
+            assert torch.equal(out[name], f.get_tensor(name).to(out[name].dtype)), name
+    assert len([n for n in out if ".mlp.experts." in n]) == 2 * 4 * 3
+    assert dict(in_layout(iter(state), IN_MEMORY, model)).keys() == dict(state).keys()
+
+
+def test_an_unknown_weight_layout_is_a_weight_sync_error(tiny_moe):
+    from nrl_core.weight_sync import in_layout
+
+    with pytest.raises(WeightSyncError, match="unknown weight layout 'disk'"):
+        WeightSender(receivers=[], layout="disk")
+    with pytest.raises(WeightSyncError, match="unknown weight layout 'disk'"):
+        list(in_layout(iter([]), "disk", tiny_moe[0]))

@@ -2,8 +2,8 @@
 
 Kept apart from generation: an engine only has to *receive* buckets (see
 :class:`~nrl_core.interfaces.WeightSync`); the policy plugin only has to *yield* its full state dict in
-size-bounded buckets with the engine's parameter names (for ``dtensor``: Hugging Face names,
-which both vLLM and SGLang load). Everything in between lives in this package and is
+size-bounded buckets with the engine's parameter names (Hugging Face names, in the weight layout
+the engine declares it loads: :mod:`.layout`). Everything in between lives in this package and is
 engine-independent; every public name is re-exported here, so ``from nrl_core.weight_sync import
 X`` is the way to use it:
 
@@ -16,6 +16,9 @@ X`` is the way to use it:
   tensor. :func:`unpack_bucket` reverses it bit-exactly (views of the same bytes);
   :func:`receive_into` is what every engine's ``receive_bucket`` calls. :class:`NameMap`
   (:mod:`.names`) renames the policy's parameters to the engine's.
+* **layout** (:mod:`.layout`): :func:`in_layout` turns a policy's stream of transformers
+  in-memory tensors into the layout the engine declares it loads (:data:`CHECKPOINT`, the
+  published per-expert files, for vLLM and SGLang; :data:`IN_MEMORY` for nrl's torch engine).
 * **transports**, one module each, each with a small picklable *handle* that the sender creates
   per bucket and the receiver turns back into the flat buffer with :meth:`BucketHandle.open`,
   and the sending side that creates it:
@@ -53,6 +56,13 @@ from nrl_core.weight_sync.interface import (
     Transport,
     WeightSyncError,
 )
+from nrl_core.weight_sync.layout import (
+    CHECKPOINT,
+    IN_MEMORY,
+    WEIGHT_LAYOUTS,
+    hf_skeleton,
+    in_layout,
+)
 from nrl_core.weight_sync.names import NameMap
 from nrl_core.weight_sync.nccl import (
     _NCCL_GROUPS as _NCCL_GROUPS,  # the process's refit groups (tests/test_nccl_group.py)
@@ -76,8 +86,11 @@ from nrl_core.weight_sync.shm import SharedMemoryHandle
 from nrl_core.weight_sync.wire import CUDA_IPC_ARGS, handle_from_wire, handle_to_wire
 
 __all__ = [
+    "CHECKPOINT",
     "CUDA_IPC_ARGS",
+    "IN_MEMORY",
     "TRANSPORTS",
+    "WEIGHT_LAYOUTS",
     "BucketHandle",
     "BucketMeta",
     "CudaIpcHandle",
@@ -94,6 +107,8 @@ __all__ = [
     "destroy_nccl_group",
     "handle_from_wire",
     "handle_to_wire",
+    "hf_skeleton",
+    "in_layout",
     "init_nccl_group",
     "iter_buckets",
     "pack_bucket",

@@ -17,6 +17,7 @@ from nrl_core.weight_sync.interface import (
     RefitStats,
     WeightSyncError,
 )
+from nrl_core.weight_sync.layout import CHECKPOINT, WEIGHT_LAYOUTS
 from nrl_core.weight_sync.names import NameMap
 from nrl_core.weight_sync.nccl import send_nccl
 from nrl_core.weight_sync.packing import _dtype
@@ -50,6 +51,9 @@ class WeightSender:
             rank). Only they share a CUDA IPC handle: a handle no engine opens keeps its block
             alive in torch's IPC bookkeeping, so each refit would strand a full copy of the
             weights on every other GPU until it runs out of memory.
+        layout: the weight layout the engines load (:data:`~nrl_core.weight_sync.CHECKPOINT`
+            or :data:`~nrl_core.weight_sync.IN_MEMORY`); the policy ranks yield their
+            buckets in it (``state_dict_buckets(bucket_bytes, layout=sender.layout)``).
     """
 
     receivers: list[Any]
@@ -60,11 +64,16 @@ class WeightSender:
     nccl_per_tensor: bool = False
     timeout_s: float = 600.0
     ipc_ranks: frozenset[int] | None = None
+    layout: str = CHECKPOINT
 
     def __attrs_post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise WeightSyncError(
                 f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}"
+            )
+        if self.layout not in WEIGHT_LAYOUTS:
+            raise WeightSyncError(
+                f"unknown weight layout {self.layout!r}; use one of {WEIGHT_LAYOUTS}"
             )
 
     def _prepare(self, bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

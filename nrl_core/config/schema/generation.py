@@ -126,6 +126,13 @@ class EngineOptions:
     meaning and valid range.
     """
 
+    weight_layout: ClassVar[str] = "checkpoint"
+    """The weight layout the engine loads at refit (not a config field: a fact about the
+    engine): ``"checkpoint"``, the tensors and names of a published Hugging Face folder (each
+    expert of a mixture of experts on its own), as vLLM's and SGLang's model loaders take them;
+    or ``"in_memory"``, transformers' loaded ``state_dict()`` (experts stacked). The policy's
+    refit stream is converted to it (:mod:`nrl_core.weight_sync.layout`)."""
+
     tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
     num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
     colocated: bool = option(

@@ -11,8 +11,8 @@ class InspectableWorker(DTensorPolicyWorker):
     """The policy worker plus a way for tests to read its full weights through Ray (a Ray
     method cannot return ``state_dict_buckets``' generator; every rank must iterate it)."""
 
-    def bucket_list(self, bucket_bytes: int) -> list[dict]:
-        return list(self.state_dict_buckets(bucket_bytes))
+    def bucket_list(self, bucket_bytes: int, layout: str = "in_memory") -> list[dict]:
+        return list(self.state_dict_buckets(bucket_bytes, layout))
 
     def generate_counting_collectives(self, prompts, params) -> tuple:
         """``generate`` plus the all-gathers and all-reduces it issued on this rank, and

@@ -106,6 +106,70 @@ def test_moe_generates_checkpoints_and_exports(moe_path, tmp_path):
     torch.testing.assert_close(theirs[valid], ours[:, 1:][valid], rtol=0, atol=1e-5)
 
 
+EXPERT_NAME = r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize("engine", ["vllm-or-sglang", "torch"])
+def test_refit_stream_is_in_the_layout_the_engine_loads(moe_path, engine):
+    """vLLM's and SGLang's Qwen3-MoE loaders take the checkpoint's per-expert tensors
+    (``mlp.experts.{e}.gate_proj.weight``, via ``make_expert_params_mapping``) and cannot
+    place transformers' stacked ``mlp.experts.gate_up_proj``: for them (the layout their options
+    inherit from ``EngineOptions``) the refit stream is the saved ``model.safetensors``, name
+    for name and value for value, each expert once. The torch engine (its options say
+    ``in_memory``) gets transformers' own state dict, experts stacked."""
+    import re
+
+    from nrl_dtensor.config import TorchGenerationConfig
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.config.schema import EngineOptions
+
+    layout = (
+        EngineOptions.weight_layout if engine != "torch" else TorchGenerationConfig.weight_layout
+    )
+    worker = local_worker(make_config(moe_path))
+    sent = [
+        item for bucket in worker.state_dict_buckets(1 << 14, layout) for item in bucket.items()
+    ]
+    names = [name for name, _ in sent]
+    assert len(names) == len(set(names))
+    if engine == "torch":
+        model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
+        want = model.state_dict()
+    else:
+        with safe_open(str(moe_path / "model.safetensors"), "pt") as f:
+            want = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        experts = [name for name in names if ".mlp.experts." in name]
+        assert all(re.fullmatch(EXPERT_NAME, name) for name in experts)
+        assert len(experts) == 2 * EXPERTS * 3  # 2 layers, each expert's 3 projections once
+    assert sorted(names) == sorted(want)
+    for name, tensor in sent:
+        assert torch.equal(tensor, want[name].to(tensor.dtype)), name
+
+
+@pytest.mark.slow  # 2 gloo ranks
+@pytest.mark.gpu_sim
+def test_sharded_ranks_stream_the_checkpoint_file_for_vllm_and_sglang(moe_path, start_group):
+    """The same stream from 2 ranks with the experts' 3-D weights sharded by FSDP2 (the GPU
+    default): each rank's is the saved ``model.safetensors``, name for name and value for
+    value, each expert once."""
+    from safetensors import safe_open
+
+    from nrl_core.config.schema import EngineOptions
+
+    policy = group_policy(start_group, make_config(moe_path), DTensorConfig(data_parallel="shard"))
+    assert policy.group.run_all("is_sharded") == [True, True]
+    with safe_open(str(moe_path / "model.safetensors"), "pt") as f:
+        want = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    for buckets in policy.group.run_all("bucket_list", 1 << 14, EngineOptions.weight_layout):
+        sent = [item for bucket in buckets for item in bucket.items()]
+        assert sorted(name for name, _ in sent) == sorted(want)
+        for name, tensor in sent:
+            assert torch.equal(tensor, want[name].to(tensor.dtype)), name
+
+
 def test_tensor_parallel_is_refused_for_moe_in_one_line(moe_path):
     """The dense TP plan would leave the experts unsharded; the worker says so."""
     from nrl_dtensor.worker import DTensorPolicyWorker, DTensorSetupError

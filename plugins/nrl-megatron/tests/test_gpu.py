@@ -119,7 +119,7 @@ def _bf16(config):
 
 def test_resume_restores_the_distributed_optimizer_state(tiny_path, tmp_path, pool1, start_group):
     """A checkpoint carries Adam's moments and the float32 main weights (the distributed
-    optimizer's parameter state, ``distopt_tp0.pt``): a NEW worker that loads it takes the
+    optimizer's parameter state, ``distopt_pp0_tp0_ep0.pt``): a NEW worker that loads it takes the
     same next step as the worker that saved it. With the moments lost (the bug), Adam's first
     step after the resume is about ``lr * sign(grad)`` and the weights would differ."""
     config = _bf16(make_config(tiny_path))
@@ -130,7 +130,7 @@ def test_resume_restores_the_distributed_optimizer_state(tiny_path, tmp_path, po
     )
     saver.train(batch, TokenMeanNLL())
     saver.save_checkpoint(str(tmp_path / "ckpt"))
-    assert (tmp_path / "ckpt" / "distopt_tp0.pt").is_file()
+    assert (tmp_path / "ckpt" / "distopt_pp0_tp0_ep0.pt").is_file()
     at_save = saver.get_logprobs(batch)
     want = saver.train(batch, TokenMeanNLL())
     want_lp = saver.get_logprobs(batch)

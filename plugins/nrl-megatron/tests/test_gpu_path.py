@@ -249,7 +249,7 @@ def test_resume_keeps_the_optimizer_state_the_distributed_optimizer_keeps_apart(
     megatron.train(batch, TokenMeanNLL())  # Adam now has moments
     ckpt = str(tmp_path / "ckpt")
     group.run_all(checkpoint_through_parameter_state, "save_checkpoint", ckpt)
-    assert (tmp_path / "ckpt" / "distopt_tp0.pt").is_file()
+    assert (tmp_path / "ckpt" / "distopt_pp0_tp0_ep0.pt").is_file()
     uninterrupted = megatron.train(batch, TokenMeanNLL())
 
     group.run_all(checkpoint_through_parameter_state, "load_checkpoint", ckpt)
@@ -275,7 +275,7 @@ def test_a_checkpoint_before_the_first_optimizer_step_resumes(
     megatron = Policy.from_config(group, config.policy)
     ckpt = str(tmp_path / "step0")
     group.run_all(checkpoint_through_parameter_state, "save_checkpoint", ckpt)
-    assert not (tmp_path / "step0" / "distopt_tp0.pt").exists()  # no state to write
+    assert not (tmp_path / "step0" / "distopt_pp0_tp0_ep0.pt").exists()  # no state to write
     first = megatron.train(batch, TokenMeanNLL())
     second = megatron.train(batch, TokenMeanNLL())
     assert second != first  # the checkpoint has something to restore
@@ -284,6 +284,97 @@ def test_a_checkpoint_before_the_first_optimizer_step_resumes(
     assert megatron.train(batch, TokenMeanNLL()) == first
     # Adam's moments restarted too: the step after is the second one again.
     assert megatron.train(batch, TokenMeanNLL()) == second
+
+
+def _stub_worker(**ranks):
+    """A megatron policy worker with only its rank attributes set (no model, no process
+    group): what naming and picking the parameter-state file read."""
+    from nrl_megatron.worker import MegatronPolicyWorker
+
+    worker = object.__new__(MegatronPolicyWorker)
+    for name, value in ranks.items():
+        setattr(worker, name, value)
+    return worker
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize(
+    ("pp", "tp", "ep", "dp"), [(2, 1, 1, 4), (2, 2, 1, 2), (1, 1, 2, 2), (1, 1, 8, 8)]
+)
+def test_no_two_ranks_write_the_same_distributed_optimizer_file(pp, tp, ep, dp):
+    """Megatron's ``ChainedOptimizer.save_parameter_state`` writes on every rank that is
+    data-parallel rank 0 of a chained optimizer's group: dense DP rank 0 of each (stage, TP
+    rank), and expert-DP rank 0 of each (stage, TP rank, EP rank). Ranks here as Megatron's
+    ``tp-cp-ep-dp-pp`` order places them (expert TP = TP, no CP): the TP rank fastest, then
+    the data-parallel index, whose EP rank is the fastest part and expert-DP rank the rest.
+    No two writers may share a file (a name by TP rank alone had every stage, and at EP=8 every
+    rank, write one file, each reading back another's state), and every rank's file is one
+    some writer wrote (so the load finds it)."""
+    from nrl_core.distributed.worker_group import ParallelLayout
+
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
+    world = pp * tp * dp
+    assert layout.dp_size(world) == dp
+    writers: dict[str, int] = {}
+    files = {}
+    for rank in range(world):
+        dense_dp = layout.dp_rank(rank, world)
+        ep_rank = layout.ep_rank(rank, world)
+        assert ep_rank == dense_dp % ep  # the EP rank is the fastest part of the DP index
+        expert_dp = dense_dp // ep
+        worker = _stub_worker(
+            pp_rank=layout.pp_rank(rank, world), tp_rank=layout.tp_rank(rank), ep_rank=ep_rank
+        )
+        files[rank] = worker._parameter_state_file("/ckpt")
+        if dense_dp == 0 or expert_dp == 0:
+            other = writers.setdefault(files[rank], rank)
+            assert other == rank, f"ranks {other} and {rank} both write {files[rank]}"
+    assert set(files.values()) == set(writers)
+
+
+@pytest.mark.gpu_sim
+def test_a_checkpoint_with_one_file_per_tp_rank_loads_at_one_stage_and_is_refused_at_two(
+    tmp_path,
+):
+    """Checkpoints written before the per-stage, per-expert-rank names have
+    ``distopt_tp{T}.pt``: read at PP=1, EP=1 (one writer per TP rank then), refused in one line
+    otherwise (several ranks wrote that file, so what it holds is not this rank's)."""
+    from nrl_megatron.worker import MegatronSetupError
+
+    (tmp_path / "distopt_tp0.pt").write_bytes(b"")
+    one = _stub_worker(pp_rank=0, tp_rank=0, ep_rank=0, pp_size=1, ep_size=1)
+    assert one._parameter_state_to_load(str(tmp_path)) == str(tmp_path / "distopt_tp0.pt")
+    for ranks in ({"pp_rank": 1, "pp_size": 2, "ep_size": 1}, {"pp_size": 1, "ep_size": 2}):
+        worker = _stub_worker(**{"pp_rank": 0, "tp_rank": 0, "ep_rank": 0, **ranks})
+        with pytest.raises(MegatronSetupError, match="tensor-parallel rank only"):
+            worker._parameter_state_to_load(str(tmp_path))
+    # A file of the current naming wins over an old one.
+    (tmp_path / "distopt_pp0_tp0_ep0.pt").write_bytes(b"")
+    assert one._parameter_state_to_load(str(tmp_path)).endswith("distopt_pp0_tp0_ep0.pt")
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_resume_from_an_old_named_parameter_state_file_takes_the_same_step(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """The same resume as above from a checkpoint whose parameter state has the name it had
+    before (``distopt_tp0.pt``): at one stage without expert parallelism it is still read."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    batch = make_batch(8, seed=5)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    megatron.train(batch, TokenMeanNLL())
+    ckpt = tmp_path / "ckpt"
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", str(ckpt))
+    (ckpt / "distopt_pp0_tp0_ep0.pt").rename(ckpt / "distopt_tp0.pt")
+    uninterrupted = megatron.train(batch, TokenMeanNLL())
+
+    group.run_all(checkpoint_through_parameter_state, "load_checkpoint", str(ckpt))
+    assert megatron.train(batch, TokenMeanNLL()) == uninterrupted
 
 
 # -- issue 34 (1): the tensor-parallel batch check on NCCL ----------------------------------------

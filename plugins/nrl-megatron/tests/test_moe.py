@@ -215,6 +215,43 @@ def test_expert_parallel_two_ranks_match_one_rank(moe_path, tmp_path, pool1, poo
     )
 
 
+@pytest.mark.gpu_sim
+@requires_megatron
+@pytest.mark.parametrize("ep", [1, 2])
+def test_refit_stream_for_vllm_and_sglang_is_the_checkpoint_file(
+    moe_path, ep, request, start_group
+):
+    """vLLM's and SGLang's Qwen3-MoE loaders take the checkpoint's per-expert tensors
+    (``mlp.experts.{e}.gate_proj.weight``) and cannot place transformers' stacked
+    ``mlp.experts.gate_up_proj``: in the layout their options declare (inherited from
+    ``EngineOptions``) the refit stream is the saved ``model.safetensors``, name for name and
+    value for value, every expert of every layer once, on one rank and with the experts split
+    over two (each rank's stream is the whole model)."""
+    import re
+
+    from safetensors import safe_open
+
+    from nrl_core.config.schema import EngineOptions
+
+    config = make_config(moe_path)
+    pool = request.getfixturevalue(f"pool{ep}")
+    group = start_group(pool, WORKER, (moe_options(ep), context(config)))
+    with safe_open(str(moe_path / "model.safetensors"), "pt") as f:
+        want = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    streams = group.run_all("state_dict_buckets", 1 << 16, EngineOptions.weight_layout)
+    assert len(streams) == ep
+    for buckets in streams:
+        sent = [item for bucket in buckets for item in bucket.items()]
+        names = [name for name, _ in sent]
+        assert sorted(names) == sorted(want)  # each name once
+        experts = [name for name in names if ".mlp.experts." in name]
+        expert_name = r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"
+        assert all(re.fullmatch(expert_name, name) for name in experts)
+        assert len(experts) == 4 * EXPERTS * 3  # 4 layers, each expert's 3 projections
+        for name, tensor in sent:
+            assert torch.equal(tensor, want[name].to(tensor.dtype)), name
+
+
 @requires_megatron
 def test_ep_that_does_not_divide_the_experts_is_refused(moe_path, pool1, start_group):
     """A one-line reason, before any weight is loaded (tp=2 with MoE is refused the same way)."""

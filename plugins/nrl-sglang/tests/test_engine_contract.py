@@ -379,3 +379,20 @@ def test_failed_refit_group_join_is_one_error(sglang, tiny_model_path):
 
 def test_memory_tags_match_sglang():
     assert tuple(ALL_TAGS) == translate.MEMORY_TAGS
+
+
+@pytest.mark.gpu_sim
+def test_refit_streams_the_checkpoint_layout_sglangs_loader_takes():
+    """SGLang's Qwen3-MoE ``load_weights`` maps per-expert checkpoint names
+    (``experts.{e}.gate_proj.``, its ``make_expert_params_mapping``) onto its fused experts;
+    transformers' stacked ``mlp.experts.gate_up_proj`` is none of them. The engine declares the
+    checkpoint layout, and the sender the driver builds for it asks the policy ranks for it."""
+    from types import SimpleNamespace
+
+    from nrl_core.generation import GenerationEngines
+    from nrl_core.weight_sync import CHECKPOINT
+
+    assert SglangConfig.weight_layout == CHECKPOINT
+    group = SimpleNamespace(num_workers=1, actors=[], timeout_s=5.0)
+    engines = GenerationEngines(group, layout=SglangConfig().weight_layout)
+    assert engines.sender().layout == CHECKPOINT

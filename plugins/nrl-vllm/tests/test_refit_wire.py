@@ -343,3 +343,21 @@ def test_engine_actor_refit_reaches_every_tp_worker_through_vllm_rpc(tiny_model_
     assert [w.reloads for w in workers] == [2, 2]  # begin and finish on every TP worker
     sums = engine.weights_checksum()
     assert sums == {n: float(p.detach().double().sum()) for n, p in source.named_parameters()}
+
+
+@pytest.mark.gpu_sim
+def test_refit_streams_the_checkpoint_layout_vllms_loader_takes():
+    """vLLM's ``load_weights`` (Qwen3-MoE: ``FusedMoE.make_expert_params_mapping`` with
+    ``ckpt_gate_proj_name="gate_proj"``...) places per-expert checkpoint names
+    ``mlp.experts.{e}.gate_proj.weight`` only; transformers' stacked
+    ``mlp.experts.gate_up_proj`` matches none of its parameters. The engine declares the
+    checkpoint layout, and the sender the driver builds for it asks the policy ranks for it."""
+    from types import SimpleNamespace
+
+    from nrl_core.generation import GenerationEngines
+    from nrl_core.weight_sync import CHECKPOINT
+
+    assert VllmConfig.weight_layout == CHECKPOINT
+    group = SimpleNamespace(num_workers=1, actors=[], timeout_s=5.0)
+    engines = GenerationEngines(group, layout=VllmConfig().weight_layout)
+    assert engines.sender().layout == CHECKPOINT

@@ -3,7 +3,7 @@
 Import-light: only attrs. The CLI validates configs with these classes without torch.
 """
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 
@@ -105,6 +105,10 @@ class DTensorConfig:
 
 @attrs.define
 class TorchGenerationConfig:
+    # Separate torch engines load the policy's state dict into a transformers model as it is
+    # (nrl_core.config.schema.EngineOptions.weight_layout).
+    weight_layout: ClassVar[str] = "in_memory"
+
     generation_batch_size: int = option(
         64, "Prompts generated together per rank (1 to 65,536).", validator=between(1, 2**16)
     )

@@ -42,6 +42,7 @@ from nrl_core.policy_setup import (
     move_optimizer_state,
     policy_dtype,
 )
+from nrl_core.weight_sync.layout import CHECKPOINT, IN_MEMORY, in_layout
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 
 
@@ -667,21 +668,16 @@ class DTensorPolicyWorker:
         if self.rank == 0:
             if self.options.lora_rank > 0:
                 state = self._merged_lora_state(state)
-            state = self._checkpoint_layout(state)
+            # Other readers of the folder (vLLM, SGLang, Megatron converters) expect the
+            # published layout, not transformers' in-memory one (nrl_core.weight_sync.layout).
+            state = dict(in_layout(state.items(), CHECKPOINT, self._architecture()))
             write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         self._barrier()
 
-    def _checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state`` in the layout of the model's published checkpoints: transformers 5 loads
-        some architectures into other tensors than their files hold (a mixture of experts'
-        per-expert ``experts.{i}.gate_proj.weight`` become one ``[experts, ...]``
-        ``experts.gate_up_proj``) and reverts that when saving; other readers of the exported
-        folder (vLLM, SGLang, Megatron converters) expect the published layout. Unchanged for
-        architectures without such a conversion."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        model = self.model.get_base_model() if self.options.lora_rank > 0 else self.model
-        return revert_weight_conversion(model, state)
+    def _architecture(self):
+        """The transformers model whose load-time weight conversions the state dict went
+        through (the base model under LoRA)."""
+        return self.model.get_base_model() if self.options.lora_rank > 0 else self.model
 
     def _merged_lora_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The plain model's state dict with the LoRA updates merged into the base weights."""
@@ -690,9 +686,13 @@ class DTensorPolicyWorker:
         merged = model.merge_and_unload()
         return {k: v.detach().cpu() for k, v in merged.state_dict().items()}
 
-    def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    def state_dict_buckets(
+        self, bucket_bytes: int, layout: str = IN_MEMORY
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full, unsharded state dict (Hugging Face names, on this rank's device) in
-        buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
+        buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own),
+        in the weight ``layout`` an engine loads (``in_memory``: transformers' ``state_dict()``;
+        ``checkpoint``: the published files' tensors, see :mod:`nrl_core.weight_sync.layout`).
 
         A collective: iterate it to the end on all ranks together; every rank gets every tensor.
         """
@@ -704,7 +704,8 @@ class DTensorPolicyWorker:
                     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                     yield name, full.detach()
 
-        yield from iter_buckets(full_tensors(), bucket_bytes)
+        named = in_layout(full_tensors(), layout, self._architecture())
+        yield from iter_buckets(named, bucket_bytes)
 
     def push_weights(self, sender, bucket_bytes: int):
         """Send the full state dict to generation engines through ``sender`` (a
@@ -714,7 +715,8 @@ class DTensorPolicyWorker:
 
         from nrl_core.weight_sync import push_from_rank
 
-        return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
+        buckets = self.state_dict_buckets(bucket_bytes, layout=sender.layout)
+        return push_from_rank(sender, buckets, rank=self.rank)
 
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int

@@ -56,6 +56,7 @@ import os
 import random
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -71,6 +72,7 @@ from nrl_core.policy_setup import (
     model_and_tokenizer,
     policy_dtype,
 )
+from nrl_core.weight_sync.layout import CHECKPOINT, IN_MEMORY, hf_skeleton, in_layout
 from nrl_megatron.config import MegatronConfig
 from nrl_megatron.convert import (
     ModelShape,
@@ -717,8 +719,20 @@ class MegatronPolicyWorker:
         return state
 
     def _parameter_state_file(self, path: str) -> str:
-        # One file per model-parallel rank: every tensor-parallel rank is data-parallel rank 0
-        # of its own group and writes its own shard's state (pipeline parallelism is refused).
+        """The distributed optimizer's parameter-state file this rank writes and reads.
+
+        Megatron writes it on data-parallel rank 0 of each chained optimizer's group
+        (``ChainedOptimizer.save_parameter_state``): dense DP rank 0 of every (stage, TP rank),
+        and, for the experts' optimizer, expert-DP rank 0 of every (stage, TP rank, EP rank),
+        each with its own shard's state. Named by all three, so no two writers share a file
+        (with PP > 1 or EP > 1 a name by TP rank alone was written by several ranks and read
+        back by the wrong ones); a rank that does not write reads its writer's file, which has
+        the same key."""
+        return str(Path(path) / f"distopt_pp{self.pp_rank}_tp{self.tp_rank}_ep{self.ep_rank}.pt")
+
+    def _legacy_parameter_state_file(self, path: str) -> str:
+        # Checkpoints written before the per-stage, per-expert-rank names: one file per TP rank,
+        # which only a layout with one stage and no expert parallelism wrote unambiguously.
         return str(Path(path) / f"distopt_tp{self.tp_rank}.pt")
 
     def save_checkpoint(self, path: str) -> None:
@@ -735,7 +749,8 @@ class MegatronPolicyWorker:
         ``optimizer/distrib_optimizer.py:628-634``), which ``save_parameter_state`` gathers over
         the data-parallel group and writes on its rank 0 (``distrib_optimizer.py:1126``,
         through ``ChainedOptimizer.save_parameter_state``, ``optimizer/optimizer.py:1340``) into
-        ``distopt_tp{T}.pt``. Without it a resume would silently restart Adam from zero.
+        ``distopt_pp{P}_tp{T}_ep{E}.pt`` (:meth:`_parameter_state_file`). Without it a resume
+        would silently restart Adam from zero.
 
         Before the first optimizer step (a checkpoint at step 0) the optimizer has no state to
         save, and Megatron's ``state_dict()`` asserts on exactly that (its step count comes
@@ -924,20 +939,37 @@ class MegatronPolicyWorker:
             self.megatron_optimizer.reload_model_params()
 
     def _load_optimizer_state(self, path: str, state: dict) -> None:
+        # Checked before anything is loaded: a refused checkpoint leaves the optimizer as it was.
+        distributed = self.megatron_optimizer is not None
+        state_file = self._parameter_state_to_load(path) if distributed else None
         self.optimizer.load_state_dict(state)
-        if self.megatron_optimizer is not None:
+        if distributed:
             # load_state_dict() above allocated placeholder moments (distrib_optimizer.py:690);
             # the parameter state file fills them and the main weights, scattered from
             # data-parallel rank 0 (distrib_optimizer.py:2253, 1965).
-            state_file = self._parameter_state_file(path)
-            if not Path(state_file).is_file():
-                raise MegatronSetupError(
-                    f"checkpoint {path} has no {Path(state_file).name} (the distributed "
-                    "optimizer's moments and main weights); resume from a checkpoint written "
-                    "by a GPU run of the megatron policy"
-                )
             with _adam_step_set_aside(self._torch_optimizers()):
                 self.megatron_optimizer.load_parameter_state(state_file)
+
+    def _parameter_state_to_load(self, path: str) -> str:
+        """The parameter-state file of checkpoint ``path`` for this rank, or a one-line
+        :class:`MegatronSetupError` when it has none this rank can trust."""
+        state_file = self._parameter_state_file(path)
+        legacy = self._legacy_parameter_state_file(path)
+        if not Path(state_file).is_file() and Path(legacy).is_file():
+            if self.pp_size > 1 or self.ep_size > 1:
+                raise MegatronSetupError(
+                    f"checkpoint {path} names its optimizer state by tensor-parallel rank only "
+                    f"({Path(legacy).name}), which the pipeline stages and expert-parallel "
+                    "ranks overwrote in each other; resume from a checkpoint written since"
+                )
+            state_file = legacy  # one stage, no expert parallelism: one writer per TP rank
+        if not Path(state_file).is_file():
+            raise MegatronSetupError(
+                f"checkpoint {path} has no {Path(state_file).name} (the distributed "
+                "optimizer's moments and main weights); resume from a checkpoint written "
+                "by a GPU run of the megatron policy"
+            )
+        return state_file
 
     # -- colocated engines: hand the GPU memory over -------------------------------------------
 
@@ -1062,13 +1094,20 @@ class MegatronPolicyWorker:
                     tensor = unshard_from_tp(name, shards)
                 yield global_name(name, offset), tensor.detach()
 
-    def state_dict_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield the full state dict in Hugging Face names (the layout engines load), in buckets
-        of at most ``bucket_bytes`` (a larger tensor gets its own). A collective."""
+    def state_dict_buckets(
+        self, bucket_bytes: int, layout: str = IN_MEMORY
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield the full state dict in Hugging Face names, in the weight ``layout`` an engine
+        loads (``in_memory``: transformers' ``state_dict()`` names, experts stacked;
+        ``checkpoint``: the published files', one tensor per expert, see
+        :mod:`nrl_core.weight_sync.layout`), in buckets of at most ``bucket_bytes`` (a larger
+        tensor gets its own). A collective."""
         from nrl_core.weight_sync import iter_buckets
 
         te = self.options.transformer_engine
         named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
+        if layout != IN_MEMORY:
+            named = in_layout(named, layout, self._hf_skeleton)
         yield from iter_buckets(named, bucket_bytes)
 
     def push_weights(self, sender, bucket_bytes: int):
@@ -1084,23 +1123,14 @@ class MegatronPolicyWorker:
 
         from nrl_core.weight_sync import push_from_rank
 
-        return push_from_rank(sender, self.state_dict_buckets(bucket_bytes), rank=self.rank)
+        buckets = self.state_dict_buckets(bucket_bytes, layout=sender.layout)
+        return push_from_rank(sender, buckets, rank=self.rank)
 
-    def _published_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state`` (transformers' in-memory names) in the layout of the model's published
-        checkpoints: transformers 5 stacks a mixture of experts' per-expert files
-        (``mlp.experts.{i}.gate_proj.weight``, ...) into ``[experts, ...]`` tensors on load and
-        reverts that when saving; vLLM, SGLang and other converters read the per-expert files.
-        Transformers' own reversion, on a weightless (meta) instance of the architecture.
-        Unchanged for dense models."""
-        if not self.shape.is_moe:
-            return state
-        from transformers import AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.hf_config)
-        return revert_weight_conversion(skeleton, state)
+    @cached_property
+    def _hf_skeleton(self):
+        """A weightless (meta) transformers model of this architecture: what
+        :func:`~nrl_core.weight_sync.in_layout` needs to know its load-time conversions."""
+        return hf_skeleton(self.hf_config)
 
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
@@ -1120,7 +1150,7 @@ class MegatronPolicyWorker:
         te = self.options.transformer_engine
         state = dict(iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te))
         if self.rank == 0:
-            write_hf_folder(
-                path, self._published_layout(state), self.hf_config, self.tokenizer, self.dtype
-            )
+            # vLLM, SGLang and other converters read the published (per-expert) layout.
+            state = dict(in_layout(state.items(), CHECKPOINT, self._hf_skeleton))
+            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
         dist.barrier()

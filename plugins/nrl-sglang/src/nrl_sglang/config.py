@@ -1,5 +1,7 @@
 """Options of the SGLang generation backend (``generation.sglang``). Import-light: only attrs."""
 
+from typing import ClassVar
+
 import attrs
 
 from nrl_core.config.schema import (
@@ -19,6 +21,10 @@ __all__ = ["ENGINE_DTYPES", "REFIT_TRANSPORTS", "SglangConfig"]
 class SglangConfig(EngineOptions):
     """The engine fields the core reads come from
     :class:`~nrl_core.config.schema.EngineOptions`; SGLang's own follow."""
+
+    # Refit goes through SGLang's model load_weights, which takes checkpoint names only
+    # (``experts.{e}.gate_proj`` via its make_expert_params_mapping).
+    weight_layout: ClassVar[str] = "checkpoint"
 
     mem_fraction_static: float = option(
         0.6, "Fraction of GPU memory SGLang may use.", validator=between(0, 1, low_open=True)

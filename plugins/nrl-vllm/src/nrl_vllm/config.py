@@ -1,5 +1,7 @@
 """Options of the vLLM generation backend (``generation.vllm``). Import-light: only attrs."""
 
+from typing import ClassVar
+
 import attrs
 
 from nrl_core.config.schema import (
@@ -23,6 +25,10 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 class VllmConfig(EngineOptions):
     """The engine fields the core reads come from
     :class:`~nrl_core.config.schema.EngineOptions`; vLLM's own follow."""
+
+    # Refit goes through the model's own load_weights, which takes checkpoint names only
+    # (``experts.{e}.gate_proj`` via FusedMoE.make_expert_params_mapping).
+    weight_layout: ClassVar[str] = "checkpoint"
 
     gpu_memory_utilization: float = option(
         0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
