@@ -1,6 +1,6 @@
 """Prepare the wheels a lent GPU machine lacks for benchmarks/gpu_acceptance.py.
 
-    uv run python benchmarks/gpu_bundle.py DIR [--carry-mib 48] [--also NAME,...]
+    uv run python benchmarks/gpu_bundle.py DIR [--carry-mib 56] [--also NAME,...] [--vllm]
 
 The GPU machines (one H100 or H200) have Python 3.12, torch, transformers and most of nrl's
 small dependencies preinstalled, and no network; packages reach them only as files carried with
@@ -22,6 +22,13 @@ parts; everything is laid out in folders ``DIR/carry1``, ``DIR/carry2``, ... of 
 ``--carry-mib`` each, one folder per device command (one with the defaults). ``carry1`` also holds ``install.sh`` (joins the parts, checks every hash,
 installs the wheels and nrl's packages in editable mode), ``SHA256SUMS`` and ``README.txt``.
 benchmarks/README.md gives the device commands step by step. Never run in CI (it downloads).
+
+``--vllm`` also builds vLLM :data:`VLLM_VERSION`'s bundle (the release built for the machines'
+torch) into ``DIR/vllm`` — its wheel slimmed (:data:`VLLM_SLIM`), the wheels it needs beyond the
+image and nrl's bundle (``vllm-<version>-wheels.txt``), laid out by the same :func:`lay_out` —
+and prints the chain of device calls (:func:`vllm_chain`): nrl's bundle and the acceptance
+first, then one call per vLLM carry folder, the last one installing vLLM and running
+``benchmarks/gpu_vllm.py``; with the plan of device time (:func:`plan_seconds`).
 """
 
 from __future__ import annotations
@@ -192,7 +199,7 @@ def slim_wheel(path: Path, drop: tuple[str, ...]) -> Path:
 
 def pip_download(requirements: tuple[str, ...], into: Path) -> list[Path]:
     """``pip download`` pinned wheels for the GPU machine's Python (through ``uv run --with
-    pip`` when this interpreter has no pip); returns the downloaded wheels of these names."""
+    pip`` when this interpreter has no pip); returns the wheels of these ``name==version`` pins."""
     platforms = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
     platforms += ["manylinux2014_x86_64", "manylinux1_x86_64"]
     args = [
@@ -401,8 +408,8 @@ VLLM_SLIM = (
     *(f"vllm/third_party/deep_gemm/_C.cpython-3{v}-x86_64-linux-gnu.so" for v in (10, 11, 13, 14)),
     "vllm/third_party/deep_gemm/_C_extension.abi3.so",
 )
-"""Members of the vLLM wheel left out (289.6 -> ~107 MiB): none is loaded by a bf16 dense model
-on a Hopper GPU (reference §2)."""
+"""Members of the vLLM wheel left out (289.6 -> 104.6 MiB, measured 2026-11-28): none is loaded
+by a bf16 dense model on a Hopper GPU (reference §2)."""
 
 VLLM_STAGE = "/tmp/nrl-vllm-bundle"
 """Where each device call leaves its carry folder's files, until the last call installs them
@@ -430,8 +437,8 @@ VLLM_INSTALL_S = 25
 """Estimate: join, hash and ``pip install --no-deps`` the vLLM bundle (~85 wheels, ~480 MiB
 installed; 4-15 s on this 2-core machine) and nrl-vllm in editable mode."""
 VLLM_RUN_S = 150
-"""Estimate of ``benchmarks/gpu_vllm.py`` (2 GRPO steps with a vLLM engine start and 3
-validations on the acceptance's model); its own limit is :data:`VLLM_RUN_LIMIT_S`."""
+"""Estimate of ``benchmarks/gpu_vllm.py`` (2 GRPO steps with a vLLM engine start and a
+validation every step, on the acceptance's model); its own limit is :data:`VLLM_RUN_LIMIT_S`."""
 VLLM_RUN_LIMIT_S = 420
 """``gpu_vllm.py --budget-s``: it stops the run there and still writes its JSON."""
 
