@@ -279,9 +279,11 @@ INSTALL_ESTIMATE_S = 45
 """Upper estimate of ``install.sh`` on the GPU machine (join, hashes, pip install of the
 bundle and nrl's editable packages); the measured time is in docs/performance.md."""
 NOT_COVERED = (
-    "vLLM and SGLang do not run here: their wheels (with their own torch builds) are far larger "
-    "than the 64 MiB a device command can carry, and the GPU machines have no network; the "
-    "engines' GPU paths stay pinned by gpu_sim tests (README, 'The GPU path')."
+    "vLLM and SGLang do not run here: their wheels are far larger than the 64 MiB a device "
+    "command can carry, and the GPU machines have no network. vLLM 0.26.0 (the torch-2.11 "
+    "build) travels in a chain of calls of its own (gpu_bundle.py --vllm, then gpu_vllm.py; "
+    "benchmarks/README.md); SGLang does not; the engines' GPU paths stay pinned by gpu_sim "
+    "tests (README, 'The GPU path')."
 )
 GRACE_S = 20
 """After a stage's limit: SIGTERM (a Ray head in it shuts down cleanly), then this long before
