@@ -96,14 +96,14 @@ def bench_trl(session: nox.Session) -> None:
 
 @contextlib.contextmanager
 def _no_segment_left(session: nox.Session):
-    """The session fails if its engines left an nrl refit bucket (``nrl-*``) or a vLLM message
-    queue (``psm_*``) in ``/dev/shm`` that was not there before and that no live process maps
-    (one that some process maps is in use: another program's)."""
+    """The session fails if its runs left an nrl refit bucket (``nrl-*``), a vLLM message
+    queue (``psm_*``) or a lock (``sem.mp-*``) in ``/dev/shm`` that was not there before and
+    that no live process maps (one that some process maps is in use: another program's)."""
     from nrl_core.distributed.reaper import orphaned_segments, segment_names
 
     before = segment_names()
     yield
-    left = [n for n in orphaned_segments(before) if n.startswith(("nrl-", "psm_"))]
+    left = [n for n in orphaned_segments(before) if n.startswith(("nrl-", "psm_", "sem.mp-"))]
     if left:
         session.error(f"left in /dev/shm by this session: {', '.join(left)}")
     session.log("/dev/shm: no segment left behind")

@@ -466,7 +466,7 @@ class LocalCluster:
             return
         import ray
 
-        from nrl_core.distributed.reaper import session_processes, shm_mappings
+        from nrl_core.distributed.reaper import mapped_segments, session_processes
 
         self._started = False
         # Found now: once the raylet is gone its agents and workers are nobody's children.
@@ -475,7 +475,7 @@ class LocalCluster:
             self._processes = session_processes(os.getpid(), str(self.temp_dir), watcher)
             # What they map at the last moment (an engine's queue made since the watcher's
             # last look), for the watcher to unlink once they are dead.
-            for name, inode in shm_mappings(self._processes).items():
+            for name, inode in mapped_segments(self._processes).items():
                 self._tell_reaper(f"seen {name} {inode}".encode())
         try:
             if ray.is_initialized():

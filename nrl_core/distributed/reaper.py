@@ -166,11 +166,15 @@ def segment_names(shm_dir: str = SHM_DIR) -> set[str]:
         return set()
 
 
-def shm_mappings(pids, shm_dir: str = SHM_DIR) -> dict[str, int]:
-    """``{name: inode}`` of the shared-memory segments (files of ``shm_dir`` still linked) that
-    the processes ``pids`` map, read from ``/proc/<pid>/maps``."""
+def mapped_segments(pids, shm_dir: str = SHM_DIR) -> dict[str, int]:
+    """``{name: inode}`` of the segments of ``shm_dir`` that the processes ``pids`` map.
+
+    Matched by inode (``/proc/<pid>/maps``), not by the path there: glibc's ``sem_open`` (named
+    semaphores, ``sem.*``: every multiprocessing lock of a spawned process) maps a temporary
+    file, links it under the semaphore's name and unlinks the temporary name, so its creator's
+    maps say ``/dev/shm/sem.XXXXXX (deleted)`` for a file still linked as ``sem.mp-…``."""
     marker = shm_dir.encode() + b"/"
-    found: dict[str, int] = {}
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps", "rb") as file:
@@ -182,13 +186,17 @@ def shm_mappings(pids, shm_dir: str = SHM_DIR) -> dict[str, int]:
         for line in data.splitlines():
             # address perms offset dev inode pathname (which may hold spaces)
             fields = line.split(None, 5)
-            if len(fields) < 6 or not fields[5].startswith(marker):
+            if len(fields) == 6 and fields[5].startswith(marker):
+                inodes.add(int(fields[4]))
+    found: dict[str, int] = {}
+    if inodes:
+        for name in segment_names(shm_dir):
+            try:
+                inode = os.stat(os.path.join(shm_dir, name)).st_ino
+            except OSError:
                 continue
-            if fields[5].endswith(b" (deleted)"):
-                continue  # already unlinked
-            name = fields[5][len(marker) :].decode(errors="replace")
-            if "/" not in name:
-                found[name] = int(fields[4])
+            if inode in inodes:
+                found[name] = inode
     return found
 
 
@@ -200,7 +208,7 @@ def orphaned_segments(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
     if not new:
         return []
     pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    return sorted(new - shm_mappings(pids, shm_dir).keys())
+    return sorted(new - mapped_segments(pids, shm_dir).keys())
 
 
 class SegmentLedger:
@@ -236,7 +244,7 @@ class SegmentLedger:
         new = current - self._before - self._seen.keys()
         new = {n for n in new if now - self._unclaimed.setdefault(n, now) < FOREIGN_AFTER_S}
         if new:
-            self.record({n: i for n, i in shm_mappings(pids, self.shm_dir).items() if n in new})
+            self.record({n: i for n, i in mapped_segments(pids, self.shm_dir).items() if n in new})
 
     def record(self, mappings: dict[str, int]) -> None:
         """Take segments (``{name: inode}``) seen mapped by the run's processes."""

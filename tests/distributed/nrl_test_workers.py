@@ -91,15 +91,20 @@ class SegmentWorker:
 
         send_shm({"w": torch.ones(256)}, lambda meta, handle: handle, lambda _: time.sleep(3600))
 
-    def queue(self, size=1 << 20):
-        """A segment made as vLLM's message queues are (multiprocessing's ``psm_`` name, kept
-        mapped, not left to a resource tracker), never unlinked; returns its name."""
+    def queue_and_lock(self, size=1 << 20):
+        """What a vLLM engine leaves when it is killed: a segment made as its message queues
+        are (multiprocessing's ``psm_`` name, kept mapped) and a named semaphore made as its
+        executor's ``shared_worker_lock`` is (a spawn-context lock: ``sem.mp-…``), neither left
+        to a resource tracker nor ever unlinked; returns their names in ``/dev/shm``."""
+        import multiprocessing
         from multiprocessing import resource_tracker, shared_memory
 
         shm = shared_memory.SharedMemory(create=True, size=size)
         resource_tracker.unregister(shm._name, "shared_memory")
-        self._mapped.append(shm)
-        return shm.name
+        lock = multiprocessing.get_context("spawn").Lock()
+        resource_tracker.unregister(lock._semlock.name, "semaphore")
+        self._mapped += [shm, lock]
+        return [shm.name, "sem." + lock._semlock.name.lstrip("/")]
 
     def attach(self, name):
         """Map someone else's segment (it must outlive this run)."""

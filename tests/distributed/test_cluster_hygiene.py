@@ -160,7 +160,7 @@ _HOLD_SEGMENTS = """
 import os
 before = set(os.listdir("/dev/shm"))
 rank0 = group.actors[0]
-queues = group.run_all("queue")
+queues = [name for names in group.run_all("queue_and_lock") for name in names]
 rank0.call.remote("attach", ({theirs!r},), {{}})
 refit = rank0.call.remote("refit_forever", (), {{}})
 deadline = time.monotonic() + 60
@@ -183,7 +183,8 @@ def _segment(name: str | None = None, size: int = 4096):
 def test_a_stopped_run_leaves_no_shared_memory_of_its_own(tmp_path, how):
     """Issue 55: a run stopped while a refit was in flight left its bucket segment in
     ``/dev/shm`` (Ray kills the policy rank before the ``finally`` that unlinks it), and every
-    stopped vLLM engine its message queues (``psm_*``). However the run ends (SIGTERM while
+    stopped vLLM engine its message queues (``psm_*``) and a lock (``sem.mp-*``). However the
+    run ends (SIGTERM while
     the driver waits inside Ray, ``kill -9`` of the driver, a shutdown while a worker is still
     busy), the segments its processes made are unlinked; a segment that existed before, even
     one a worker mapped, and one made meanwhile by another program, stay."""
@@ -206,7 +207,7 @@ def test_a_stopped_run_leaves_no_shared_memory_of_its_own(tmp_path, how):
         assert line.startswith("BUSY"), line + proc.stderr.read()[-3000:]
         made = json.loads(line.split(" ", 1)[1])
         ours = [*made["queues"], *made["bucket"]]
-        assert len(made["queues"]) == 2 and len(made["bucket"]) == 1, made
+        assert len(made["queues"]) == 4 and len(made["bucket"]) == 1, made
         assert all(os.path.exists(f"/dev/shm/{name}") for name in ours)
         # Named for this run in the worker (Ray's processes inherit the driver's prefix): the
         # clean-up finds a bucket that lived too briefly for the watcher to see it mapped.

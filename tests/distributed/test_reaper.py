@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import uuid
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import pytest
 
-from nrl_core.distributed.reaper import SegmentLedger, shm_mappings
+from nrl_core.distributed.reaper import SegmentLedger, mapped_segments
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (not Linux)")
 
@@ -41,8 +42,33 @@ def _exists(shm) -> bool:
 
 def test_mappings_name_the_segments_a_process_maps_with_their_inodes(segments):
     shm = segments()
-    found = shm_mappings([os.getpid()])
+    found = mapped_segments([os.getpid()])
     assert found[shm.name] == os.stat(f"/dev/shm/{shm.name}").st_ino
+
+
+def test_a_named_semaphore_is_found_under_its_name_though_its_maker_maps_another():
+    """glibc's sem_open maps a temporary file and links it under the semaphore's name: the
+    maker's maps say ``/dev/shm/sem.XXXXXX (deleted)``. Every stopped vLLM engine left such a
+    lock (``sem.mp-…``, its multiprocessing executor's ``shared_worker_lock``)."""
+    import multiprocessing
+
+    ledger = SegmentLedger()
+    lock = multiprocessing.get_context("spawn").Lock()  # named: a spawned child reopens it
+    name = "sem." + lock._semlock.name.lstrip("/")
+    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert f"/dev/shm/{name}" not in maps  # not under its name in its maker's maps
+    ledger.observe([os.getpid()])
+    try:
+        assert ledger.release() == [name]
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        # The lock's own clean-up (when collected) would unlink it a second time.
+        from multiprocessing import resource_tracker, util
+
+        for finalizer in list(util._finalizer_registry.values()):
+            if finalizer._args == (lock._semlock.name,):
+                finalizer.cancel()
+        resource_tracker.unregister(lock._semlock.name, "semaphore")
 
 
 def test_a_segment_the_run_mapped_is_unlinked_and_one_that_existed_before_is_not(segments):
@@ -84,5 +110,5 @@ def test_a_name_reused_by_another_file_since_it_was_seen_is_left_alone(segments)
 def test_what_the_driver_saw_last_counts_like_what_the_watcher_saw(segments):
     ledger = SegmentLedger()
     made = segments()
-    ledger.record(shm_mappings([os.getpid()]))
+    ledger.record(mapped_segments([os.getpid()]))
     assert ledger.release() == [made.name]
