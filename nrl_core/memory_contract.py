@@ -9,10 +9,12 @@ sleep mode at all:
   host copy); SGLang releases them without a copy unless ``enable_weights_cpu_backup``. Only a
   refit makes them valid again: a generate before it runs on undefined memory (silently wrong
   tokens, or an illegal-address crash).
-* **A tag is woken once.** vLLM's ``wake_up(tags)`` re-maps every allocation of the tags it is
-  given (``tags=None``: all of them) without skipping mapped ones; re-mapping an awake tag
-  fails in ``cuMemMap``. SGLang refuses to resume a tag it does not hold as released. A
-  refit wakes ``weights`` only, so the next generate must wake ``kv_cache`` only.
+* **A tag is woken once.** vLLM 0.32.0's executor ignores a ``wake_up(tags)`` that names an
+  awake tag: it logs a warning and wakes *nothing* (``vllm/v1/executor/abstract.py``), so the
+  KV cache would stay unmapped. An allocator that re-maps mapped memory on a tag-less wake
+  fails in ``cuMemMap`` (GPU review 3, B1, read against newer vLLM sources; 0.32.0's
+  ``cumem.py`` skips awake allocations). SGLang refuses to resume a tag it does not hold as
+  released. A refit wakes ``weights`` only, so the next generate wakes ``kv_cache`` only.
 
 :class:`EngineMemory` is that contract as state: which tags sleep and whether the weights are
 valid, raising :class:`MemoryContractError` on any breach. With ``NRL_MEMORY_CONTRACT=1``
@@ -75,8 +77,8 @@ class EngineMemory:
         self.sleeping.update(TAGS)
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        """Re-allocate ``tags`` (None: all). Waking a tag that is awake is an error, as
-        vLLM's allocator re-maps mapped memory (``cuMemMap`` fails) and SGLang refuses it."""
+        """Re-allocate ``tags`` (None: all). Waking a tag that is awake is an error (see the
+        module docstring: vLLM wakes nothing, or re-maps mapped memory; SGLang refuses)."""
         wanted = set(TAGS) if tags is None else set(tags)
         unknown = wanted - set(TAGS)
         if unknown:
@@ -85,8 +87,9 @@ class EngineMemory:
         if awake:
             raise MemoryContractError(
                 f"{self.name}: wake_up({None if tags is None else sorted(wanted)}) while "
-                f"{awake} {'is' if len(awake) == 1 else 'are'} awake; a GPU engine re-maps "
-                "mapped memory there (vLLM: cuMemMap fails). Wake only the tags that sleep."
+                f"{awake} {'is' if len(awake) == 1 else 'are'} awake; a GPU engine wakes "
+                "nothing then (vLLM's executor) or re-maps mapped memory (cuMemMap fails). "
+                "Wake only the tags that sleep."
             )
         self.sleeping -= wanted
 

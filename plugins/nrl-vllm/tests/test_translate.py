@@ -143,10 +143,11 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
 
 
 class SleepModeLLM:
-    """``vllm.LLM`` 0.32's sleep mode as a colocated engine's allocator lives it: the tags that
-    sleep, and a ``wake_up`` that re-maps every allocation of the tags it is given (None: all),
-    so naming an awake tag raises, as ``cuMemMap`` over a mapped range does on a GPU (review
-    3, B1). Records every sleep/wake call and refuses to generate unless all tags are awake."""
+    """``vllm.LLM``'s sleep mode, strict: the tags that sleep, and a ``wake_up`` that raises
+    when it names an awake tag or is tag-less while one is awake (review 3, B1: an allocator
+    that re-maps mapped memory fails in ``cuMemMap``; vLLM 0.32.0's ``cumem.py`` skips awake
+    allocations, but its executor wakes *nothing* when a named tag is awake). Records every
+    sleep/wake call and refuses to generate unless all tags are awake."""
 
     def __init__(self) -> None:
         from nrl_core.memory_contract import EngineMemory

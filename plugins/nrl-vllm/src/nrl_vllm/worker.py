@@ -238,8 +238,9 @@ class VllmGenerationWorker:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate the tags of ``tags`` (vLLM's ``weights``, ``kv_cache``; None: both) that
-        sleep; awake ones are left alone (naming one would make vLLM wake nothing, and a
-        tag-less wake re-maps every allocation)."""
+        sleep, naming them: awake ones are left out (vLLM 0.32 wakes nothing when a named tag is
+        awake) and vLLM is never called with ``tags=None`` (an allocator that re-maps mapped
+        memory fails there; 0.32's ``cumem.py`` happens to skip awake allocations)."""
         wanted = {"weights", "kv_cache"} if tags is None else set(tags)
         todo = [t for t in ("weights", "kv_cache") if t in wanted and t in self.sleeping_tags]
         if not todo:
