@@ -119,7 +119,9 @@ def _plugin_session(distribution: str, extras: list[str]):
             *[f"--extra={extra}" for extra in extras],
         )
         session.install(*TEST_TOOLS)
-        env = {}
+        # CPU engines keep the GPU engines' memory contract (docs/testing.md, "The memory
+        # contract"); tests/conftest.py sets it for the core suite.
+        env = {"NRL_MEMORY_CONTRACT": "1"}
         if distribution == "nrl-megatron":
             # Its train-step test compares against the dtensor policy (pure Python, no deps).
             session.install("--no-deps", "-e", "plugins/nrl-dtensor")

@@ -6,10 +6,17 @@ group of engine actors, as :class:`nrl_core.policy.Policy` is for the policy ran
 * ``refit`` pushes the policy's current weights into every engine through
   :class:`nrl_core.weight_sync.WeightSender`, run by the policy ranks (``push_weights``), and
   returns the seconds it took; :attr:`last_refit` keeps the bytes and bucket count.
-* colocated engines are put to sleep before training (``sleep``) and wake on the next
-  ``generate``; the policy hands its GPU memory over around them: optimizer state to CPU
-  before a refit, weights to CPU after it (the engine then allocates its KV cache), both back
-  before the policy's next call (:meth:`nrl_core.policy.Policy.offload` / ``onload``).
+* colocated engines sleep when the policy needs its GPU again (:meth:`GenerationEngines.release`,
+  run by :meth:`nrl_core.policy.Policy.onload` before the policy's next call: logprobs,
+  training, a checkpoint), not after each ``generate``: the turns of a multi-turn rollout, the
+  rounds of dynamic sampling and the requests of ``nrl serve`` all generate on the weights of
+  one refit. They wake on the next refit (weights) and ``generate`` (KV cache). The policy
+  hands its GPU memory over around them: optimizer state to CPU before a refit, weights to CPU
+  after it (the engine then allocates its KV cache), both back before the policy's next call
+  (:meth:`nrl_core.policy.Policy.offload` / ``onload``). A sleep that drops the weights (vLLM
+  level 2, SGLang without a weight backup) clears :attr:`GenerationEngines.holds_weights`:
+  the next generate must follow a refit (the :class:`~nrl_core.algorithms.async_grpo.WeightGate`
+  refits then even for the same version).
 
 Each engine is ONE Ray actor (rank 0 of its tensor-parallel group); the engine spawns its own
 tensor-parallel workers inside that actor's GPUs, so ``WorkerGroup`` ranks here are engines.
@@ -17,6 +24,7 @@ tensor-parallel workers inside that actor's GPUs, so ``WorkerGroup`` ranks here 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +32,7 @@ from typing import Any
 from nrl_core.config.schema.generation import EngineOptions as EngineOptions
 from nrl_core.data import split_even
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
-from nrl_core.errors import ConfigError
+from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
 from nrl_core.weight_sync import CHECKPOINT, NameMap, RefitStats, WeightSender
 
@@ -56,6 +64,18 @@ def engines_colocated(generation: Any, *, on_gpu: bool) -> bool:
     return bool(getattr(options, "colocated", False)) and on_gpu
 
 
+def engines_sleep(generation: Any, *, on_gpu: bool) -> bool:
+    """Whether the core drives the sleep/wake hand-off of the engines: colocated on GPUs, and
+    ``colocated`` engines on CPU under the memory contract's emulation (``NRL_MEMORY_CONTRACT=1``,
+    :mod:`nrl_core.memory_contract`), which run the GPU path's calls without sharing anything."""
+    from nrl_core import memory_contract
+
+    if engines_colocated(generation, on_gpu=on_gpu):
+        return True
+    options = generation.options_for()
+    return bool(getattr(options, "colocated", False)) and memory_contract.enabled()
+
+
 def resolve_transport(configured: str, *, colocated: bool, on_gpu: bool) -> str:
     """The refit transport for ``refit_transport`` (``auto``: ``cuda_ipc`` when colocated on
     GPUs, ``nccl`` on separate GPUs, ``shm`` on CPU)."""
@@ -77,7 +97,10 @@ class GenerationEngines:
         transport: the refit transport (see :func:`resolve_transport`).
         bucket_bytes: size bound of each refit bucket.
         dtype: the engines' weight dtype (refit casts floating tensors to it), or None.
-        colocated: engines share GPUs with the policy (sleep after generating).
+        colocated: engines share GPUs with the policy: they sleep whenever the policy takes
+            its GPU back (:meth:`release`), and on CPU with ``NRL_MEMORY_CONTRACT=1`` (the
+            same calls, against engines that emulate sleep mode; see
+            :mod:`nrl_core.memory_contract`).
         name_map: policy-to-engine parameter names (None: identical, as for dtensor + HF).
         nccl_per_tensor: see :class:`~nrl_core.weight_sync.WeightSender`.
         layout: the weight layout the engines load (their options' ``weight_layout``).
@@ -107,6 +130,17 @@ class GenerationEngines:
         self._nccl_ready = False
         self.tp_size = 1
         self._policy: Any = None  # the policy last refitted from: it yields its GPU memory
+        # Colocated engines sleep at start-up (the policy starts on the GPU next).
+        self.awake = not colocated
+        """Whether the engines hold GPU memory now (colocated: between a refit or generate
+        and the next :meth:`release`)."""
+        self.holds_weights = not colocated
+        """Whether the engines hold the weights of their last refit (or, separate engines,
+        the model folder they loaded): False after a sleep that dropped them, until the next
+        refit. Colocated engines start asleep, so a refit must come first."""
+        # A server thread (``nrl serve``, the agents' endpoint) may generate while the driver
+        # refits or releases: the state above changes under this lock only.
+        self._lock = threading.RLock()
 
     @property
     def num_engines(self) -> int:
@@ -118,18 +152,29 @@ class GenerationEngines:
         params: SamplingParams,
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
-        """Continue every prompt; engine ``i`` gets the ``i``-th contiguous shard."""
-        if self.colocated and self._policy is not None:
-            # The engines allocate their KV cache now: the policy's memory must be free.
-            self._policy.offload(["optimizer", "weights"])
-        n = self.num_engines
-        prompt_shards = split_even(list(prompts), n)
-        stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
-        parts = self.group.run_sharded(
-            "generate", prompt_shards, params, Sharded(split_even(stops, n))
-        )
-        if self.colocated:
-            self.group.run_all("sleep")  # hand the GPUs back to the policy for training
+        """Continue every prompt; engine ``i`` gets the ``i``-th contiguous shard.
+
+        Colocated engines stay awake afterwards (the next turn, round or request generates
+        on the same weights); they sleep when the policy takes its GPU back (:meth:`release`).
+        Refuses, before calling any engine, when a sleep dropped their weights and no refit
+        followed: a GPU engine would generate from undefined memory."""
+        with self._lock:
+            if not self.holds_weights:
+                raise NrlError(
+                    "the colocated generation engines dropped their weights when they last "
+                    "slept and were not refitted since; the caller must refit before "
+                    "generating (WeightGate.ensure does when holds_weights is False)"
+                )
+            if self.colocated and self._policy is not None:
+                # The engines allocate their KV cache now: the policy's memory must be free.
+                self._policy.offload(["optimizer", "weights"])
+            n = self.num_engines
+            prompt_shards = split_even(list(prompts), n)
+            stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
+            self.awake = True  # set first: a failed call may have woken some engines
+            parts = self.group.run_sharded(
+                "generate", prompt_shards, params, Sharded(split_even(stops, n))
+            )
         out = GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
         for part in parts:
             out.token_ids.extend(part.token_ids)
@@ -166,22 +211,44 @@ class GenerationEngines:
         :attr:`last_refit` holds the full :class:`RefitStats`;
         ``last_refit.as_metrics()`` gives ``timing/refit_s`` and ``refit/bytes``.
         """
+        with self._lock:
+            return self._refit(policy)
+
+    def _refit(self, policy: Any) -> float:
         if self.transport == "nccl" and not self._nccl_ready:
             self._init_nccl(policy)
         if self.colocated:
             # The engines' weights come back next to the policy's: make room first.
             self._policy = policy
+            policy.add_device_sharer(self.release)  # it sleeps us before taking the GPU back
             if "weights" in policy.offloaded:  # e.g. after a validation: the push needs them
-                policy.onload()
+                policy.onload()  # (which puts the engines to sleep first)
             policy.offload(["optimizer"])
+            self.awake = True  # each engine wakes its weights for the refit
+        self.holds_weights = False  # until every bucket arrived
         results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
         stats = next((r for r in results if r is not None), None)
         if stats is None:
             raise RuntimeError("no policy rank reported refit statistics")
+        self.holds_weights = True
         if self.colocated:
             policy.offload(["weights"])
         self.last_refit = stats
         return stats.seconds
+
+    def release(self) -> None:
+        """Put colocated engines to sleep, if awake: the policy is about to use its GPU
+        (:meth:`nrl_core.policy.Policy.onload` calls this first). Each engine's ``sleep``
+        returns True when its weights survive it (vLLM level 1, SGLang with a weight backup);
+        otherwise :attr:`holds_weights` turns False and the next generate needs a refit.
+        Nothing to do for separate engines, or engines already asleep."""
+        with self._lock:
+            if not self.colocated or not self.awake:
+                return
+            kept = self.group.run_all("sleep")
+            self.awake = False
+            if not all(k is True for k in kept):
+                self.holds_weights = False
 
     def _init_nccl(self, policy: Any) -> None:
         """Form the refit group: policy rank 0 is rank 0, engine ``e``'s tensor-parallel workers
@@ -273,7 +340,7 @@ def start_generation_engines(
         transport=transport,
         bucket_bytes=int(options.refit_bucket_mb) << 20,
         dtype=getattr(options, "dtype", None) if on_gpu else None,
-        colocated=colocated,
+        colocated=engines_sleep(generation, on_gpu=on_gpu),
         nccl_per_tensor=generation.backend == "sglang",
         layout=getattr(options, "weight_layout", CHECKPOINT),
     )

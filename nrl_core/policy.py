@@ -139,6 +139,7 @@ class Policy:
         self.micro_batch_token_budget = micro_batch_token_budget
         self.offloaded: set[str] = set()
         """What the ranks hold in CPU memory for colocated engines (see :meth:`offload`)."""
+        self._device_sharers: list[Callable[[], None]] = []
 
     @classmethod
     def from_config(cls, group: Any, policy: Any) -> Policy:
@@ -189,8 +190,19 @@ class Policy:
             self.group.run_all("offload", todo)
             self.offloaded.update(todo)
 
+    def add_device_sharer(self, release: Callable[[], None]) -> None:
+        """Register ``release``, which frees what colocated engines hold on the policy's GPUs
+        (:meth:`nrl_core.generation.GenerationEngines.release`: the engines sleep); every
+        :meth:`onload` runs it first. Registering the same callable again does nothing."""
+        if release not in self._device_sharers:
+            self._device_sharers.append(release)
+
     def onload(self) -> None:
-        """Bring back what :meth:`offload` moved to CPU memory (nothing to do if nothing was)."""
+        """Make the policy's GPUs its own again before a call that needs them: colocated
+        engines sleep (:meth:`add_device_sharer`), then what :meth:`offload` moved to CPU
+        memory comes back (nothing to do if nothing was)."""
+        for release in self._device_sharers:
+            release()
         if self.offloaded:
             self.group.run_all("onload")
             self.offloaded.clear()

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+# CPU engines keep the GPU engines' memory contract (nrl_core.memory_contract): set before any
+# Ray cluster or engine starts, so every actor and `nrl` subprocess inherits it.
+os.environ.setdefault("NRL_MEMORY_CONTRACT", "1")
 
 
 @pytest.fixture

@@ -42,11 +42,22 @@ from nrl_core.errors import NrlError
 class WeightGate:
     """``generate`` and ``refit`` of a generation backend, serialised, with the version of the
     weights the engines hold (``None`` until the first refit) and the seconds spent
-    generating (for the engines' idle fraction)."""
+    generating (for the engines' idle fraction).
 
-    def __init__(self, generate: Callable[..., Any], refit: Callable[[], float]) -> None:
+    ``holds_weights`` says whether the engines still hold their last refit's weights
+    (:attr:`nrl_core.generation.GenerationEngines.holds_weights`: False once colocated engines
+    slept with their weights dropped); when it is False, :meth:`ensure` refits even for the
+    version it recorded. Default: always (generation inside the policy workers)."""
+
+    def __init__(
+        self,
+        generate: Callable[..., Any],
+        refit: Callable[[], float],
+        holds_weights: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._generate = generate
         self._refit = refit
+        self._holds_weights = holds_weights
         self._lock = threading.Lock()
         self.version: int | None = None
         self.busy_s = 0.0
@@ -63,7 +74,7 @@ class WeightGate:
     def ensure(self, version: int) -> float:
         """Refit the engines to the policy's current weights, which hold ``version`` optimizer
         steps, unless they already do; returns the refit's seconds (0 when none ran)."""
-        if self.version == version:
+        if self.version == version and self._holds_weights():
             return 0.0
         with self._lock:
             seconds = self._refit()

@@ -113,12 +113,18 @@ class RecordingEngineConfig(EngineOptions):
 class RecordingEngineWorker(_Recorder):
     """A generation engine that records its calls and keeps the weights it receives; answers
     each prompt with its own tokens reversed. Sleeps at start-up when colocated, as the real
-    engines do."""
+    engines do, and keeps the GPU engines' memory contract
+    (:class:`~nrl_core.memory_contract.EngineMemory`): a sleep drops the weights (vLLM level 2),
+    a refit wakes them and makes them valid, ``generate`` wakes the KV cache and raises
+    :class:`~nrl_core.memory_contract.MemoryContractError` on dropped weights."""
 
     def __init__(self, options: RecordingEngineConfig | None, context: ComponentContext) -> None:
+        from nrl_core.memory_contract import EngineMemory
+
         super().__init__()
         self.options = options or RecordingEngineConfig()
         self.received: dict[str, list[float]] = {}
+        self.memory = EngineMemory(f"recording engine {context.rank}")
         if self.options.colocated:
             self.sleep()
 
@@ -128,6 +134,8 @@ class RecordingEngineWorker(_Recorder):
         params: SamplingParams,
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
+        self.memory.wake_up(sorted(self.memory.sleeping))  # what still sleeps
+        self.memory.check_generate()
         self._record("generate", len(prompts))
         tokens = [list(reversed(p)) for p in prompts]
         return GenerationOutput(
@@ -136,11 +144,17 @@ class RecordingEngineWorker(_Recorder):
             finish_reasons=["stop"] * len(tokens),
         )
 
-    def sleep(self) -> None:
+    def sleep(self) -> bool:
+        """Drops the weights (returns False: they do not survive)."""
         self._record("sleep")
+        self.memory.sleep(keeps_weights=False)
+        return False
 
     def begin_weight_update(self) -> None:
         self._record("begin_weight_update")
+        if "weights" in self.memory.sleeping:
+            self.memory.wake_up(["weights"])
+        self.memory.begin_refit()
 
     def receive_bucket(self, meta: Any, handle: Any) -> int:
         from nrl_core.weight_sync import receive_into
@@ -155,6 +169,7 @@ class RecordingEngineWorker(_Recorder):
 
     def finish_weight_update(self) -> None:
         self._record("finish_weight_update")
+        self.memory.finish_refit()
 
     def weights(self) -> dict[str, list[float]]:
         """The flattened values of every tensor received so far."""

@@ -154,13 +154,22 @@ class Components:
         if hasattr(self.config, "generation") and shared is None:
             self.generate, self.refit = self.generation_backend(None)
         if hasattr(self.config, "generation"):
-            from nrl_core.algorithms.async_grpo import WeightGate
-
-            # Every generate call (the core's rollouts, the policy endpoint, a background
-            # producer) and every refit goes through the gate, which serialises them and knows
-            # which weights the engines hold.
-            self.gate = WeightGate(self.generate, self.refit)
+            self.gate = self.weight_gate()
             self.generate = self.gate.generate
+
+    def weight_gate(self) -> Any:
+        """The :class:`~nrl_core.algorithms.async_grpo.WeightGate` over :attr:`generate` and
+        :attr:`refit`. Every generate call (the core's rollouts, the policy endpoint, a
+        background producer) and every refit goes through it, which serialises them and knows
+        which weights the engines hold."""
+        from nrl_core.algorithms.async_grpo import WeightGate
+
+        engines = getattr(self, "generation_engines", None)
+        if engines is None:  # generation inside the policy workers: always the policy's own
+            return WeightGate(self.generate, self.refit)
+        # Colocated engines that slept with their weights dropped need a refit even when the
+        # policy has not changed since (e.g. the step after a validation).
+        return WeightGate(self.generate, self.refit, holds_weights=lambda: engines.holds_weights)
 
     def separate_engines(self) -> int:
         """How many separate generation engines the run starts (0: none, or generation inside

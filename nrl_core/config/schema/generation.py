@@ -137,8 +137,10 @@ class EngineOptions:
     num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
     colocated: bool = option(
         True,
-        "Share GPUs with the policy (the engines sleep between phases). On CPU engines are "
-        "separate actors either way.",
+        "Share GPUs with the policy (the engines sleep whenever the policy needs its GPUs and "
+        "are refitted before generating again). On CPU engines are separate actors either way "
+        "(with NRL_MEMORY_CONTRACT=1, as in the tests, they still follow the sleep and refit "
+        "calls: docs/testing.md).",
     )
     refit_bucket_mb: int = option(
         512, "Size bound of each weight bucket during refit.", validator=ge(1)

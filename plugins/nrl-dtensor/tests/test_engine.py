@@ -97,3 +97,35 @@ def test_killing_an_engine_mid_run_is_a_named_error(setup):
     with pytest.raises(Exception, match="generation") as info:
         engines.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert "rank 1 died in generate" in str(info.value)
+
+
+@pytest.mark.gpu_sim
+def test_the_engine_keeps_the_memory_contract(tiny_path, monkeypatch):
+    """Under ``NRL_MEMORY_CONTRACT=1`` a torch engine's sleep is a GPU engine's deep sleep:
+    the weights are lost (NaN) and generate refuses until a refit has written every one;
+    waking an awake tag is an error. After the refit it generates what it did before."""
+    from nrl_dtensor.engine import TorchEngine
+
+    from nrl_core.memory_contract import MemoryContractError
+    from nrl_core.weight_sync.shm import send_shm
+
+    monkeypatch.setenv("NRL_MEMORY_CONTRACT", "1")
+    config = make_config(tiny_path)
+    engine = TorchEngine(TorchGenerationConfig(colocated=False), context(config))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate(PROMPTS, greedy)
+    state = engine.state_dict()
+
+    assert engine.sleep() is False
+    assert all(torch.isnan(p).all() for p in engine.model.parameters())
+    with pytest.raises(MemoryContractError, match="weights dropped at sleep"):
+        engine.generate(PROMPTS, greedy)
+    engine.sleep()
+    engine.begin_weight_update()  # wakes the weights only
+    with pytest.raises(MemoryContractError, match="is awake"):
+        engine.wake_up(["weights"])
+    send_shm(state, engine.receive_bucket, lambda received: received)
+    engine.finish_weight_update()
+    assert engine.generate(PROMPTS, greedy).token_ids == before.token_ids
+    with pytest.raises(MemoryContractError, match="are awake"):
+        engine.wake_up()  # generate woke the KV cache: nothing sleeps

@@ -24,6 +24,7 @@ from nrl_vllm.config import VllmConfig
 from nrl_vllm.extension import NrlWeightReceiver
 from nrl_vllm.worker import VllmGenerationWorker
 
+from nrl_core.interfaces import SamplingParams
 from nrl_core.weight_sync import (
     BucketMeta,
     CudaIpcHandle,
@@ -157,10 +158,10 @@ class TinyVllmWorker(NrlWeightReceiver):
 
     # vLLM's layerwise reload needs vLLM's model classes; the real one runs in
     # test_vllm_cpu.py (vLLM's CPU build). Here: counted, so the RPC order is checked.
-    def nrl_begin_weight_update(self) -> None:
+    def nrl_start_reload(self) -> None:
         self.reloads += 1
 
-    def nrl_finish_weight_update(self) -> None:
+    def nrl_finish_reload(self) -> None:
         self.reloads += 1
 
 
@@ -318,7 +319,8 @@ def _engine_actor(llm: StandInLLM) -> VllmGenerationWorker:
     here), so the fields it sets for a separate-GPU engine are set here."""
     worker = object.__new__(VllmGenerationWorker)
     worker.options = VllmConfig(colocated=False)
-    worker.engine, worker._loop, worker.sleeping, worker.rank = llm, None, False, 0
+    worker.engine, worker._loop, worker.rank = llm, None, 0
+    worker.sleeping_tags, worker.on_cpu, worker.emulating = set(), False, False
     worker.engine_died = None  # the engine-core watcher's verdict: alive
     return worker
 
@@ -361,3 +363,45 @@ def test_refit_streams_the_checkpoint_layout_vllms_loader_takes():
     group = SimpleNamespace(num_workers=1, actors=[], timeout_s=5.0)
     engines = GenerationEngines(group, layout=VllmConfig().weight_layout)
     assert engines.sender().layout == CHECKPOINT
+
+
+# -- sleep mode emulated by the worker extension (NRL_MEMORY_CONTRACT=1 on vLLM's CPU build) -----
+
+
+class GeneratingStandInLLM(StandInLLM):
+    """:class:`StandInLLM` that also generates (nothing: the contract is checked before)."""
+
+    def generate(self, inputs, sampling, use_tqdm=False) -> list:
+        return []
+
+
+@pytest.mark.gpu_sim
+def test_the_extension_emulates_a_deep_sleep_on_cpu(tiny_model_path):
+    """vLLM's CPU worker ignores sleep; under the memory contract the engine actor sends its
+    sleep and wake-ups to nrl's extension, which loses the weights at level 2 (NaN), refuses a
+    generate until a refit restores them, and refuses to wake an awake tag."""
+    from types import SimpleNamespace
+
+    from nrl_core.memory_contract import MemoryContractError
+
+    source = _hf_model(tiny_model_path, seed=1)
+    tp_worker = TinyVllmWorker(_hf_model(tiny_model_path, seed=1))
+    engine = _engine_actor(GeneratingStandInLLM([tp_worker]))
+    engine.options = VllmConfig(colocated=True, sleep_level=2)
+    engine.on_cpu, engine.emulating = True, True
+    engine._vllm = SimpleNamespace(SamplingParams=dict)
+    params = SamplingParams(max_new_tokens=1)
+
+    assert engine.sleep() is False
+    model = tp_worker.model_runner.model.hf
+    assert all(torch.isnan(p).all() for p in model.parameters())
+    with pytest.raises(MemoryContractError, match="weights dropped at sleep"):
+        engine.generate([[1]], params)  # woke both tags; the weights are still lost
+    engine.sleep()
+    state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    engine.update_weights(iter_buckets(state.items(), 256 << 10))
+    assert tp_worker.nrl_memory.sleeping == {"kv_cache"}
+    engine.generate([[1]], params)  # refitted: valid, and the KV cache woke
+    assert not torch.isnan(next(model.parameters())).any()
+    with pytest.raises(MemoryContractError, match="while \\['kv_cache'\\] is awake"):
+        engine.engine.collective_rpc("nrl_wake_up", args=(["kv_cache"],))

@@ -129,17 +129,104 @@ def test_a_colocated_engine_sleeps_at_level_2_by_default():
             self.calls.append(("sleep", kwargs))
 
     worker = object.__new__(VllmGenerationWorker)  # __init__ starts a real vllm.LLM
-    worker.options, worker.engine, worker._loop, worker.sleeping = (
+    worker.options, worker.engine, worker._loop, worker.sleeping_tags = (
         VllmConfig(),
         Engine(),
         None,
-        False,
+        set(),
     )
-    worker.on_cpu = False  # the GPU engine: vLLM has no sleep mode on CPU
+    worker.on_cpu, worker.emulating = False, False  # the GPU engine: no sleep mode on CPU
     worker.engine_died = None  # the engine-core watcher's verdict: alive
     assert worker.options.colocated
-    worker.sleep()
+    assert worker.sleep() is False  # the weights are gone: the core must refit
     assert Engine.calls == [("sleep", {"level": 2})]
+
+
+class SleepModeLLM:
+    """``vllm.LLM``'s sleep mode, strict: the tags that sleep, and a ``wake_up`` that raises
+    when it names an awake tag or is tag-less while one is awake (review 3, B1: an allocator
+    that re-maps mapped memory fails in ``cuMemMap``; vLLM 0.32.0's ``cumem.py`` skips awake
+    allocations, but its executor wakes *nothing* when a named tag is awake). Records every
+    sleep/wake call and refuses to generate unless all tags are awake."""
+
+    def __init__(self) -> None:
+        from nrl_core.memory_contract import EngineMemory
+
+        self.memory = EngineMemory("stand-in vLLM")
+        self.calls: list = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+        self.memory.sleep(keeps_weights=level == 1)
+
+    def wake_up(self, tags=None) -> bool:
+        self.calls.append(("wake_up", tags))
+        self.memory.wake_up(tags)
+        return not self.memory.asleep
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list:
+        self.calls.append(("rpc", method))
+        if method == "nrl_finish_weight_update":
+            self.memory.finish_refit()
+        return [None]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def generate(self, inputs, sampling, use_tqdm=False) -> list:
+        self.memory.check_generate()
+        return []
+
+
+def _colocated_worker(llm, **options):
+    from types import SimpleNamespace
+
+    from nrl_vllm.worker import VllmGenerationWorker
+
+    worker = object.__new__(VllmGenerationWorker)  # __init__ starts a real vllm.LLM
+    worker.options, worker.engine, worker._loop, worker.rank = VllmConfig(**options), llm, None, 0
+    worker.sleeping_tags, worker.on_cpu, worker.emulating = set(), False, False
+    worker.engine_died = None
+    worker._vllm = SimpleNamespace(SamplingParams=dict)
+    return worker
+
+
+@pytest.mark.gpu_sim
+def test_after_a_refit_generate_wakes_only_the_kv_cache():
+    """Sleep, refit (wakes the weights), generate: the wake-ups are ``["weights"]`` then
+    ``["kv_cache"]``. Before the fix generate called ``wake_up()`` (``tags=None``) with the
+    weights already awake, which re-maps them on a GPU and fails (here: raises)."""
+    llm = SleepModeLLM()
+    worker = _colocated_worker(llm)
+    assert worker.sleep() is False  # level 2: the weights are gone
+    worker.update_weights(iter([]))  # begin (wakes the weights), no bucket, finish
+    worker.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    worker.generate([[3]], SamplingParams(max_new_tokens=2))  # awake: no wake-up at all
+    wakes = [c for c in llm.calls if c[0] in ("sleep", "wake_up")]
+    assert wakes == [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+    assert worker.sleeping_tags == set()
+    # Training after generating: both tags sleep again, and the next round is the same.
+    assert worker.sleep() is False and llm.memory.sleeping == {"weights", "kv_cache"}
+    worker.update_weights(iter([]))
+    worker.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert [c for c in llm.calls if c[0] == "wake_up"][-2:] == [
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+    ]
+
+
+@pytest.mark.gpu_sim
+def test_sleep_right_after_a_refit_and_at_level_1():
+    """A sleep while only the KV cache sleeps (refit, then the policy's call) frees the weights
+    again; level 1 says the weights survive (the core then skips the refit)."""
+    llm = SleepModeLLM()
+    worker = _colocated_worker(llm, sleep_level=1)
+    assert worker.sleep() is True
+    worker.update_weights(iter([]))
+    assert worker.sleeping_tags == {"kv_cache"}
+    assert worker.sleep() is True and llm.memory.sleeping == {"weights", "kv_cache"}
+    worker.generate([[1]], SamplingParams(max_new_tokens=1))  # wakes both; weights kept
+    assert [c for c in llm.calls if c[0] == "wake_up"][-1] == ("wake_up", ["weights", "kv_cache"])
 
 
 def test_engine_kwargs_on_cpu_are_what_vllm_cpu_accepts():

@@ -228,7 +228,10 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
 
 def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
     """``nrl serve generation.backend=vllm``: the engine loaded with the policy's weights
-    answers a chat completion (token ids and logprobs), and SIGTERM leaves no engine process."""
+    answers chat completions (token ids and logprobs), the second as the first (the engine
+    keeps its weights between requests: under the memory contract, an engine that slept after
+    the first, as the colocated engines did before the fix, refuses the second), and SIGTERM
+    leaves no engine process."""
     import re
     import urllib.request
 
@@ -256,11 +259,12 @@ def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
             data=json.dumps(body | {"max_tokens": 4}).encode(),
             headers={"content-type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            message = json.loads(response.read())["choices"][0]["message"]
-        ids, logprobs = message["generation_token_ids"], message["generation_log_probs"]
-        assert 1 <= len(ids) <= 4 and len(logprobs) == len(ids)
-        assert all(lp <= 0 for lp in logprobs)
+        for _ in range(2):
+            with urllib.request.urlopen(request, timeout=300) as response:
+                message = json.loads(response.read())["choices"][0]["message"]
+            ids, logprobs = message["generation_token_ids"], message["generation_log_probs"]
+            assert 1 <= len(ids) <= 4 and len(logprobs) == len(ids)
+            assert all(lp <= 0 for lp in logprobs)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)

@@ -54,7 +54,9 @@ def tasks_run(tmp_path_factory) -> Path:
     # recipe's count) also make the checkpoint's greedy answers depend on the problem (measured
     # with the torch backend: "1" or "11" by the size of the sum, where 12 steps answer "1" to
     # every problem and 4 steps stop at once), so the eval comparison below has answers to compare.
-    command += ["grpo.sft_warmup_steps=30", "grpo.max_num_steps=2", "grpo.val_period=2"]
+    # Validation every step: each step's rollouts follow a validation (on one refit's weights
+    # when no policy call came between, else refitted; nrl_core.memory_contract checks it).
+    command += ["grpo.sft_warmup_steps=30", "grpo.max_num_steps=2", "grpo.val_period=1"]
     command += ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4"]
     command += ["policy.train_global_batch_size=16", "policy.train_micro_batch_size=8"]
     command += ["policy.max_total_sequence_length=256", "data.max_val_samples=4"]
@@ -83,6 +85,7 @@ def test_multi_turn_game_and_agent_task_train_on_the_vllm_engine(tasks_run):
     assert all(1 < r["train/turns_mean"] <= 4 for r in steps)
     # Validated per task: the game's environment defines correctness, an agent's task is scored
     # by reward only, so the run as a whole claims no accuracy (issue 39's honest names).
+    assert [r["step"] for r in rows if "val/chat/reward_mean" in r] == [0, 1, 2]
     assert {"val/game/accuracy", "val/chat/reward_mean"} <= set(rows[-1])
     assert not {"val/chat/accuracy", "val/accuracy"} & set(rows[-1])
 

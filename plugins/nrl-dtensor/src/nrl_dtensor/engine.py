@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from nrl_core import memory_contract
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
 from nrl_core.weight_sync import BucketHandle, BucketMeta, WeightSyncError, receive_into
 from nrl_dtensor.config import TorchGenerationConfig
@@ -45,6 +46,8 @@ class TorchEngine:
         self._parameters = dict(model.named_parameters(remove_duplicate=False))
         self._buffers = dict(model.named_buffers())
         self._loaded: set[str] = set()
+        self.memory = memory_contract.EngineMemory(f"torch engine {context.rank}")
+        """Sleep state under the memory contract (see :meth:`sleep`)."""
 
     def generate(
         self,
@@ -52,15 +55,38 @@ class TorchEngine:
         params: SamplingParams,
         stop_strings: Sequence[Sequence[str] | None] | None = None,
     ) -> GenerationOutput:
-        """Continue each prompt with this engine's current weights (none: an empty output)."""
+        """Continue each prompt with this engine's current weights (none: an empty output).
+        Wakes what still sleeps (after a refit: the KV cache), and refuses weights that a sleep
+        dropped (memory contract)."""
+        self.memory.wake_up(sorted(self.memory.sleeping))
+        self.memory.check_generate()
         return self.generator.generate(prompts, params, stop_strings)
 
-    def sleep(self) -> None:
-        """Nothing to release: torch engines are never colocated with the policy."""
+    def sleep(self) -> bool:
+        """Torch engines share no GPU with the policy (``colocated=false`` is what makes them),
+        so the core does not put them to sleep and nothing is released. Under the memory
+        contract (``NRL_MEMORY_CONTRACT=1``: tests) this is a GPU engine's deep sleep (vLLM
+        level 2): the weights become NaN and generate refuses until a refit. Returns whether
+        the weights survive."""
+        if not memory_contract.enabled():
+            return True
+        if "weights" not in self.memory.sleeping:
+            memory_contract.drop(self._parameters.values())
+        self.memory.sleep(keeps_weights=False)
+        return False
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``weights``, ``kv_cache``; None: both); waking an awake one is an
+        error, as on a GPU engine (memory contract)."""
+        self.memory.wake_up(tags)
 
     # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
 
     def begin_weight_update(self) -> None:
+        """Start a refit: the weights wake (the KV cache keeps sleeping until generate)."""
+        if "weights" in self.memory.sleeping:
+            self.memory.wake_up(["weights"])
+        self.memory.begin_refit()
         self._loaded = set()
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
@@ -95,6 +121,7 @@ class TorchEngine:
                 f"a refit sent no value for {len(missing)} of this engine's parameters "
                 f"(first: {missing[0]}); the policy must send its full state dict"
             )
+        self.memory.finish_refit()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights (tests compare them with the trainer's bit for bit)."""

@@ -90,15 +90,18 @@ class SglangGenerationWorker:
         )
         return to_generation_output(results)
 
-    def sleep(self) -> None:
+    def sleep(self) -> bool:
         """Release every memory region still held (weights, KV cache, CUDA graphs) for
         training. Only held tags are named: after a refit the weights are back while the KV
-        cache is still released."""
+        cache is still released. Returns False: the weights do not survive (nrl does not set
+        ``enable_weights_cpu_backup``, off by default in 0.5.23), so the core refits before
+        the next generate."""
         held = [t for t in MEMORY_TAGS if t not in self.released]
         if held:
             # Never an empty list: SGLang reads [] as "all tags" (weight_updater.py:345-346).
             self.engine.release_memory_occupation(tags=held)
             self.released.update(held)
+        return False
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Resume memory (``tags`` as SGLang: ``weights``, ``kv_cache``, ``cuda_graph``; None:

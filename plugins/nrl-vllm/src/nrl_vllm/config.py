@@ -55,11 +55,12 @@ class VllmConfig(EngineOptions):
     )
     sleep_level: int = option(
         2,
-        "vLLM sleep level between phases when colocated (1 or 2). 2 (default): weights and KV "
-        "cache are dropped, and every wake-up is followed by a refit, which the core always "
-        "runs before generating. 1 also keeps a copy of every weight in pinned host memory "
-        "(vllm device_allocator/cumem.py: copied out at each sleep, back at each wake) only "
-        "for the refit to overwrite it: host memory and two copies per step for nothing. "
-        "Ignored on CPU (vLLM has no sleep mode there).",
+        "vLLM sleep level when colocated (1 or 2). 2 (default): weights and KV cache are "
+        "dropped, and the core refits before the next generate. 1 also keeps a copy of every "
+        "weight in pinned host memory (vllm device_allocator/cumem.py: copied out at each "
+        "sleep, back at each wake), which saves a refit only when the engine slept without the "
+        "policy changing (e.g. a checkpoint between a validation and the next rollouts): host "
+        "memory and two copies per step, nearly always for a refit to overwrite. Ignored on CPU "
+        "(vLLM has no sleep mode there; NRL_MEMORY_CONTRACT=1 emulates it, docs/testing.md).",
         validator=one_of(1, 2),
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from nrl_core.memory_contract import EngineMemory, drop
 from nrl_core.weight_sync import BucketMeta, handle_from_wire, init_nccl_group, receive_into
 
 
@@ -41,20 +42,52 @@ class NrlWeightReceiver:
     """
 
     def nrl_begin_weight_update(self) -> None:
-        """Put the model's layers in reload mode (checkpoint-format parameters)."""
+        """Start a refit: the weights must be awake (memory contract), then the model's layers
+        go into reload mode (checkpoint-format parameters)."""
+        _memory(self).begin_refit()
+        self.nrl_start_reload()
+
+    def nrl_finish_weight_update(self) -> None:
+        """Finish the reload; the weights are a refit's again (memory contract)."""
+        self.nrl_finish_reload()
+        _memory(self).finish_refit()
+
+    def nrl_start_reload(self) -> None:
+        """vLLM's layerwise reload: put the layers in checkpoint form."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(self.model_runner.model)  # type: ignore[attr-defined]
 
-    def nrl_finish_weight_update(self) -> None:
+    def nrl_finish_reload(self) -> None:
         """Process the layers that were not complete during loading and leave reload mode."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(self.model_runner.model, self.model_config)  # type: ignore[attr-defined]
+
+    # -- sleep mode emulated on CPU (NRL_MEMORY_CONTRACT=1, see nrl_core.memory_contract) -----
+    # vLLM's CPU worker ignores sleep/wake_up; the engine actor calls these instead there, so
+    # CPU runs break where a GPU engine would: weights lost at level 2 (NaN here), strict
+    # wake-ups, no generate before a refit restores them.
+
+    def nrl_sleep(self, level: int) -> None:
+        """Emulate ``sleep(level)``: level 2 drops the weights (filled with NaN)."""
+        memory = _memory(self)
+        if level != 1 and "weights" not in memory.sleeping:
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            drop(p for _, p in model.named_parameters())
+        memory.sleep(keeps_weights=level == 1)
+
+    def nrl_wake_up(self, tags: list[str]) -> None:
+        """Emulate ``wake_up(tags)``: waking an awake tag is an error."""
+        _memory(self).wake_up(tags)
+
+    def nrl_check_generate(self) -> None:
+        """Refuse a generate on sleeping memory or dropped weights."""
+        _memory(self).check_generate()
 
     def nrl_receive_bucket(self, meta: dict[str, Any], handle: dict[str, Any]) -> int:
         """Open the bucket that ``handle`` (``handle_to_wire``'s form) names, on this worker's
@@ -99,3 +132,13 @@ def _vllm_config(worker: Any) -> Any:
     from vllm.config import set_current_vllm_config
 
     return set_current_vllm_config(config)
+
+
+def _memory(worker: Any) -> EngineMemory:
+    """The worker's memory-contract state, made on first use (awake, weights valid: vLLM
+    loaded the model folder). Only the emulation (``nrl_sleep``) ever makes it sleep."""
+    memory = getattr(worker, "nrl_memory", None)
+    if memory is None:
+        memory = EngineMemory(f"vLLM worker {getattr(worker, 'rank', 0)}")
+        worker.nrl_memory = memory
+    return memory

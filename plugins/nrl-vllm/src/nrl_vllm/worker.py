@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from nrl_core import memory_contract
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
 from nrl_core.weight_sync import BucketHandle, BucketMeta, handle_to_wire, pack_bucket
@@ -80,13 +81,21 @@ class VllmGenerationWorker:
         else:
             self.engine = vllm.LLM(**kwargs)
         self._vllm = vllm
-        self.sleeping = False
+        self.sleeping_tags: set[str] = set()
+        """vLLM's memory tags (``weights``, ``kv_cache``) asleep now. vLLM's executor keeps
+        the same set and ignores a ``wake_up(tags)`` naming an awake tag (it logs "Tag ... is
+        not in sleeping tags" and wakes nothing; vllm/v1/executor/abstract.py), so every wake
+        names exactly the tags that sleep: after a refit woke ``weights``, ``generate`` wakes
+        ``kv_cache`` only."""
+        # vLLM's CPU build has no sleep mode; with NRL_MEMORY_CONTRACT=1 nrl's worker extension
+        # emulates it (lost weights at level 2, strict wake-ups; nrl_core.memory_contract).
+        self.emulating = self.on_cpu and memory_contract.enabled()
         self._closing = False
         self.engine_died: str | None = None
         self._died = threading.Event()
         self._watch_engine_core()
-        if self.options.colocated and not self.on_cpu:
-            self.sleep()  # the policy owns the GPU until the first generation
+        if self.options.colocated and (not self.on_cpu or self.emulating):
+            self.sleep()  # the policy owns the GPU until the first refit
 
     # -- a dead engine core ----------------------------------------------------------------
 
@@ -178,8 +187,9 @@ class VllmGenerationWorker:
         """Continue each prompt (token ids in, token ids and raw logprobs out)."""
         if not prompts:
             return GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
-        if self.sleeping:
-            self.wake_up()
+        self.wake_up()  # what still sleeps: after a refit, the KV cache only
+        if self.emulating:
+            self._rpc("nrl_check_generate")
         sampling = [
             self._vllm.SamplingParams(**kw)
             for kw in per_request_kwargs(params, len(prompts), stop_strings, 1000 * self.rank)
@@ -207,20 +217,39 @@ class VllmGenerationWorker:
 
     # -- colocation -----------------------------------------------------------------------------
 
-    def sleep(self) -> None:
+    def sleep(self) -> bool:
         """Free the GPU for training (level 1: weights to CPU, KV cache dropped; level 2: both
-        dropped, a refit must follow). Nothing on CPU: vLLM has no sleep mode there."""
-        if not self.sleeping and not self.on_cpu:
+        dropped, a refit must follow). Returns whether the weights survive (level 1), which
+        tells the core whether the next generate needs a refit. On CPU vLLM has no sleep mode:
+        nothing happens (the weights survive), unless the memory contract is emulated."""
+        keeps = self.options.sleep_level == 1
+        if self.on_cpu and not self.emulating:
+            return True
+        if self.sleeping_tags >= {"weights", "kv_cache"}:
+            return keeps  # asleep already (vLLM's executor would ignore the call)
+        # After a refit the weights are awake and the KV cache still sleeps: vLLM 0.32 puts
+        # the awake allocations to sleep and skips the rest (device_allocator/cumem.py).
+        if self.emulating:
+            self._rpc("nrl_sleep", self.options.sleep_level)
+        else:
             self._run("sleep", level=self.options.sleep_level)
-            self.sleeping = True
+        self.sleeping_tags = {"weights", "kv_cache"}
+        return keeps
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Re-allocate weights and KV cache (``tags`` as vLLM: ``weights``, ``kv_cache``)."""
-        if self.on_cpu:
+        """Re-allocate the tags of ``tags`` (vLLM's ``weights``, ``kv_cache``; None: both) that
+        sleep, naming them: awake ones are left out (vLLM 0.32 wakes nothing when a named tag is
+        awake) and vLLM is never called with ``tags=None`` (an allocator that re-maps mapped
+        memory fails there; 0.32's ``cumem.py`` happens to skip awake allocations)."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        todo = [t for t in ("weights", "kv_cache") if t in wanted and t in self.sleeping_tags]
+        if not todo:
             return
-        self._run("wake_up", tags=tags)
-        if tags is None or set(tags) >= {"weights", "kv_cache"}:
-            self.sleeping = False
+        if self.emulating:
+            self._rpc("nrl_wake_up", todo)
+        elif not self.on_cpu:
+            self._run("wake_up", tags=todo)
+        self.sleeping_tags.difference_update(todo)
 
     # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
 
@@ -228,8 +257,7 @@ class VllmGenerationWorker:
         """Bring back the weights only: the KV cache stays freed while the policy still holds
         its memory; it comes back on the next ``generate``. Then put every worker's model in
         vLLM's reload mode (see :class:`nrl_vllm.extension.NrlWeightReceiver`)."""
-        if self.sleeping:
-            self.wake_up(tags=["weights"])
+        self.wake_up(tags=["weights"])
         self._rpc("nrl_begin_weight_update")
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
