@@ -13,6 +13,10 @@ import pytest
 
 from nrl_core.distributed.reaper import orphaned_segments, segment_names
 
+# CPU engines keep the GPU engines' memory contract (docs/testing.md), as in `nox -s
+# plugin-vllm` and the core suite: before any engine starts, so every actor inherits it.
+os.environ.setdefault("NRL_MEMORY_CONTRACT", "1")
+
 SHM_GRACE_S = 30.0
 """How long after a test its engine's processes may take to exit and unlink what they made."""
 

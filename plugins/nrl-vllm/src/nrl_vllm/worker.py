@@ -22,6 +22,7 @@ from nrl_core import memory_contract
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
 from nrl_core.weight_sync import BucketHandle, BucketMeta, handle_to_wire, pack_bucket
+from nrl_vllm.compat import check_vllm_version, engine_environment
 from nrl_vllm.config import VllmConfig
 from nrl_vllm.translate import engine_kwargs, per_request_kwargs, to_generation_output
 
@@ -39,6 +40,8 @@ class VllmGenerationWorker:
         self.on_cpu = False
         for var in _DIST_VARS:
             os.environ.pop(var, None)
+        for key, value in engine_environment().items():
+            os.environ.setdefault(key, value)  # before vLLM is imported and its processes start
         try:
             import vllm
         except ImportError as exc:
@@ -46,6 +49,7 @@ class VllmGenerationWorker:
                 "vLLM is not installed in this actor's environment; build it with `nrl venvs "
                 f"build vllm` (or install nrl-vllm[engine]): {exc}"
             ) from None
+        check_vllm_version(vllm.__version__)  # one line for a release nrl-vllm does not know
         from vllm.platforms import current_platform
 
         from nrl_core.testing.tiny import resolve_model_name
