@@ -30,8 +30,15 @@ Stages, in order, each in a subprocess of its own with a time limit:
 - ``megatron_moe``: the same worker on a tiny Qwen3-MoE (4 experts, top-2) built in the work
   folder: on ``cuda`` Megatron-Core's ``alltoall`` dispatcher, Megatron DDP with the experts and
   the distributed optimizer (what CPU cannot build); the refit and ``export_hf`` bit-exact, each
-  expert once; logprobs against transformers' forward; training steps and ``train/moe/*``. Not
-  in ``quick`` (SKIP there, with how to run it); same SKIP as ``megatron`` without megatron-core.
+  expert once; logprobs against transformers' forward; training steps and ``train/moe/*``; on
+  ``cuda`` the experts must run as a grouped GEMM (their class, e.g. not ``SequentialMLP``:
+  ``megatron_moe._experts_are_grouped``). Not in ``quick`` (SKIP there, with how to run it);
+  same SKIP as ``megatron`` without megatron-core.
+- ``memory_plan``: the memory preflight's static estimate of one policy GPU
+  (``nrl_core.memory_plan``) against ``torch.cuda.max_memory_allocated()`` after one training
+  step on a tiny batch, for the ``dtensor`` and ``megatron`` layouts, each in a process of its
+  own; PASS when estimate / measured is within 0.8-1.5 (the module says why). SKIP on ``cpu``
+  (with the estimates), where ``nrl_core.memory_plan`` is absent, and in ``quick``.
 - ``grpo_step``: ``nrl run grpo`` through the real CLI on the built model (policy ``dtensor``,
   colocated ``torch`` generation, the ``arithmetic`` environment, the trainer recomputing the
   rollouts' logprobs); tokens/s and ``train/gen_logprob_error`` from its ``metrics.jsonl``.
@@ -53,7 +60,7 @@ The package, one module per concern: :mod:`.runner` (the command line, the stage
 processes, the report), :mod:`.profiles` (stages, profiles, the device plan), :mod:`.common`
 (what a stage receives, its outcomes, device plumbing), :mod:`.policy` (what the policy stages
 share) and one module per stage (:mod:`.model`, :mod:`.dtensor`, :mod:`.generation`,
-:mod:`.refit`, :mod:`.megatron`, :mod:`.megatron_moe`, :mod:`.grpo`). ``benchmarks/`` is not an
-installed package: ``benchmarks/gpu_acceptance.py`` puts its folder on ``sys.path`` and calls
-:func:`.runner.main` (``python -m acceptance`` from ``benchmarks/`` does the same).
+:mod:`.refit`, :mod:`.megatron`, :mod:`.megatron_moe`, :mod:`.memory_plan`,
+:mod:`.grpo`). ``benchmarks/`` is not an installed package: ``benchmarks/gpu_acceptance.py``
+puts its folder on ``sys.path`` and calls :func:`.runner.main` (``python -m acceptance`` from ``benchmarks/`` does the same).
 """

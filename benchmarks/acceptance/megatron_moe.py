@@ -26,6 +26,32 @@ from .policy import run_config, train_batch
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 """The tiny Qwen3-MoE of the ``megatron_moe`` stage (as plugins/nrl-megatron/tests/test_moe.py)."""
 
+GROUPED_EXPERTS = ("TEGroupedMLP", "GroupedMLP")
+"""Megatron-Core's expert modules that run a layer's local experts as one grouped GEMM
+(megatron/core/transformer/moe/experts.py: ``TEGroupedMLP`` with Transformer Engine,
+``GroupedMLP`` the legacy one); ``SequentialMLP`` loops over the experts, a GEMM pair each."""
+
+
+def expert_classes(model: Any) -> list[str]:
+    """The class names of the experts of every MoE layer in ``model`` (a module with both a
+    ``router`` and ``experts``, Megatron-Core's ``MoELayer``; wrappers such as DDP are walked
+    through), each once, sorted."""
+    return sorted(
+        {
+            type(module.experts).__name__
+            for module in model.modules()
+            if hasattr(module, "router") and hasattr(module, "experts")
+        }
+    )
+
+
+def _experts_are_grouped(model: Any) -> bool:
+    """Whether every MoE layer of ``model`` runs its experts as a grouped GEMM (the GPU path):
+    at least one MoE layer, and each one's experts a :data:`GROUPED_EXPERTS` class. By class
+    name, so that it needs no Megatron import and is one place to adjust."""
+    classes = expert_classes(model)
+    return bool(classes) and all(name in GROUPED_EXPERTS for name in classes)
+
 
 def _moe_model(ctx: StageContext) -> Path:
     """The tiny Qwen3-MoE (every layer a mixture of 4 experts, top-2) in the profile's
@@ -70,7 +96,8 @@ def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
     """One rank of the megatron policy on the tiny Qwen3-MoE: on ``cuda`` the path CPU cannot
     build (Megatron-Core's ``alltoall`` dispatcher creates a CUDA stream; Megatron DDP with the
     experts in its buffers; the distributed optimizer), bf16; on ``cpu`` the ``allgather``
-    dispatcher and torch.optim, float32. Checks, in order: the refit's Hugging Face-named
+    dispatcher and torch.optim, float32. Checks, in order: on ``cuda`` the experts run as a
+    grouped GEMM (:func:`_experts_are_grouped`; their class is a figure on both devices); the refit's Hugging Face-named
     tensors are transformers' in-memory state dict, each name once, bit-exact; ``export_hf``
     writes the checkpoint's per-expert files, each expert once, bit-exact; logprobs equal
     transformers' forward of the same weights on the device; training steps lower the loss and
@@ -106,6 +133,14 @@ def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
         want = "alltoall" if ctx.on_gpu else "allgather"
         check(dispatcher == want, f"MoE token dispatcher {dispatcher!r}, expected {want!r}")
         uses_megatron_optimizer = check_megatron_path(ctx, worker)
+        expert_kinds = expert_classes(worker.module)
+        check(bool(expert_kinds), "no MoE layer (router and experts) in the built model")
+        grouped = _experts_are_grouped(worker.module)
+        # The GPU config builds grouped-GEMM experts; SequentialMLP there is the slow path.
+        check(
+            grouped or not ctx.on_gpu,
+            f"experts are {expert_kinds}, not a grouped GEMM ({', '.join(GROUPED_EXPERTS)})",
+        )
 
         # The refit: transformers' in-memory names (experts stacked), each once, bit-exact.
         sent: list[str] = []
@@ -197,6 +232,8 @@ def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
             dist.destroy_process_group()
     return {
         "dispatcher": dispatcher,
+        "experts_class": ",".join(expert_kinds),
+        "grouped_gemm": grouped,
         "optimizer": "megatron-distributed" if uses_megatron_optimizer else "torch",
         "backend": "nccl" if ctx.on_gpu else "gloo",
         "dtype": p.dtype,

@@ -12,6 +12,7 @@ STAGES: tuple[str, ...] = (
     "cuda_ipc_refit",
     "megatron",
     "megatron_moe",
+    "memory_plan",
     "grpo_step",
 )
 """Every stage, in the order they run."""
@@ -48,7 +49,7 @@ class Profile:
     limits: dict[str, int]
     """Upper bound of each stage in seconds (:data:`STAGES`); their sum is the default
     ``--budget-s``. A stage the profile has no limit for is reported SKIP (``quick`` leaves
-    ``megatron_moe`` out)."""
+    ``megatron_moe`` and ``memory_plan`` out)."""
 
 
 PROFILES = {
@@ -88,6 +89,7 @@ PROFILES = {
             "cuda_ipc_refit": 120,
             "megatron": 120,
             "megatron_moe": 120,
+            "memory_plan": 90,
             "grpo_step": 180,
         },
     ),
@@ -129,6 +131,7 @@ PROFILES = {
             "cuda_ipc_refit": 180,
             "megatron": 240,
             "megatron_moe": 120,
+            "memory_plan": 180,
             "grpo_step": 420,
         },
     ),
@@ -154,8 +157,8 @@ PROFILES["quick"] = replace(
         "generation.torch.generation_batch_size=32",
         "policy.max_total_sequence_length=128",
     ),
-    # No megatron_moe: the plan has 15 s to spare and the megatron stage alone took 25 s on an
-    # H100 (docs/performance.md), so it runs with --profile qwen2-0.5b.
+    # No megatron_moe, no memory_plan: the plan has 15 s to spare and the megatron stage alone
+    # took 25 s on an H100 (docs/performance.md), so they run with --profile qwen2-0.5b.
     limits={
         "model": 50,
         "dtensor": 70,

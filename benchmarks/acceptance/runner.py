@@ -27,6 +27,7 @@ from .generation import stage_generation
 from .grpo import stage_grpo_step
 from .megatron import stage_megatron
 from .megatron_moe import stage_megatron_moe
+from .memory_plan import stage_memory_plan
 from .model import stage_model
 from .profiles import DEFAULT_PROFILE, GRACE_S, PROFILES, STAGES
 from .refit import stage_cuda_ipc_refit
@@ -62,12 +63,21 @@ SHOWN = {
     ),
     "megatron_moe": (
         "dispatcher",
+        "experts_class",
         "optimizer",
         "hf_logprob_mean_abs",
         "train/moe/load_cv",
         "train/moe/max_load",
         "refit_bit_exact",
         "export_bit_exact",
+    ),
+    "memory_plan": (
+        "dtensor_estimate_gb",
+        "dtensor_measured_gb",
+        "dtensor_ratio",
+        "megatron_estimate_gb",
+        "megatron_measured_gb",
+        "megatron_ratio",
     ),
     "grpo_step": ("tokens_per_s", "step_s", "generation_s", "train_s", "gen_logprob_error"),
 }
@@ -90,6 +100,7 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], dict[str, Any]]] = {
     "cuda_ipc_refit": stage_cuda_ipc_refit,
     "megatron": stage_megatron,
     "megatron_moe": stage_megatron_moe,
+    "memory_plan": stage_memory_plan,
     "grpo_step": stage_grpo_step,
 }
 
