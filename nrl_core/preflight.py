@@ -22,7 +22,8 @@ What is checked (each in well under a second; no model or data is loaded here):
   (:func:`check_component_options`: ``env.reward_fn.path``'s file and function);
 * ``logger.log_dir`` (and ``checkpointing.checkpoint_dir``, ``eval.output``) can be written;
 * a ``checkpointing.resume`` path exists (the checkpoint itself is verified when the run looks
-  for its resume point, still before anything starts).
+  for its resume point, still before anything starts);
+* the policy's static memory per GPU fits the device (:func:`check_memory_plan`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import re
 import subprocess
 import tempfile
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +92,10 @@ def check_tool_parser(config: Any, registry: Registry) -> None:
     raise ConfigError(unknown_parser_message(name, registry.names("tool_parser")))
 
 
-def preflight(config: Any, registry: Registry) -> None:
-    """Every check that needs only the driver: raise ``ConfigError`` on the first problem."""
+def preflight(config: Any, registry: Registry) -> list[str]:
+    """Every check that needs only the driver: raise ``ConfigError`` on the first problem.
+    Returns the lines worth showing before anything starts (the memory plan, or its warning);
+    the CLI prints them."""
     from nrl_core.config.validation import validate_run_config
 
     check_components(config, registry)
@@ -114,6 +118,7 @@ def preflight(config: Any, registry: Registry) -> None:
                 model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
     check_local_resources(config)
+    notes = [note for note in [check_memory_plan(config, registry)] if note]
     check_inprocess(config, registry)
     check_actor_envs(config)
     check_component_requirements(config, registry)
@@ -121,6 +126,7 @@ def preflight(config: Any, registry: Registry) -> None:
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
+    return notes
 
 
 def check_pipeline_generation(config: Any, registry: Registry) -> None:
@@ -195,6 +201,89 @@ def check_local_resources(config: Any) -> None:
                 "NVIDIA GPUs; set cluster.gpus_per_node to at most that, or leave it unset "
                 "(null) for what Ray detects"
             )
+
+
+def _device_bytes(cluster: Any) -> float | None:
+    if cluster is None:
+        return None
+    if getattr(cluster, "gpu_memory_gib", None):
+        return cluster.gpu_memory_gib * 2**30
+    if cluster.backend not in ("local", "auto"):
+        return None  # the driver's GPUs (if any) are not the cluster's
+    from nrl_core.memory_plan import gpu_memory_bytes
+
+    return gpu_memory_bytes()
+
+
+def _model_config(name: str) -> dict[str, Any] | None:
+    """A model's ``config.json`` as JSON: from its folder or the Hugging Face cache (no
+    download: the plan is skipped for a model that is not here yet)."""
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id; check_model_source has said why if it matters
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_memory_plan(config: Any, registry: Registry) -> str | None:
+    """The memory plan (:mod:`nrl_core.memory_plan`): the policy's static bytes per GPU from
+    the model's ``config.json`` and the policy backend's layout (its options'
+    ``memory_layout``), against the device memory (``cluster.gpu_memory_gib``, else measured on
+    a local cluster). Above it: ``ConfigError``, one line naming the biggest items and the
+    settings that shrink them. Returns the line to show: the plan, or a warning above
+    :data:`~nrl_core.memory_plan.WARN_FRACTION`; ``None`` when there is no plan (no GPU and
+    no ``cluster.gpu_memory_gib``, a backend without ``memory_layout``, a model whose
+    ``config.json`` is not here or has an unknown shape)."""
+    from nrl_core import memory_plan
+
+    policy = getattr(config, "policy", None)
+    if policy is None or not hasattr(policy, "options_for"):
+        return None
+    layout = memory_plan.layout_of(
+        policy.options_for(), num_ranks=policy.num_workers, precision=policy.precision
+    )
+    if layout is None:
+        return None
+    device = _device_bytes(getattr(config, "cluster", None))
+    model = _model_config(policy.model_name) if device else None
+    if model is None:
+        return None
+    try:
+        shape = memory_plan.ModelShape.from_config(model)
+    except (ValueError, TypeError):
+        return None  # an architecture the plan does not know: the run finds out itself
+    length = policy.max_total_sequence_length
+    train = policy.micro_batch_token_budget or policy.train_micro_batch_size * length
+    tokens = max(train, policy.logprob_batch_size * length)
+    engine, fixes = 0.0, dict(layout.fixes)
+    generation = getattr(config, "generation", None)
+    options = generation.options_for() if generation is not None else None
+    fraction = getattr(options, "gpu_memory_fraction", None)
+    spec = registry.find("generation", generation.backend) if generation is not None else None
+    if callable(fraction) and getattr(options, "colocated", False) and spec is not None:
+        from nrl_core.generation import runs_in_policy_workers
+
+        if not runs_in_policy_workers(spec, generation):
+            engine = fraction() or 0.0
+            fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
+    layout = dataclass_replace(layout, fixes=fixes)
+    plan = memory_plan.plan_memory(
+        shape, layout, device_bytes=device, micro_batch_tokens=tokens, engine_fraction=engine
+    )
+    if not plan.fits:
+        raise ConfigError(plan.refusal(f"policy.{policy.selected} on {layout.world} GPUs"))
+    return plan.warning() if plan.tight else plan.summary()
 
 
 def check_sequence_packing(section: Any, key: str, registry: Registry) -> None:

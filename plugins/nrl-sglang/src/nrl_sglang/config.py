@@ -29,6 +29,12 @@ class SglangConfig(EngineOptions):
     mem_fraction_static: float = option(
         0.6, "Fraction of GPU memory SGLang may use.", validator=between(0, 1, low_open=True)
     )
+
+    def gpu_memory_fraction(self) -> float:
+        """The share of each GPU the engine reserves while awake (``mem_fraction_static``):
+        what the memory preflight counts beside the policy when colocated."""
+        return self.mem_fraction_static
+
     context_length: int | None = option(
         None, "Context length (default: the model's).", validator=optional(ge(1))
     )

@@ -33,6 +33,12 @@ class VllmConfig(EngineOptions):
     gpu_memory_utilization: float = option(
         0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
     )
+
+    def gpu_memory_fraction(self) -> float:
+        """The share of each GPU the engine reserves while awake (``gpu_memory_utilization``):
+        what the memory preflight counts beside the policy when colocated."""
+        return self.gpu_memory_utilization
+
     enforce_eager: bool = option(
         False, "Disable CUDA graphs (GPUs; CPU engines always run eager: no torch.compile)."
     )
