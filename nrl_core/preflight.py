@@ -271,12 +271,12 @@ def check_memory_plan(config: Any, registry: Registry) -> str | None:
     options = generation.options_for() if generation is not None else None
     fraction = getattr(options, "gpu_memory_fraction", None)
     spec = registry.find("generation", generation.backend) if generation is not None else None
-    if callable(fraction) and getattr(options, "colocated", False) and spec is not None:
-        from nrl_core.generation import runs_in_policy_workers
-
-        if not runs_in_policy_workers(spec, generation):
-            engine = fraction() or 0.0
-            fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
+    # A backend registered `colocated` (torch) generates inside the policy workers: no engine
+    # (nrl_core.generation.runs_in_policy_workers, which imports Ray).
+    in_policy = spec is None or bool(spec.metadata.get("colocated"))
+    if callable(fraction) and getattr(options, "colocated", False) and not in_policy:
+        engine = fraction() or 0.0
+        fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
     layout = dataclass_replace(layout, fixes=fixes)
     plan = memory_plan.plan_memory(
         shape, layout, device_bytes=device, micro_batch_tokens=tokens, engine_fraction=engine
