@@ -15,12 +15,14 @@ it fit, rather than by an out-of-memory error minutes into the first step (GPU r
 * **gathered**: FSDP's all-gathered unit during compute (a block, or the whole model);
 * **logits**: one fp32 copy of the logits of the largest micro batch (the biggest single
   activation: ``tokens x vocab / tp x 4`` bytes; other activations are not counted);
-* **engine**: a colocated generation engine's reservation (vLLM's ``gpu_memory_utilization``,
-  SGLang's ``mem_fraction_static``, times the device memory). The policy keeps its weights,
-  gradients and optimizer state on the GPU while the engine is awake (nothing offloads the
-  policy during generation), so both must fit at once; the engine frees its share while the
-  policy trains (sleep mode), which is when the logits need their room, but the engine's share
-  is counted with them as the safe side.
+
+A colocated generation engine (vLLM, SGLang) shares each policy GPU, in turns
+(docs/generation-engines.md, "Memory hand-off"): it sleeps, holding nothing, while the policy
+trains (the phase above); at a refit it wakes its weights while the policy still holds its
+weights and gradient buffer (the optimizer state went to the CPU first), so
+``params + grads + the engine's weights`` must fit (:attr:`MemoryPlan.refit_total`); then the
+policy moves its weights out and the engine takes its share (``gpu_memory_utilization`` /
+``mem_fraction_static`` x the device), which must hold at least its own weights.
 
 The shape comes from the model's ``config.json``, read as JSON (:meth:`ModelShape.from_config`),
 never by importing a model. The layout comes from the policy backend's options through their
@@ -268,11 +270,14 @@ class Item:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The per-GPU static bytes of a layout (:func:`plan_memory`), by item."""
+    """The per-GPU static bytes of a layout (:func:`plan_memory`), by item, while the policy
+    trains; and, with a colocated engine, its weights and its share of the GPU (0 without)."""
 
     items: tuple[Item, ...]
     device_bytes: float
     layout: Layout
+    engine_weights: float = 0.0
+    engine_share: float = 0.0
 
     @property
     def total(self) -> float:
@@ -282,8 +287,20 @@ class MemoryPlan:
         return next(i for i in self.items if i.name == name)
 
     @property
+    def refit_total(self) -> float:
+        """At a refit into a colocated engine: the policy's weights and gradient buffer (its
+        optimizer state is on the CPU) beside the engine's woken weights."""
+        if not self.engine_weights:
+            return 0.0
+        return self.item("params").nbytes + self.item("grads").nbytes + self.engine_weights
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.device_bytes
+        return (
+            self.total <= self.device_bytes
+            and self.refit_total <= self.device_bytes
+            and self.engine_weights <= self.engine_share
+        )
 
     @property
     def tight(self) -> bool:
@@ -296,9 +313,20 @@ class MemoryPlan:
         big = sorted((i for i in self.items if i.nbytes > 0), key=lambda i: -i.nbytes)[:n]
         return ", ".join(i.describe() for i in big)
 
+    def _engine(self) -> str:
+        if not self.engine_weights:
+            return ""
+        return (
+            f"; colocated engine: weights {self.engine_weights / GIB:.1f} of its "
+            f"{self.engine_share / GIB:.1f} GiB, refit peak {self.refit_total / GIB:.1f} GiB"
+        )
+
     def summary(self) -> str:
         """The one line shown before Ray starts when the plan fits."""
-        return f"memory plan ({self.layout.backend}): {self._amount()} ({self._biggest(6)})"
+        return (
+            f"memory plan ({self.layout.backend}): {self._amount()} ({self._biggest(6)})"
+            f"{self._engine()}"
+        )
 
     def _fixes(self) -> str:
         fixes = self.layout.fixes
@@ -308,10 +336,26 @@ class MemoryPlan:
         return f"{' or '.join(unique)}, or use more GPUs" if unique else "use more GPUs"
 
     def refusal(self, key: str) -> str:
-        """The one ``ConfigError`` line of a plan above the device memory."""
+        """The one ``ConfigError`` line of a plan that does not fit: the training phase, else
+        the refit into a colocated engine, else the engine's own share."""
+        if self.total > self.device_bytes:
+            return (
+                f"{key}: the policy needs {self._amount()}, which does not fit "
+                f"({self._biggest()}); {self._fixes()}"
+            )
+        engine = self.layout.fixes.get("engine", "use separate engines")
+        weights = f"the colocated engine's weights ({self.engine_weights / GIB:.1f} GiB)"
+        if self.refit_total > self.device_bytes:
+            held = self.item("params").describe() + ", " + self.item("grads").describe()
+            grads = self.layout.fixes.get("grads")
+            return (
+                f"{key}: at each refit the policy's {held} and {weights} need "
+                f"{self.refit_total / GIB:.1f} of {self.device_bytes / GIB:.1f} GiB per GPU; "
+                f"{engine}" + (f" or {grads}" if grads else "")
+            )
         return (
-            f"{key}: the policy needs {self._amount()}, which does not fit ({self._biggest()}); "
-            f"{self._fixes()}"
+            f"{key}: {weights} exceed its share of the GPU ({self.engine_share / GIB:.1f} of "
+            f"{self.device_bytes / GIB:.1f} GiB); {engine} or raise that share"
         )
 
     def warning(self) -> str:
@@ -330,11 +374,14 @@ def plan_memory(
     device_bytes: float,
     micro_batch_tokens: int = 0,
     engine_fraction: float = 0.0,
+    engine_dtype_bytes: int = 2,
 ) -> MemoryPlan:
     """The static bytes per GPU of ``shape`` placed by ``layout`` (see the module docstring for
     what each item counts). The worst rank counts: the first or last pipeline stage, whichever
     holds more. ``micro_batch_tokens``: tokens of the largest micro batch (logits);
-    ``engine_fraction``: the share of the device a colocated engine reserves (0: none)."""
+    ``engine_fraction``: the share of the device a colocated engine reserves (0: none), which
+    holds the whole model in ``engine_dtype_bytes`` per weight (colocated engines have
+    tensor parallel size 1)."""
     stages = layout.pp
     per_stage = math.ceil(shape.num_layers / stages)
     moe_per_stage = math.ceil(shape.moe_layers / stages)
@@ -376,9 +423,14 @@ def plan_memory(
         items.append(Item("gathered", unit * 2))  # bf16 compute copy of the unit
     vocab = shape.vocab_size / vocab_split
     items.append(Item("logits", micro_batch_tokens / layout.cp * vocab * 4))
-    if engine_fraction:
-        items.append(Item("engine", engine_fraction * device_bytes, "colocated"))
-    return MemoryPlan(tuple(items), float(device_bytes), layout)
+    engine_weights = shape.total_params * engine_dtype_bytes if engine_fraction else 0.0
+    return MemoryPlan(
+        tuple(items),
+        float(device_bytes),
+        layout,
+        engine_weights=float(engine_weights),
+        engine_share=engine_fraction * device_bytes,
+    )
 
 
 def _dtype_note(nbytes: int) -> str:

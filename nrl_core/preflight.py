@@ -266,7 +266,7 @@ def check_memory_plan(config: Any, registry: Registry) -> str | None:
     length = policy.max_total_sequence_length
     train = policy.micro_batch_token_budget or policy.train_micro_batch_size * length
     tokens = max(train, policy.logprob_batch_size * length)
-    engine, fixes = 0.0, dict(layout.fixes)
+    engine, engine_bytes, fixes = 0.0, 2, dict(layout.fixes)
     generation = getattr(config, "generation", None)
     options = generation.options_for() if generation is not None else None
     fraction = getattr(options, "gpu_memory_fraction", None)
@@ -276,10 +276,16 @@ def check_memory_plan(config: Any, registry: Registry) -> str | None:
     in_policy = spec is None or bool(spec.metadata.get("colocated"))
     if callable(fraction) and getattr(options, "colocated", False) and not in_policy:
         engine = fraction() or 0.0
+        engine_bytes = 4 if getattr(options, "dtype", "") == "float32" else 2
         fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
     layout = dataclass_replace(layout, fixes=fixes)
     plan = memory_plan.plan_memory(
-        shape, layout, device_bytes=device, micro_batch_tokens=tokens, engine_fraction=engine
+        shape,
+        layout,
+        device_bytes=device,
+        micro_batch_tokens=tokens,
+        engine_fraction=engine,
+        engine_dtype_bytes=engine_bytes,
     )
     if not plan.fits:
         raise ConfigError(plan.refusal(f"policy.{policy.selected} on {layout.world} GPUs"))

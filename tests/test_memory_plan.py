@@ -162,15 +162,30 @@ def config_of(overrides, registry, tmp_path):
     )
 
 
-def test_colocated_engines_count_their_share(registry, qwen3_folder, tmp_path):
-    overrides = [f"policy.model_name={qwen3_folder}", *REFUSED[:-3], "cluster.gpu_memory_gib=141"]
-    separate = config_of([*overrides, "generation.backend=vllm", "generation.vllm.colocated=false"], registry, tmp_path)  # fmt: skip
-    assert "engine" not in check_memory_plan(separate, registry)
-    colocated = config_of([*overrides, "generation.backend=vllm"], registry, tmp_path)
-    with pytest.raises(ConfigError) as error:  # 0.6 x 141 GiB beside 81 GiB of policy
-        check_memory_plan(colocated, registry)
-    assert "engine 84.6 GiB" in str(error.value)
+def test_a_colocated_engine_is_checked_at_refit_and_in_its_share(registry, qwen3_folder, tmp_path):
+    # GPU review 3, M4: a single-GPU vLLM engine needs 57 GiB of bf16 weights, more than
+    # gpu_memory_utilization=0.6 x 80 GB: colocation is impossible for this model.
+    overrides = [f"policy.model_name={qwen3_folder}", *REFUSED[:-3], *FITS]
+    big = ["cluster.gpu_memory_gib=139.8", "generation.backend=vllm"]  # an H200
+    separate = config_of([*overrides, *big, "generation.vllm.colocated=false"], registry, tmp_path)
+    assert "colocated engine" not in check_memory_plan(separate, registry)
+    with pytest.raises(ConfigError) as error:  # 57 GiB of weights, 0.6 x 79.6 = 47.8 GiB
+        check_memory_plan(config_of([*overrides, *REFUSED[-3:-2], "cluster.gpu_memory_gib=79.6"], registry, tmp_path), registry)  # fmt: skip
+    assert "the colocated engine's weights (56.9 GiB) exceed its share of the GPU (47.8" in str(
+        error.value
+    )
     assert "generation.vllm.colocated=false" in str(error.value)
+    # On an H200 with a 0.7 share the weights fit the engine's share (97.9 GiB) and, at a
+    # refit, beside the policy's weights and bf16 gradients (9.6 + 9.6 + 56.9 < 139.8 GiB) ...
+    roomy = config_of([*overrides, *big, "generation.vllm.gpu_memory_utilization=0.7"], registry, tmp_path)  # fmt: skip
+    line = check_memory_plan(roomy, registry)
+    assert "colocated engine: weights 56.9 of its 97.9 GiB, refit peak 76.1 GiB" in line
+    # ... while fp32 grads beside them on 80 GiB do not (9.6 + 19.3 + 56.9 GiB), though the
+    # training phase fits with the optimizer offloaded.
+    with pytest.raises(ConfigError) as error:
+        check_memory_plan(config_of([*REFUSED[:-3], f"policy.model_name={qwen3_folder}", FITS[1], "generation.backend=vllm", "generation.vllm.gpu_memory_utilization=0.95", "cluster.gpu_memory_gib=79.6"], registry, tmp_path), registry)  # fmt: skip
+    assert "at each refit" in str(error.value)
+    assert "policy.megatron.grad_reduce_in_fp32=false" in str(error.value)
 
 
 @pytest.mark.skipif(
