@@ -92,10 +92,10 @@ def check_tool_parser(config: Any, registry: Registry) -> None:
     raise ConfigError(unknown_parser_message(name, registry.names("tool_parser")))
 
 
-def preflight(config: Any, registry: Registry) -> list[str]:
+def preflight(config: Any, registry: Registry, *, verbose: bool = False) -> list[str]:
     """Every check that needs only the driver: raise ``ConfigError`` on the first problem.
     Returns the lines worth showing before anything starts (the memory plan, or its warning);
-    the CLI prints them."""
+    the CLI prints them (with ``verbose``, also why there is no memory plan)."""
     from nrl_core.config.validation import validate_run_config
 
     check_components(config, registry)
@@ -118,7 +118,7 @@ def preflight(config: Any, registry: Registry) -> list[str]:
                 model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
     check_local_resources(config)
-    notes = [note for note in [check_memory_plan(config, registry)] if note]
+    notes = [note for note in [check_memory_plan(config, registry, verbose=verbose)] if note]
     check_inprocess(config, registry)
     check_actor_envs(config)
     check_component_requirements(config, registry)
@@ -236,16 +236,20 @@ def _model_config(name: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def check_memory_plan(config: Any, registry: Registry) -> str | None:
+def check_memory_plan(config: Any, registry: Registry, *, verbose: bool = False) -> str | None:
     """The memory plan (:mod:`nrl_core.memory_plan`): the policy's static bytes per GPU from
     the model's ``config.json`` and the policy backend's layout (its options'
     ``memory_layout``), against the device memory (``cluster.gpu_memory_gib``, else measured on
     a local cluster). Above it: ``ConfigError``, one line naming the biggest items and the
     settings that shrink them. Returns the line to show: the plan, or a warning above
-    :data:`~nrl_core.memory_plan.WARN_FRACTION`; ``None`` when there is no plan (no GPU and
-    no ``cluster.gpu_memory_gib``, a backend without ``memory_layout``, a model whose
-    ``config.json`` is not here or has an unknown shape)."""
+    :data:`~nrl_core.memory_plan.WARN_FRACTION`. Without a plan (no GPU and no
+    ``cluster.gpu_memory_gib``, a backend without ``memory_layout``, a model whose
+    ``config.json`` is not here or has an unknown shape): ``None``, or with ``verbose`` a line
+    saying why."""
     from nrl_core import memory_plan
+
+    def skipped(why: str) -> str | None:
+        return f"memory plan: skipped ({why})" if verbose else None
 
     policy = getattr(config, "policy", None)
     if policy is None or not hasattr(policy, "options_for"):
@@ -254,15 +258,17 @@ def check_memory_plan(config: Any, registry: Registry) -> str | None:
         policy.options_for(), num_ranks=policy.num_workers, precision=policy.precision
     )
     if layout is None:
-        return None
+        return skipped(f"policy.{policy.selected}: no layout to plan with these options")
     device = _device_bytes(getattr(config, "cluster", None))
-    model = _model_config(policy.model_name) if device else None
+    if not device:
+        return skipped("no GPU seen here and cluster.gpu_memory_gib unset")
+    model = _model_config(policy.model_name)
     if model is None:
-        return None
+        return skipped(f"no config.json here for policy.model_name={policy.model_name}")
     try:
         shape = memory_plan.ModelShape.from_config(model)
-    except (ValueError, TypeError):
-        return None  # an architecture the plan does not know: the run finds out itself
+    except (ValueError, TypeError) as exc:
+        return skipped(f"unknown model shape: {exc}")  # the run finds out itself
     length = policy.max_total_sequence_length
     train = policy.micro_batch_token_budget or policy.train_micro_batch_size * length
     tokens = max(train, policy.logprob_batch_size * length)

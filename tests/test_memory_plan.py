@@ -194,6 +194,8 @@ def test_a_colocated_engine_is_checked_at_refit_and_in_its_share(registry, qwen3
 def test_no_gpu_and_no_setting_means_no_plan(registry, qwen3_folder, tmp_path):
     config = config_of([f"policy.model_name={qwen3_folder}", *REFUSED[:-1]], registry, tmp_path)
     assert check_memory_plan(config, registry) is None
+    why = check_memory_plan(config, registry, verbose=True)
+    assert why == "memory plan: skipped (no GPU seen here and cluster.gpu_memory_gib unset)"
 
 
 def test_the_cli_refuses_in_one_line_before_ray(qwen3_folder, tmp_path):
