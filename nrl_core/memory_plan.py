@@ -27,8 +27,9 @@ policy moves its weights out and the engine takes its share (``gpu_memory_utiliz
 The shape comes from the model's ``config.json``, read as JSON (:meth:`ModelShape.from_config`),
 never by importing a model. The layout comes from the policy backend's options through their
 documented ``memory_layout(num_ranks=..., precision=...)`` method (a :class:`Layout`; see
-:func:`layout_of`), so the core knows no plugin. Import-light: stdlib only, so
-:mod:`nrl_core.preflight` stays fast.
+:func:`layout_of`), so the core knows no plugin. Import-light (the standard library and
+:mod:`nrl_core.errors`), so that :mod:`nrl_core.preflight`, which runs
+:func:`check_memory_plan`, stays fast.
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from nrl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nrl_core.registry import Registry
 
 GIB = float(2**30)
 WARN_FRACTION = 0.9
@@ -474,3 +480,98 @@ def gpu_memory_bytes() -> float | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return min(mib) * 2**20 if mib else None
+
+
+# -- the preflight check (nrl_core.preflight) ------------------------------------------------
+
+
+def _device_bytes(cluster: Any) -> float | None:
+    if cluster is None:
+        return None
+    if getattr(cluster, "gpu_memory_gib", None):
+        return cluster.gpu_memory_gib * 2**30
+    if cluster.backend not in ("local", "auto"):
+        return None  # the driver's GPUs (if any) are not the cluster's
+    return gpu_memory_bytes()
+
+
+def _model_config(name: str) -> dict[str, Any] | None:
+    """A model's ``config.json`` as JSON: from its folder or the Hugging Face cache (no
+    download: the plan is skipped for a model that is not here yet)."""
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id; check_model_source has said why if it matters
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_memory_plan(config: Any, registry: Registry, *, verbose: bool = False) -> str | None:
+    """The memory plan (:mod:`nrl_core.memory_plan`): the policy's static bytes per GPU from
+    the model's ``config.json`` and the policy backend's layout (its options'
+    ``memory_layout``), against the device memory (``cluster.gpu_memory_gib``, else measured on
+    a local cluster). Above it: ``ConfigError``, one line naming the biggest items and the
+    settings that shrink them. Returns the line to show: the plan, or a warning above
+    :data:`WARN_FRACTION`. Without a plan (no GPU and no
+    ``cluster.gpu_memory_gib``, a backend without ``memory_layout``, a model whose
+    ``config.json`` is not here or has an unknown shape): ``None``, or with ``verbose`` a line
+    saying why."""
+
+    def skipped(why: str) -> str | None:
+        return f"memory plan: skipped ({why})" if verbose else None
+
+    policy = getattr(config, "policy", None)
+    if policy is None or not hasattr(policy, "options_for"):
+        return None
+    layout = layout_of(
+        policy.options_for(), num_ranks=policy.num_workers, precision=policy.precision
+    )
+    if layout is None:
+        return skipped(f"policy.{policy.selected}: no layout to plan with these options")
+    device = _device_bytes(getattr(config, "cluster", None))
+    if not device:
+        return skipped("no GPU seen here and cluster.gpu_memory_gib unset")
+    model = _model_config(policy.model_name)
+    if model is None:
+        return skipped(f"no config.json here for policy.model_name={policy.model_name}")
+    try:
+        shape = ModelShape.from_config(model)
+    except (ValueError, TypeError) as exc:
+        return skipped(f"unknown model shape: {exc}")  # the run finds out itself
+    length = policy.max_total_sequence_length
+    train = policy.micro_batch_token_budget or policy.train_micro_batch_size * length
+    tokens = max(train, policy.logprob_batch_size * length)
+    engine, engine_bytes, fixes = 0.0, 2, dict(layout.fixes)
+    generation = getattr(config, "generation", None)
+    options = generation.options_for() if generation is not None else None
+    fraction = getattr(options, "gpu_memory_fraction", None)
+    spec = registry.find("generation", generation.backend) if generation is not None else None
+    # A backend registered `colocated` (torch) generates inside the policy workers: no engine
+    # (nrl_core.generation.runs_in_policy_workers, which imports Ray).
+    in_policy = spec is None or bool(spec.metadata.get("colocated"))
+    if callable(fraction) and getattr(options, "colocated", False) and not in_policy:
+        engine = fraction() or 0.0
+        engine_bytes = 4 if getattr(options, "dtype", "") == "float32" else 2
+        fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
+    layout = replace(layout, fixes=fixes)
+    plan = plan_memory(
+        shape,
+        layout,
+        device_bytes=device,
+        micro_batch_tokens=tokens,
+        engine_fraction=engine,
+        engine_dtype_bytes=engine_bytes,
+    )
+    if not plan.fits:
+        raise ConfigError(plan.refusal(f"policy.{policy.selected} on {layout.world} GPUs"))
+    return plan.warning() if plan.tight else plan.summary()

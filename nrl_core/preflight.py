@@ -34,7 +34,6 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import replace as dataclass_replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ import attrs
 from nrl_core.config.schema import NO_ENVIRONMENT, ComponentSection
 from nrl_core.distributed.inprocess import check_inprocess
 from nrl_core.errors import ConfigError
+from nrl_core.memory_plan import check_memory_plan
 from nrl_core.registry import Registry
 
 HUB_TIMEOUT_S = 3.0
@@ -201,101 +201,6 @@ def check_local_resources(config: Any) -> None:
                 "NVIDIA GPUs; set cluster.gpus_per_node to at most that, or leave it unset "
                 "(null) for what Ray detects"
             )
-
-
-def _device_bytes(cluster: Any) -> float | None:
-    if cluster is None:
-        return None
-    if getattr(cluster, "gpu_memory_gib", None):
-        return cluster.gpu_memory_gib * 2**30
-    if cluster.backend not in ("local", "auto"):
-        return None  # the driver's GPUs (if any) are not the cluster's
-    from nrl_core.memory_plan import gpu_memory_bytes
-
-    return gpu_memory_bytes()
-
-
-def _model_config(name: str) -> dict[str, Any] | None:
-    """A model's ``config.json`` as JSON: from its folder or the Hugging Face cache (no
-    download: the plan is skipped for a model that is not here yet)."""
-    path = Path(name).expanduser() / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(name, "config.json")
-        except Exception:  # not a hub id; check_model_source has said why if it matters
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def check_memory_plan(config: Any, registry: Registry, *, verbose: bool = False) -> str | None:
-    """The memory plan (:mod:`nrl_core.memory_plan`): the policy's static bytes per GPU from
-    the model's ``config.json`` and the policy backend's layout (its options'
-    ``memory_layout``), against the device memory (``cluster.gpu_memory_gib``, else measured on
-    a local cluster). Above it: ``ConfigError``, one line naming the biggest items and the
-    settings that shrink them. Returns the line to show: the plan, or a warning above
-    :data:`~nrl_core.memory_plan.WARN_FRACTION`. Without a plan (no GPU and no
-    ``cluster.gpu_memory_gib``, a backend without ``memory_layout``, a model whose
-    ``config.json`` is not here or has an unknown shape): ``None``, or with ``verbose`` a line
-    saying why."""
-    from nrl_core import memory_plan
-
-    def skipped(why: str) -> str | None:
-        return f"memory plan: skipped ({why})" if verbose else None
-
-    policy = getattr(config, "policy", None)
-    if policy is None or not hasattr(policy, "options_for"):
-        return None
-    layout = memory_plan.layout_of(
-        policy.options_for(), num_ranks=policy.num_workers, precision=policy.precision
-    )
-    if layout is None:
-        return skipped(f"policy.{policy.selected}: no layout to plan with these options")
-    device = _device_bytes(getattr(config, "cluster", None))
-    if not device:
-        return skipped("no GPU seen here and cluster.gpu_memory_gib unset")
-    model = _model_config(policy.model_name)
-    if model is None:
-        return skipped(f"no config.json here for policy.model_name={policy.model_name}")
-    try:
-        shape = memory_plan.ModelShape.from_config(model)
-    except (ValueError, TypeError) as exc:
-        return skipped(f"unknown model shape: {exc}")  # the run finds out itself
-    length = policy.max_total_sequence_length
-    train = policy.micro_batch_token_budget or policy.train_micro_batch_size * length
-    tokens = max(train, policy.logprob_batch_size * length)
-    engine, engine_bytes, fixes = 0.0, 2, dict(layout.fixes)
-    generation = getattr(config, "generation", None)
-    options = generation.options_for() if generation is not None else None
-    fraction = getattr(options, "gpu_memory_fraction", None)
-    spec = registry.find("generation", generation.backend) if generation is not None else None
-    # A backend registered `colocated` (torch) generates inside the policy workers: no engine
-    # (nrl_core.generation.runs_in_policy_workers, which imports Ray).
-    in_policy = spec is None or bool(spec.metadata.get("colocated"))
-    if callable(fraction) and getattr(options, "colocated", False) and not in_policy:
-        engine = fraction() or 0.0
-        engine_bytes = 4 if getattr(options, "dtype", "") == "float32" else 2
-        fixes["engine"] = f"set generation.{generation.backend}.colocated=false"
-    layout = dataclass_replace(layout, fixes=fixes)
-    plan = memory_plan.plan_memory(
-        shape,
-        layout,
-        device_bytes=device,
-        micro_batch_tokens=tokens,
-        engine_fraction=engine,
-        engine_dtype_bytes=engine_bytes,
-    )
-    if not plan.fits:
-        raise ConfigError(plan.refusal(f"policy.{policy.selected} on {layout.world} GPUs"))
-    return plan.warning() if plan.tight else plan.summary()
 
 
 def check_sequence_packing(section: Any, key: str, registry: Registry) -> None:
