@@ -30,6 +30,7 @@ from typing import Any
 
 # The engine plugins' options extend this base (it lives with the config schema: import-light).
 from nrl_core.config.schema.generation import EngineOptions as EngineOptions
+from nrl_core.config.validation import nccl_colocated_message
 from nrl_core.data import split_even
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError, NrlError
@@ -76,12 +77,19 @@ def engines_sleep(generation: Any, *, on_gpu: bool) -> bool:
     return bool(getattr(options, "colocated", False)) and memory_contract.enabled()
 
 
-def resolve_transport(configured: str, *, colocated: bool, on_gpu: bool) -> str:
+def resolve_transport(
+    configured: str, *, colocated: bool, on_gpu: bool, section: str = "generation"
+) -> str:
     """The refit transport for ``refit_transport`` (``auto``: ``cuda_ipc`` when colocated on
-    GPUs, ``nccl`` on separate GPUs, ``shm`` on CPU)."""
+    GPUs, ``nccl`` on separate GPUs, ``shm`` on CPU). ``nccl`` between colocated engines and
+    the policy on GPUs is refused (``ConfigError``): policy rank 0 and engine 0 share a GPU,
+    and NCCL refuses two ranks of one group on one device ("Duplicate GPU detected").
+    ``section`` names the options' key in the message (``generation.vllm``)."""
     if configured != "auto":
         if configured not in ("shm", "cuda_ipc", "nccl"):
             raise ConfigError(f"refit_transport={configured!r}; use auto, shm, cuda_ipc or nccl")
+        if configured == "nccl" and colocated and on_gpu:
+            raise ConfigError(nccl_colocated_message(section))
         return configured
     if not on_gpu:
         return "shm"
@@ -321,6 +329,13 @@ def start_generation_engines(
             )
         placement = shared_bundles
         gpus, cpus = COLOCATED_SHARE, COLOCATED_SHARE
+    # Before any engine starts: a transport the layout cannot use is a config error.
+    transport = resolve_transport(
+        getattr(options, "refit_transport", "auto"),
+        colocated=colocated,
+        on_gpu=on_gpu,
+        section=f"generation.{generation.backend}",
+    )
     group = WorkerGroup.start(
         spec.target,
         engines,
@@ -331,9 +346,6 @@ def start_generation_engines(
         num_gpus_per_worker=gpus,
         placement_group=placement,
         timeout_s=timeout_s,
-    )
-    transport = resolve_transport(
-        getattr(options, "refit_transport", "auto"), colocated=colocated, on_gpu=on_gpu
     )
     engines_obj = GenerationEngines(
         group,

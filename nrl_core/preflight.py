@@ -22,7 +22,8 @@ What is checked (each in well under a second; no model or data is loaded here):
   (:func:`check_component_options`: ``env.reward_fn.path``'s file and function);
 * ``logger.log_dir`` (and ``checkpointing.checkpoint_dir``, ``eval.output``) can be written;
 * a ``checkpointing.resume`` path exists (the checkpoint itself is verified when the run looks
-  for its resume point, still before anything starts).
+  for its resume point, still before anything starts);
+* the policy's static memory per GPU fits the device (:func:`check_memory_plan`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import attrs
 from nrl_core.config.schema import NO_ENVIRONMENT, ComponentSection
 from nrl_core.distributed.inprocess import check_inprocess
 from nrl_core.errors import ConfigError
+from nrl_core.memory_plan import check_memory_plan
 from nrl_core.registry import Registry
 
 HUB_TIMEOUT_S = 3.0
@@ -90,8 +92,10 @@ def check_tool_parser(config: Any, registry: Registry) -> None:
     raise ConfigError(unknown_parser_message(name, registry.names("tool_parser")))
 
 
-def preflight(config: Any, registry: Registry) -> None:
-    """Every check that needs only the driver: raise ``ConfigError`` on the first problem."""
+def preflight(config: Any, registry: Registry, *, verbose: bool = False) -> list[str]:
+    """Every check that needs only the driver: raise ``ConfigError`` on the first problem.
+    Returns the lines worth showing before anything starts (the memory plan, or its warning);
+    the CLI prints them (with ``verbose``, also why there is no memory plan)."""
     from nrl_core.config.validation import validate_run_config
 
     check_components(config, registry)
@@ -114,6 +118,7 @@ def preflight(config: Any, registry: Registry) -> None:
                 model.tokenizer_name, f"{key}.tokenizer_name", weights=False, tokenizer=True
             )
     check_local_resources(config)
+    notes = [note for note in [check_memory_plan(config, registry, verbose=verbose)] if note]
     check_inprocess(config, registry)
     check_actor_envs(config)
     check_component_requirements(config, registry)
@@ -121,6 +126,7 @@ def preflight(config: Any, registry: Registry) -> None:
     check_named_files(config)
     check_output_folders(config)
     check_resume_path(config)
+    return notes
 
 
 def check_pipeline_generation(config: Any, registry: Registry) -> None:

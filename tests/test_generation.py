@@ -334,3 +334,21 @@ def test_generate_after_a_weight_dropping_sleep_needs_a_refit(ray_cluster, regis
             engines.group.run_all("generate", [[1]], params)
     finally:
         session.close()
+
+
+# -- the refit transport (GPU review 3, m5) ----------------------------------------------------
+
+
+def test_nccl_refit_into_colocated_engines_on_gpus_is_refused():
+    from nrl_core.errors import ConfigError
+    from nrl_core.generation import resolve_transport
+
+    with pytest.raises(ConfigError) as error:
+        resolve_transport("nccl", colocated=True, on_gpu=True, section="generation.vllm")
+    message = str(error.value)
+    assert "\n" not in message
+    assert "generation.vllm.refit_transport=nccl with generation.vllm.colocated=true" in message
+    # What stays allowed: separate GPUs, and CPU (nothing is shared there).
+    assert resolve_transport("nccl", colocated=False, on_gpu=True) == "nccl"
+    assert resolve_transport("nccl", colocated=True, on_gpu=False) == "nccl"
+    assert resolve_transport("auto", colocated=True, on_gpu=True) == "cuda_ipc"

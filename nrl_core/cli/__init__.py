@@ -240,7 +240,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Before the algorithm's module imports torch (seconds): a wrong path or model name is
     # reported at once. The run's session checks again (milliseconds): a config can also be
     # built in code.
-    preflight(config, registry)
+    for note in preflight(config, registry, verbose=args.verbose):
+        if not args.quiet:
+            print(note, file=sys.stderr)  # the memory plan, before Ray starts
     try:
         module = importlib.import_module(f"nrl_core.algorithms.{args.algorithm}")
     except ModuleNotFoundError as exc:

@@ -23,6 +23,32 @@ def validate_run_config(config: Any) -> None:
     _check_batch_layout(config)
     _check_on_policy_shortcut(config)
     _check_async(config)
+    _check_colocated_nccl(config)
+
+
+def nccl_colocated_message(section: str) -> str:
+    """The one line refusing ``refit_transport=nccl`` for colocated engines on GPUs."""
+    return (
+        f"{section}.refit_transport=nccl with {section}.colocated=true: policy rank 0 and "
+        "engine 0 would share one GPU in one NCCL group, which NCCL refuses; set "
+        f"{section}.refit_transport=cuda_ipc (or auto), or {section}.colocated=false"
+    )
+
+
+def _check_colocated_nccl(config: Any) -> None:
+    # Colocated engines share policy rank i's GPU; NCCL refuses two ranks of one group on one
+    # device. Known before Ray when the config says the cluster has GPUs; otherwise
+    # nrl_core.generation.resolve_transport refuses it before the engines start.
+    generation, cluster = getattr(config, "generation", None), getattr(config, "cluster", None)
+    if generation is None or cluster is None:
+        return
+    options = generation.options_for()
+    if getattr(options, "refit_transport", None) != "nccl" or not getattr(
+        options, "colocated", False
+    ):
+        return
+    if cluster.gpus_per_node or getattr(cluster, "gpu_memory_gib", None):
+        raise ConfigError(nccl_colocated_message(f"generation.{generation.backend}"))
 
 
 def _check_async(config: Any) -> None:

@@ -296,7 +296,7 @@ CASES = [
     ("lora_rank", run("sft", "policy.dtensor.lora_rank=-1"), "policy.dtensor.lora_rank must be >= 0", {}),
     ("lora_dropout_above_max", run("sft", "policy.dtensor.lora_dropout=1"), "policy.dtensor.lora_dropout must be in [0, 1), got 1", {}),
     ("torch_gen_batch", run("grpo", "generation.torch.generation_batch_size=0"), "generation.torch.generation_batch_size must be in [1, 65536], got 0", {}),
-    ("vllm_memory_above_max", run("grpo", VLLM, "generation.vllm.gpu_memory_utilization=1.5"), "generation.vllm.gpu_memory_utilization must be in (0, 1], got 1.5", {}),
+    ("vllm_memory_above_max", run("grpo", VLLM, "generation.vllm.gpu_memory_utilization=1.5"), "generation.vllm.gpu_memory_utilization must be in (0, 1] or null, got 1.5", {}),
     ("vllm_sleep_level", run("grpo", VLLM, "generation.vllm.sleep_level=3"), "generation.vllm.sleep_level must be one of 1, 2, got 3", {}),
     ("vllm_dtype", run("grpo", VLLM, "generation.vllm.dtype=auto"), "generation.vllm.dtype must be one of bfloat16, float16, float32", {}),
     ("sglang_transport", run("grpo", SGLANG, "generation.sglang.refit_transport=pigeon"), "generation.sglang.refit_transport must be one of auto, cuda_ipc, nccl, shm", {}),

@@ -180,3 +180,16 @@ def test_async_grpo_on_colocated_engines_names_the_backends_own_key(registry, ba
     assert "generation.colocated" not in str(error.value)
     config = resolve_config("grpo", None, [*overrides, f"{key}=false"], registry)
     assert config.generation.options_for().colocated is False
+
+
+@pytest.mark.parametrize("gpus", ["cluster.gpus_per_node=8", "cluster.gpu_memory_gib=79.6"])
+def test_nccl_refit_into_colocated_engines_is_refused_when_the_config_has_gpus(registry, gpus):
+    nccl = ["generation.backend=vllm", "generation.vllm.refit_transport=nccl"]
+    with pytest.raises(ConfigError) as error:
+        resolve_config("grpo", None, [*nccl, gpus], registry)
+    assert "generation.vllm.refit_transport=nccl with generation.vllm.colocated=true" in str(
+        error.value
+    )
+    # Separate engines, or a config that does not say it has GPUs: accepted at load.
+    resolve_config("grpo", None, [*nccl, gpus, "generation.vllm.colocated=false"], registry)
+    resolve_config("grpo", None, nccl, registry)

@@ -156,3 +156,11 @@ class EngineOptions:
         "`auto` (cuda_ipc when colocated, nccl otherwise), `cuda_ipc`, `nccl` or `shm`.",
         validator=one_of(*REFIT_TRANSPORTS),
     )
+
+    def gpu_memory_fraction(self) -> float | None:
+        """The share of each of its GPUs (0 to 1] the engine reserves while awake (vLLM's
+        ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``), resolved for
+        ``colocated``; ``None`` when the engine does not say. The memory preflight
+        (:mod:`nrl_core.memory_plan`) counts it on the policy's GPUs when the engines are
+        colocated; an engine plugin overrides this method."""
+        return None

@@ -12,6 +12,7 @@ from nrl_core.config.schema.fields import (
     RUN_NAME,
     ComponentSection,
     Valid,
+    between,
     ge,
     gt,
     option,
@@ -41,6 +42,16 @@ class ClusterConfig(ComponentSection):
     )
     gpus_per_node: int | None = option(
         None, "GPUs per node (default: what Ray detects).", validator=optional(ge(0))
+    )
+    gpu_memory_gib: float | None = option(
+        None,
+        (
+            "Memory of each GPU in GiB (1 to 4096), for the memory plan checked before Ray "
+            "starts (docs/runtime.md, Memory plan): needed where the driver sees no GPU (`ray` cluster, a "
+            "login node); default: measured with nvidia-smi on a local cluster, and no plan "
+            "without either. An 80 GB H100 has 79.6 GiB."
+        ),
+        validator=optional(between(1, 4096)),
     )
     dashboard: bool = option(False, "Start the Ray dashboard (local cluster only).")
     worker_timeout_s: float = option(

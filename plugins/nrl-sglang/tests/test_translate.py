@@ -79,3 +79,16 @@ def test_to_generation_output_rejects_abort_and_mismatched_ids():
     bad["meta_info"]["output_token_logprobs"] = [(-0.5, 5, None)]
     with pytest.raises(RuntimeError, match="do not match"):
         to_generation_output([bad])
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, 0.6),  # colocated: the policy keeps its training state on the GPU
+        ({"colocated": False}, 0.85),  # GPU review 3 m7: a dedicated GPU is the engine's
+        ({"colocated": False, "mem_fraction_static": 0.5}, 0.5),  # the user's value wins
+        ({"mem_fraction_static": 0.75}, 0.75),
+    ],
+)
+def test_mem_fraction_static_default_depends_on_colocation(options, expected):
+    assert engine_kwargs(SglangConfig(**options), "m", seed=0)["mem_fraction_static"] == expected

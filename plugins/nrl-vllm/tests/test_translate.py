@@ -297,3 +297,16 @@ def test_to_generation_output_rejects_aborted_and_missing_logprobs():
     missing = RequestOutput("m", [CompletionOutput(0, "", [5], None, None, "stop")])
     with pytest.raises(RuntimeError, match="no logprobs"):
         to_generation_output([missing])
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, 0.6),  # colocated: the policy keeps its training state on the GPU
+        ({"colocated": False}, 0.9),  # GPU review 3 m7: a dedicated GPU is all the engine's
+        ({"colocated": False, "gpu_memory_utilization": 0.5}, 0.5),  # the user's value wins
+        ({"gpu_memory_utilization": 0.75}, 0.75),
+    ],
+)
+def test_gpu_memory_utilization_default_depends_on_colocation(options, expected):
+    assert engine_kwargs(VllmConfig(**options), "m", seed=0)["gpu_memory_utilization"] == expected

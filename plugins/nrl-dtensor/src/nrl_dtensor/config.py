@@ -3,7 +3,7 @@
 Import-light: only attrs. The CLI validates configs with these classes without torch.
 """
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -95,6 +95,39 @@ class DTensorConfig:
                 "cpu_offload is FSDP2's offload of sharded weights; use data_parallel=shard "
                 "(or auto) with it"
             )
+
+    def memory_layout(self, *, num_ranks: int, precision: str) -> Any:
+        """The :class:`nrl_core.memory_plan.Layout` of these options on ``num_ranks`` GPUs
+        (the memory preflight's protocol), or ``None`` when ``tensor_parallel_size`` does not
+        divide the ranks. FSDP2 keeps fp32 master weights and fp32 gradients sharded over the
+        data-parallel ranks and gathers each unit in ``policy.precision`` to compute; the TP
+        plan leaves the embedding and LM head whole on every TP rank; with LoRA only adapters
+        train, which this plan does not count (no plan)."""
+        from nrl_core.memory_plan import Layout
+
+        tp = self.tensor_parallel_size
+        if num_ranks % tp or self.lora_rank > 0:
+            return None
+        key = "policy.dtensor"
+        fsdp = self.data_parallel != "replicate"
+        return Layout(
+            backend="dtensor",
+            world=num_ranks,
+            tp=tp,
+            param_bytes=4,
+            grad_bytes=4,
+            fsdp=fsdp,
+            gathered="model" if self.fsdp_units == "model" else "blocks",
+            vocab_tp=False,
+            main_params=False,
+            params_offload=self.cpu_offload,
+            fixes={
+                "params": f"set {key}.cpu_offload=true",
+                "optimizer": f"set {key}.cpu_offload=true",
+                "gathered": f"set {key}.fsdp_units=blocks",
+                "logits": "lower policy.logprob_batch_size / policy.train_micro_batch_size",
+            },
+        )
 
     def required_modules(self) -> dict[str, tuple[str, str]]:
         """Modules the policy's actors must import for these options: ``{module: (extra of

@@ -373,7 +373,9 @@ class MegatronPolicyWorker:
 
         opt = self.policy.optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False
+            grad_reduce_in_fp32=self.options.grad_reduce_in_fp32,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=False,
         )
         self.model = DistributedDataParallel(
             config=self.module.config, ddp_config=ddp_config, module=self.module
@@ -389,6 +391,14 @@ class MegatronPolicyWorker:
             params_dtype=self.dtype,
             use_distributed_optimizer=True,
             clip_grad=self.policy.max_grad_norm,
+            # HybridDeviceOptimizer; without the precision-aware optimizer (it reads the TE
+            # version) the fp32 main weights stay on the GPU and only the moments move.
+            optimizer_cpu_offload=self.options.optimizer_cpu_offload,
+            optimizer_offload_fraction=(
+                self.options.optimizer_offload_fraction
+                if self.options.optimizer_cpu_offload
+                else 0.0
+            ),
         )
         self.megatron_optimizer = get_megatron_optimizer(optim_config, [self.model])
         self.optimizer = self.megatron_optimizer

@@ -81,7 +81,7 @@ def engine_kwargs(options: Any, model: str, *, seed: int) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model_path": model,
         "tp_size": options.tensor_parallel_size,
-        "mem_fraction_static": options.mem_fraction_static,
+        "mem_fraction_static": options.gpu_memory_fraction(),
         "dtype": options.dtype,
         "random_seed": seed,
         # release/resume_memory_occupation needs the memory saver when colocated.

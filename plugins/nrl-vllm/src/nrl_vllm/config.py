@@ -21,6 +21,12 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 """vLLM's ``logprobs_mode`` values (``nrl_vllm.translate`` maps ``auto`` to one of them)."""
 
 
+COLOCATED_FRACTION = 0.6
+"""``gpu_memory_utilization`` by default when the engine shares the policy's GPU."""
+DEDICATED_FRACTION = 0.9
+"""``gpu_memory_utilization`` by default on GPUs of the engine's own (vLLM's own default)."""
+
+
 @attrs.define
 class VllmConfig(EngineOptions):
     """The engine fields the core reads come from
@@ -30,9 +36,22 @@ class VllmConfig(EngineOptions):
     # (``experts.{e}.gate_proj`` via FusedMoE.make_expert_params_mapping).
     weight_layout: ClassVar[str] = "checkpoint"
 
-    gpu_memory_utilization: float = option(
-        0.6, "Fraction of GPU memory vLLM may use.", validator=between(0, 1, low_open=True)
+    gpu_memory_utilization: float | None = option(
+        None,
+        "Fraction of each GPU's memory vLLM may use, in (0, 1]. Default (null): 0.6 when "
+        "colocated (the policy keeps its training state on the same GPU), 0.9 on dedicated "
+        "GPUs (`colocated=false`: the rest of the GPU would sit idle, and it is KV cache).",
+        validator=optional(between(0, 1, low_open=True)),
     )
+
+    def gpu_memory_fraction(self) -> float:
+        """The share of each GPU the engine reserves while awake: ``gpu_memory_utilization``
+        when set, else :data:`COLOCATED_FRACTION` or :data:`DEDICATED_FRACTION`. What vLLM is
+        given, and what the memory preflight counts beside the policy when colocated."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return COLOCATED_FRACTION if self.colocated else DEDICATED_FRACTION
+
     enforce_eager: bool = option(
         False, "Disable CUDA graphs (GPUs; CPU engines always run eager: no torch.compile)."
     )

@@ -148,7 +148,7 @@ def engine_kwargs(
     kwargs: dict[str, Any] = {
         "model": model,
         "tensor_parallel_size": options.tensor_parallel_size,
-        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "gpu_memory_utilization": options.gpu_memory_fraction(),
         "enforce_eager": options.enforce_eager,
         "dtype": options.dtype,
         "seed": seed,
