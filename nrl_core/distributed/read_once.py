@@ -20,6 +20,7 @@ tensor host-to-device once on the reader and never on a receiver.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,21 +79,30 @@ def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return full[tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))]
 
 
+class LoadReport(NamedTuple):
+    """What :func:`load_stream_into` could not match."""
+
+    unknown: set[str]
+    """Names the stream delivered that the targets do not have."""
+    missing: set[str]
+    """Targets the stream never named (they keep whatever they held)."""
+
+
 def load_stream_into(
     targets: Mapping[str, torch.Tensor], stream: Iterator[tuple[str, torch.Tensor]]
-) -> set[str]:
+) -> LoadReport:
     """Copy each streamed tensor's local part into ``targets[name]`` (a parameter or buffer,
     plain or DTensor, already allocated), casting to the target's dtype shard by shard.
 
-    Returns the names the stream delivered that ``targets`` does not have; a target the stream
-    does not name keeps its value (the caller checks coverage)."""
-    unknown = set()
+    Returns what did not match, for the caller to judge (a fresh head may be missing)."""
+    unknown, seen = set(), set()
     with torch.no_grad():
         for name, full in stream:
+            seen.add(name)
             target = targets.get(name)
             if target is None:
                 unknown.add(name)
                 continue
             local = target.to_local() if hasattr(target, "to_local") else target
             local.copy_(local_slice(full, target))
-    return unknown
+    return LoadReport(unknown, set(targets) - seen)

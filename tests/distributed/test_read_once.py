@@ -38,11 +38,12 @@ def _ranks(rank: int, world: int, store: str, out: str) -> None:
             "embed": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]),
             "proj": torch.zeros(6, 4),
         }
-        unknown = load_stream_into(targets, broadcast_named_tensors(source))
+        targets["absent"] = torch.zeros(2)
+        report = load_stream_into(targets, broadcast_named_tensors(source))
         torch.save(
             {
                 "received": received,
-                "unknown": unknown,
+                "report": report,
                 "embed_local": targets["embed"].to_local().clone(),
                 "embed_full": targets["embed"].full_tensor(),
                 "proj": targets["proj"],
@@ -63,7 +64,8 @@ def test_two_ranks_receive_rank0s_tensors_and_keep_their_shards(tmp_path: Path):
         for name, tensor in result["received"]:
             assert tensor.dtype == source[name].dtype
             assert torch.equal(tensor, source[name])
-        assert result["unknown"] == {"scalar", "ids"}
+        assert result["report"].unknown == {"scalar", "ids"}
+        assert result["report"].missing == {"absent"}
         expected_embed = source["embed"].float()
         assert torch.equal(result["embed_full"], expected_embed)
         assert torch.equal(result["proj"], source["proj"].float())
