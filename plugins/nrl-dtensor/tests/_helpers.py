@@ -116,7 +116,7 @@ def build_counting_reads(rank: int, port: int, path: str, options, out: str) -> 
         return original(file, *args, **kwargs)
 
     modeling_utils.safe_open = counting_safe_open
-    config = GRPOConfig(policy=PolicyConfig(model_name=path))
+    config = GRPOConfig(seed=0, policy=PolicyConfig(model_name=path))
     context = ComponentContext(config=config, rank=rank, world_size=2, seed=config.seed)
     worker = InspectableWorker(options, context)
     policy_reads = len(reads)

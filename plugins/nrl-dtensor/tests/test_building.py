@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 LAYOUTS = {
     "replicate": DTensorConfig(),
     "shard-blocks": DTensorConfig(data_parallel="shard", fsdp_units="blocks"),
+    # A reward model: a fresh scalar head (not in the checkpoint), drawn once on the reader.
+    "shard-scalar-head": DTensorConfig(data_parallel="shard", head="scalar"),
 }
 
 
@@ -45,6 +47,13 @@ def test_one_rank_reads_the_checkpoint_and_every_rank_holds_it(tiny_path, tmp_pa
     from transformers import AutoModelForCausalLM
 
     expected_buffers = dict(AutoModelForCausalLM.from_pretrained(tiny_path).named_buffers())
+    if layout == "shard-scalar-head":
+        # The head replaces lm_head; its draw is the single-process worker's (seed 0).
+        del saved["lm_head.weight"]
+        hidden = saved["model.embed_tokens.weight"].shape[1]
+        saved["score.weight"] = torch.empty(1, hidden).normal_(
+            0.0, 1.0 / (hidden + 1) ** 0.5, generator=torch.Generator().manual_seed(0)
+        )
     for result in results:
         for weights in (result["weights"], result["reference"]):
             assert set(saved) <= set(weights)
