@@ -90,3 +90,54 @@ class SmallHostWorker(InspectableWorker):
     @staticmethod
     def _host_memory_bytes() -> int:
         return 1 << 20
+
+
+def build_counting_reads(rank: int, port: int, path: str, options, out: str) -> None:
+    """One rank of a 2-rank gloo world (``torch.multiprocessing.spawn`` target): build the
+    policy and its frozen reference, counting this rank's ``safe_open`` calls (how transformers
+    reads checkpoint tensors from disk), and save the counts, the full weights and buffers."""
+    import os
+
+    import transformers.modeling_utils as modeling_utils
+
+    from nrl_core.config.schema import GRPOConfig, PolicyConfig
+    from nrl_core.interfaces import ComponentContext
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    reads = []
+    original = modeling_utils.safe_open
+
+    def counting_safe_open(file, *args, **kwargs):
+        reads.append(str(file))
+        return original(file, *args, **kwargs)
+
+    modeling_utils.safe_open = counting_safe_open
+    config = GRPOConfig(seed=0, policy=PolicyConfig(model_name=path))
+    context = ComponentContext(config=config, rank=rank, world_size=2, seed=config.seed)
+    worker = InspectableWorker(options, context)
+    policy_reads = len(reads)
+    reference = worker.reference.model()
+    modeling_utils.safe_open = original
+    weights = {k: v for bucket in worker.bucket_list(1 << 16) for k, v in bucket.items()}
+    ref_weights = {}
+    for name, tensor in reference.state_dict().items():
+        ref_weights[name] = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    buffers = {name: b.clone() for name, b in worker.model.named_buffers()}
+    torch.save(
+        {
+            "policy_reads": policy_reads,
+            "reference_reads": len(reads) - policy_reads,
+            "weights": weights,
+            "reference": {k: v.detach().clone() for k, v in ref_weights.items()},
+            "buffers": buffers,
+            "sharded": worker.sharded,
+        },
+        f"{out}/rank{rank}.pt",
+    )
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

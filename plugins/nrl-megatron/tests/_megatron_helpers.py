@@ -238,3 +238,40 @@ class RecordingMegatronWorker:
                 return {k: v for b in self.state_dict_buckets(1 << 30) for k, v in b.items()}
 
         return Recording(*args, **kwargs)
+
+
+class CountingReadsWorker:
+    """The megatron policy worker (in a spawned rank) that counts the checkpoint files this rank
+    opened (``safe_open``, how transformers reads tensors from disk) while it built the policy
+    and, on ``build_reference()``, the frozen reference."""
+
+    def __new__(cls, *args, **kwargs):
+        import transformers.modeling_utils as modeling_utils
+        from nrl_megatron.worker import MegatronPolicyWorker
+
+        opened: list[str] = []
+        original = modeling_utils.safe_open
+
+        def counting_safe_open(file, *a, **kw):
+            opened.append(str(file))
+            return original(file, *a, **kw)
+
+        class Counting(MegatronPolicyWorker):
+            def reads(self) -> int:
+                return len(opened)
+
+            def build_reference(self) -> int:
+                """The reference's own reads (a collective: it builds on every rank)."""
+                before = len(opened)
+                modeling_utils.safe_open = counting_safe_open
+                try:
+                    self.reference.model()
+                finally:
+                    modeling_utils.safe_open = original
+                return len(opened) - before
+
+        modeling_utils.safe_open = counting_safe_open
+        try:
+            return Counting(*args, **kwargs)
+        finally:
+            modeling_utils.safe_open = original

@@ -23,7 +23,6 @@ import contextlib
 import math
 import os
 import random
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -43,14 +42,13 @@ from nrl_core.policy_setup import (
     policy_dtype,
 )
 from nrl_core.weight_sync.layout import CHECKPOINT, IN_MEMORY, in_layout
+from nrl_dtensor.building import DTensorSetupError, ModelBuilding
 from nrl_dtensor.config import DTensorConfig, TorchGenerationConfig
 
-
-class DTensorSetupError(NrlError):
-    """The dtensor policy's options do not fit the model or the cluster."""
+__all__ = ["DTensorPolicyWorker", "DTensorSetupError"]
 
 
-class DTensorPolicyWorker:
+class DTensorPolicyWorker(ModelBuilding):
     """One rank of the dtensor policy (see :class:`nrl_core.interfaces.PolicyWorker`).
 
     Built as ``DTensorPolicyWorker(options, context)`` with ``options`` the ``policy.dtensor``
@@ -143,24 +141,6 @@ class DTensorPolicyWorker:
             return "model" if self.device_type == "cpu" else "blocks"
         return self.options.fsdp_units
 
-    def _resolve_sharding(self, model) -> bool:
-        """``policy.dtensor.data_parallel`` for this model: whether to shard it with FSDP2."""
-        mode = self.options.data_parallel
-        if mode != "auto":
-            return mode == "shard"
-        if self.device_type != "cpu" or self.tp_size > 1 or self.options.cpu_offload:
-            return True
-        # AdamW: float32 weights, gradients and two moments, one copy per rank on this host.
-        need = 16 * sum(p.numel() for p in model.parameters()) * self.world_size
-        from nrl_core.distributed.host_all_reduce import all_ranks_agree
-
-        # Every rank must take the same decision, whatever its host's memory.
-        return not all_ranks_agree(need <= self._host_memory_bytes() // 2)
-
-    @staticmethod
-    def _host_memory_bytes() -> int:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
     def _init_meshes(self) -> None:
         tp = self.options.tensor_parallel_size
         if tp < 1 or self.world_size % tp:
@@ -181,159 +161,6 @@ class DTensorPolicyWorker:
             self.dp_rank = self.dp_mesh.get_local_rank()
         else:
             self.dp_rank = 0
-
-    def _load_hf_model(self, path: str):
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-        if not self.scalar_head:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, output_loading_info=True
-        )
-        if model.config.pad_token_id is None:
-            # The head's own pooling refuses batches without a pad id; we pool by length anyway.
-            model.config.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
-        if any(key.startswith("score.") for key in info["missing_keys"]):
-            # A fresh head, identical on every rank (ranks seed torch differently), scaled so
-            # initial scores are O(1).
-            generator = torch.Generator().manual_seed(self.context.seed)
-            hidden = model.score.weight.shape[1]
-            with torch.no_grad():
-                model.score.weight.normal_(0.0, 1.0 / (hidden + 1) ** 0.5, generator=generator)
-        return model
-
-    def _apply_lora(self, model):
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            # Normally found by the driver's preflight before any worker starts; this is for
-            # an interpreter that lost it since. The fix is where this actor runs, not here.
-            raise DTensorSetupError(
-                f"policy.dtensor.lora_rank={self.options.lora_rank} needs `peft`, which this "
-                f"policy actor's interpreter ({sys.executable}) lacks; install "
-                "'nrl-dtensor[lora]' into it, or set policy.actor_env=system to run the policy "
-                "in the driver's environment"
-            ) from None
-        if self.options.tensor_parallel_size > 1:
-            raise DTensorSetupError(
-                "LoRA does not combine with tensor_parallel_size > 1 yet; set "
-                "policy.dtensor.tensor_parallel_size=1 or lora_rank=0"
-            )
-        targets = self.options.lora_target_modules
-        config = LoraConfig(
-            r=self.options.lora_rank,
-            lora_alpha=self.options.lora_alpha,
-            lora_dropout=self.options.lora_dropout,
-            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-            task_type="SEQ_CLS" if self.scalar_head else "CAUSAL_LM",
-        )
-        return get_peft_model(model, config)
-
-    def _build_model(self, path: str, trainable: bool):
-        model = self._load_hf_model(path)
-        model.config.use_cache = False
-        # Exported folders name the class they were trained as (a reward model's config
-        # inherits `LlamaForCausalLM` from its base otherwise).
-        model.config.architectures = [type(model).__name__]
-        if not self.scalar_head:
-            from nrl_dtensor.packing import install
-
-            # Packed micro batches attend within each sample; other calls are unchanged.
-            install(model)
-        if trainable and self.options.lora_rank > 0:
-            model = self._apply_lora(model)
-        if trainable and self.options.activation_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        if not trainable:
-            model.requires_grad_(False)
-        if not self.distributed:
-            self.sharded = False
-            return model.to(self.device).train(trainable)
-        if self.sharded is None:
-            self.sharded = self._resolve_sharding(model)
-        if not self.sharded:
-            model.to(self.device)
-            if trainable:
-                self._broadcast_from_rank0(model)
-            return model.train(trainable)
-        if self.tp_size > 1:
-            self._apply_tensor_parallel(model)
-        self._apply_fsdp(model)
-        return model.train(trainable)
-
-    def _broadcast_from_rank0(self, model) -> None:
-        """Give every replica rank 0's weights: freshly initialised ones (a new score head, LoRA
-        adapters) come from each rank's own random stream."""
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
-
-    def _apply_tensor_parallel(self, model) -> None:
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-
-        config = model.config
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        from nrl_dtensor.moe import is_moe_model
-
-        if is_moe_model(model):
-            # The plan below names dense MLP projections; experts would stay unsharded.
-            raise DTensorSetupError(
-                "tensor_parallel_size > 1 has no plan for mixture-of-experts layers yet; set "
-                "policy.dtensor.tensor_parallel_size=1 (FSDP2 shards the experts)"
-            )
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if layers is None or heads % self.tp_size or kv_heads % self.tp_size:
-            raise DTensorSetupError(
-                f"tensor_parallel_size={self.tp_size} needs a Llama/Qwen2-style model whose "
-                f"{heads} attention and {kv_heads} key/value heads it divides; lower "
-                "policy.dtensor.tensor_parallel_size"
-            )
-        # Column-parallel in, row-parallel out: one all-reduce per attention and per MLP; the
-        # attention reshapes use -1 for the head count, so each rank runs on its local heads.
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        }
-        for layer in layers:
-            parallelize_module(layer, self.tp_mesh, plan)
-
-    def _apply_fsdp(self, model) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        kwargs = {"mesh": self.dp_mesh}
-        if self.dtype != torch.float32:
-            # float32 master weights and gradient reduction; compute in the low precision.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=self.dtype, reduce_dtype=torch.float32
-            )
-        if self.options.cpu_offload and self.device_type == "cuda":
-            # On CPU-only machines parameters already live in host memory: nothing to offload.
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        if self.fsdp_units == "blocks":
-            block_names = set(getattr(model, "_no_split_modules", None) or ())
-            for module in model.modules():
-                if type(module).__name__ in block_names:
-                    fully_shard(module, **kwargs)
-        # The root unit (the whole model with `model`) keeps its weights gathered from its
-        # forward to the end of the backward.
-        fully_shard(model, **kwargs)
-        if dist.get_backend(self.dp_mesh.get_group()) == "gloo":
-            from nrl_dtensor.fsdp import AllReduceScatter, fsdp_modules
-
-            for module in fsdp_modules(model):
-                module.set_custom_reduce_scatter(AllReduceScatter())
 
     def _build_optimizer(self, params):
         opt = self.policy.optimizer

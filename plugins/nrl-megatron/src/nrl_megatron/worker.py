@@ -78,10 +78,8 @@ from nrl_megatron.convert import (
     ModelShape,
     expert_index,
     global_expert_name,
-    hf_to_megatron,
     iter_megatron_to_hf,
     megatron_to_hf_names,
-    shard_for_ep,
     shard_for_tp,
     tp_split_dim,
     unshard_from_tp,
@@ -290,10 +288,7 @@ class MegatronPolicyWorker:
             )
 
     def _build_model(self, path: str, trainable: bool):
-        from transformers import AutoModelForCausalLM
-
         from nrl_megatron.model import build_gpt_model, transformer_config
-        from nrl_megatron.pipeline import local_state
 
         config = transformer_config(
             self.hf_config,
@@ -313,18 +308,22 @@ class MegatronPolicyWorker:
             pre_process=self.first_stage,
             post_process=self.last_stage,
         )
-        # Every rank reads the HF checkpoint and keeps its own slice: simple, and the host copy
-        # is freed right after (a rank-0-reads-and-scatters load is a later optimisation).
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        full = hf_to_megatron(hf.state_dict(), self.shape, te=self.options.transformer_engine)
-        full = shard_for_ep(full, self.ep_rank, self.ep_size, self.shape)
-        del hf
-        full = local_state(full, self.pp_rank, self.shape.num_layers, self.pp_size)
-        own = model.state_dict()
-        state = {
-            name: shard_for_tp(name, tensor, self.tp_rank, self.tp_size).to(own[name].dtype)
-            for name, tensor in full.items()
-        }
+        from nrl_megatron.loading import load_local_state
+
+        # One rank reads and converts; every rank keeps its slices (nrl_megatron.loading).
+        state = load_local_state(
+            path,
+            self.shape,
+            model.state_dict(),
+            te=self.options.transformer_engine,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            device=self.device if self.on_gpu else "cpu",
+        )
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
