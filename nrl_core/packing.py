@@ -95,6 +95,9 @@ class PackedSequences:
     """The longest sample's length (varlen kernels want it as a Python int)."""
     width: int
     """The width of the padded micro batch this came from (what :meth:`unpack` restores)."""
+    filler: bool = False
+    """Whether this is a filler pass (:func:`nrl_core.training.is_filler`): real tokens run only
+    to keep a rank's collectives aligned, which no statistic may count."""
 
     @property
     def rows(self) -> int:
