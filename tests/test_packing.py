@@ -279,3 +279,41 @@ def test_padded_peak_tokens_is_the_largest_trimmed_chunk():
     assert padded_peak_tokens(shards, 2) == 18
     assert padded_peak_tokens(shards, 5) == 45
     assert padded_peak_tokens([Batch()], 4) == 1
+
+
+def test_attention_of_every_layer_reads_no_boundaries_from_the_device():
+    """Review m8: attend_within_samples read cu_seqlens to the host in every layer (a GPU sync
+    per layer). A packed micro batch moved to its device carries its boundaries on the host;
+    on the meta device (no data) any read of the device tensor fails."""
+    import torch.nn.functional as F
+
+    from nrl_core.packing import attend_within_samples
+
+    packed = pack(_batch([5, 3, 5, 2])).to("meta")
+    assert packed.cu_seqlens.device.type == "meta"
+    calls = []
+
+    def attend(q, k, v):
+        calls.append(q.shape)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+            1, 2
+        )
+
+    q = torch.empty(packed.total, 4, 8, device="meta")
+    kv = torch.empty(packed.total, 2, 8, device="meta")
+    for _layer in range(3):
+        out = attend_within_samples(q, kv, kv, packed.cu_seqlens, attend)
+        assert out.shape == (packed.total, 4, 8)
+    assert calls  # the kernel ran, on the samples the host boundaries name
+    # A caller holding the host list may pass it; the same split results.
+    out = attend_within_samples(q, kv, kv, packed.cu_seqlens, attend, bounds=[0, 5, 8, 13, 15])
+    assert out.shape == (15, 4, 8)
+
+
+def test_host_boundaries_follow_an_in_place_change():
+    from nrl_core.packing import host_boundaries
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert host_boundaries(cu) == [0, 3, 7]
+    cu[2] = 9  # a new version of the tensor: read again, not the remembered values
+    assert host_boundaries(cu) == [0, 3, 9]
