@@ -75,21 +75,26 @@ class RouterStatistics:
         return record
 
     def _reset(self) -> None:
-        self._counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
-        self._probs = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
-        self._tokens = [0.0 for _ in self.num_experts]
+        # Per layer, on the device of its router's output (None until counted): accumulating
+        # there keeps every forward free of host syncs; metrics() copies once.
+        self._counts: list[torch.Tensor | None] = [None] * len(self.num_experts)
+        self._probs: list[torch.Tensor | None] = [None] * len(self.num_experts)
+        self._tokens: list[torch.Tensor | None] = [None] * len(self.num_experts)
 
     @contextlib.contextmanager
     def collecting(self, micro_batch: Any) -> Iterator[None]:
         """Count the router forwards run inside, for ``micro_batch`` (a padded
         :class:`~nrl_core.data.Batch`, whose padding is left out, or packed sequences, which
-        have none). Not a recomputation in the backward: call it around the forward only."""
+        have none). A filler pass (:func:`nrl_core.training.is_filler`) counts nothing. Not a
+        recomputation in the backward: call it around the forward only."""
         from nrl_core.packing import PackedSequences
+        from nrl_core.training import is_filler, valid_token_mask
 
+        if is_filler(micro_batch):
+            yield
+            return
         mask = None
         if not isinstance(micro_batch, PackedSequences) and "lengths" in micro_batch:
-            from nrl_core.training import valid_token_mask
-
             valid = valid_token_mask(micro_batch, micro_batch["input_ids"].shape[1])
             mask = (valid.t() if self.sequence_first else valid).reshape(-1)
         self._mask, self.active = mask, True
@@ -101,25 +106,57 @@ class RouterStatistics:
     def count(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         """Add one router forward of MoE layer ``layer``: ``probs`` ``[tokens, experts]``, the
         softmax over all experts; ``chosen`` ``[tokens, experts]``, 1 where a token was sent to
-        the expert (its top-k). Tokens in the router's order; padding is dropped here."""
+        the expert (its top-k). Tokens in the router's order; padding is dropped here. Sums stay
+        on ``probs``' device (no host sync per layer)."""
         if not self.active:
             return
         with torch.no_grad():
             probs, chosen = probs.detach().float(), chosen.detach()
             if self._mask is not None:
-                keep = self._mask.to(probs.device)
-                probs, chosen = probs[keep], chosen[keep]
-            self._counts[layer] += chosen.sum(0).to("cpu", torch.float64)
-            self._probs[layer] += probs.sum(0).to("cpu", torch.float64)
-            self._tokens[layer] += probs.shape[0]
+                if self._mask.device != probs.device:
+                    # Once per micro batch: every layer reuses the moved mask.
+                    self._mask = self._mask.to(probs.device, non_blocking=True)
+                # Zeroed rows, not a boolean index: indexing would sync to size its output.
+                keep = self._mask[:, None]
+                probs, chosen = probs * keep, chosen * keep
+                tokens = self._mask.sum(dtype=torch.float64)
+            else:
+                # Filled on the device: a host tensor copied there would wait for the stream.
+                tokens = torch.full((), probs.shape[0], dtype=torch.float64, device=probs.device)
+            sums = (chosen.sum(0, dtype=torch.float64), probs.sum(0, dtype=torch.float64), tokens)
+            if self._counts[layer] is None:
+                self._counts[layer], self._probs[layer], self._tokens[layer] = sums
+            else:
+                self._counts[layer] += sums[0]
+                self._probs[layer] += sums[1]
+                self._tokens[layer] += sums[2]
+
+    def _host_sums(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Each counted layer's (counts, probability sums, tokens) on the host, in one copy."""
+        layers = [i for i, counts in enumerate(self._counts) if counts is not None]
+        if not layers:
+            return []
+        device = self._counts[layers[0]].device
+        flat = torch.cat(
+            [
+                torch.cat([self._counts[i], self._probs[i], self._tokens[i].reshape(1)]).to(device)
+                for i in layers
+            ]
+        ).cpu()
+        out, start = [], 0
+        for i in layers:
+            experts = self.num_experts[i]
+            piece = flat[start : start + 2 * experts + 1]
+            out.append((piece[:experts], piece[experts : 2 * experts], float(piece[-1])))
+            start += 2 * experts + 1
+        return out
 
     def metrics(self) -> dict[str, float]:
         """This rank's statistics since the last call (then reset); empty when nothing was
-        counted."""
+        counted. The one host copy of the step's sums happens here."""
         cvs, max_loads, aux = [], [], []
-        for counts, probs, tokens, experts in zip(
-            self._counts, self._probs, self._tokens, self.num_experts, strict=True
-        ):
+        for counts, probs, tokens in self._host_sums():
+            experts = counts.numel()
             if tokens == 0:
                 continue
             mean = counts.mean()

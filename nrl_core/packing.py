@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -95,6 +95,9 @@ class PackedSequences:
     """The longest sample's length (varlen kernels want it as a Python int)."""
     width: int
     """The width of the padded micro batch this came from (what :meth:`unpack` restores)."""
+    filler: bool = False
+    """Whether this is a filler pass (:func:`nrl_core.training.is_filler`): real tokens run only
+    to keep a rank's collectives aligned, which no statistic may count."""
 
     @property
     def rows(self) -> int:
@@ -109,12 +112,17 @@ class PackedSequences:
         return self.input_ids.shape[1]
 
     def to(self, device: torch.device | str) -> PackedSequences:
-        """The tensors on ``device`` (``cu_seqlens`` too: kernels read it there)."""
+        """The tensors on ``device`` (``cu_seqlens`` too: kernels read it there). The
+        boundaries stay known on the host (:func:`host_boundaries` of the moved ``cu_seqlens``
+        reads no device memory), so the attention of every layer needs no host sync."""
+        moved = self.cu_seqlens.to(device)
+        if moved is not self.cu_seqlens:
+            _remember_boundaries(moved, host_boundaries(self.cu_seqlens))
         return attrs.evolve(
             self,
             input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
+            cu_seqlens=moved,
         )
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
@@ -176,6 +184,35 @@ def pack(batch: Batch) -> PackedSequences:
     )
 
 
+_BOUNDARIES: Any = None
+"""``cu_seqlens`` tensor (by identity, weakly held) -> (its ``_version``, its values as a host
+list): built on first use (torch's ``WeakIdKeyDictionary``; importing it here would load torch
+with the core)."""
+
+
+def _remember_boundaries(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
+    global _BOUNDARIES
+    if _BOUNDARIES is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _BOUNDARIES = WeakIdKeyDictionary()
+    _BOUNDARIES[cu_seqlens] = (cu_seqlens._version, bounds)
+
+
+def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as a host list, read from the tensor once: every layer of a packed
+    forward receives the same boundary tensor, and reading a GPU tensor's values waits for
+    the stream (a host sync per layer). Remembered per tensor object while it lives and is not
+    modified in place (its ``_version``); :meth:`PackedSequences.to` remembers the device copy's
+    values from the host tensor, so a forward on it reads nothing from the device."""
+    known = None if _BOUNDARIES is None else _BOUNDARIES.get(cu_seqlens)
+    if known is not None and known[0] == cu_seqlens._version:
+        return known[1]
+    bounds = cu_seqlens.tolist()
+    _remember_boundaries(cu_seqlens, bounds)
+    return bounds
+
+
 SLACK = 1.5
 """:func:`attend_within_samples` batches samples into one padded attention call while the
 padded ``count x longest^2`` score matrix is at most this many times the samples' own
@@ -207,6 +244,7 @@ def attend_within_samples(
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    bounds: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sample of a packed row, through a padded-batch kernel.
 
@@ -224,11 +262,14 @@ def attend_within_samples(
     groups are padded from slices of the row and their outputs sliced back, which autograd
     undoes with slices too (an ``index_select`` gather's backward, an ``index_add`` over the
     row, cost more than the attention itself on CPU), each sample on its own rows only.
+
+    ``bounds``: ``cu_seqlens``' values as a host list, if the caller has them; else
+    :func:`host_boundaries` (read once per boundary tensor, not once per layer).
     """
     import torch
     import torch.nn.functional as F
 
-    bounds = cu_seqlens.tolist()
+    bounds = list(bounds) if bounds is not None else host_boundaries(cu_seqlens)
     lengths = [end - start for start, end in itertools.pairwise(bounds)]
     samples = torch.split(query, lengths), torch.split(key, lengths), torch.split(value, lengths)
     chunks: list[tuple[int, torch.Tensor]] = []  # (where in the row it starts, [n, heads, dim])

@@ -87,6 +87,30 @@ def pad_to_multiple(batch: Batch, multiple: int) -> tuple[Batch, int]:
     return Batch.concat([batch, filler]), real
 
 
+def padded_peak_tokens(shards: Sequence[Batch], size: int) -> int:
+    """The most tokens one padded micro batch of ``size`` samples takes over ``shards``: the
+    largest ``rows x longest`` of the chunks :func:`~nrl_core.training.split_micro_batches`
+    cuts (each chunk is trimmed to its longest sample before the forward), at least 1.
+
+    Sequence packing bins to this by default: its largest bin then never holds more tokens
+    than the padded path's largest micro batch of the same data. A budget of
+    ``size x max_total_sequence_length`` would fill every bin to the worst case a padded
+    micro batch reaches only when one of its samples has the maximum length.
+    """
+    peak = 1
+    for shard in shards:
+        if len(shard) == 0:
+            continue
+        if "lengths" in shard:
+            lengths = shard["lengths"].to(torch.long)
+        else:
+            lengths = torch.full((len(shard),), shard["input_ids"].shape[1], dtype=torch.long)
+        for start in range(0, len(lengths), max(1, size)):
+            chunk = lengths[start : start + max(1, size)]
+            peak = max(peak, len(chunk) * int(chunk.max()))
+    return peak
+
+
 def _unpermute(values: Any, order: Sequence[int]) -> Any:
     """Rows computed in ``order`` (a tensor, or a tuple of tensors) back in shard order."""
     if isinstance(values, tuple):
@@ -217,9 +241,10 @@ class Policy:
             chunks = [split_micro_batches(s, size=self.logprob_batch_size) for s in shards]
             num_chunks = max(len(c) for c in chunks)
             return self.group.run_sharded(on_rank, chunks, num_chunks, width, *args), real
-        # Bins of the tokens logprob_batch_size full-length samples would take; each rank's
-        # result comes back in bin order, put back in the shard's.
-        budget = self.logprob_batch_size * self.max_sequence_length
+        # Bins of at most the tokens the padded path's largest chunk of this same data takes
+        # (not logprob_batch_size x max length: every bin would reach that worst case); each
+        # rank's result comes back in bin order, put back in the shard's.
+        budget = padded_peak_tokens(shards, self.logprob_batch_size)
         plans = [pack_micro_batches(shard, token_budget=budget) for shard in shards]
         chunks = [bins for bins, _ in plans]
         num_chunks = max(len(c) for c in chunks)
@@ -260,10 +285,11 @@ class Policy:
             stats = global_batch_stats(chunk, self.max_sequence_length)
             shards, _ = self._shards(chunk)
             if self.packing:
-                # Bins of micro_batch_token_budget tokens, or of the tokens
-                # train_micro_batch_size full-length samples would take (the same peak).
-                budget = self.micro_batch_token_budget or (
-                    self.train_micro_batch_size * self.max_sequence_length
+                # Bins of micro_batch_token_budget tokens, or of at most the tokens the
+                # padded path's largest micro batch of this same data takes (its peak, not
+                # train_micro_batch_size x max length, which every bin would fill).
+                budget = self.micro_batch_token_budget or padded_peak_tokens(
+                    shards, self.train_micro_batch_size
                 )
                 group = rows_per_sample(loss_fn)
                 plans = [

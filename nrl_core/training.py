@@ -203,22 +203,38 @@ def valid_token_mask(batch: Batch, width: int) -> torch.Tensor:
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
+FILLER = "nrl_filler"
+"""The metadata key (``True`` on each row) of a filler micro batch (:func:`is_filler`)."""
+
+
 def _filler(micro_batches: Sequence[Batch], rows: int = 1) -> Batch:
     """A one-sample micro batch (``rows`` rows: a preference pair is two) for a rank that has
     run out: it runs the same collectives and contributes nothing (its loss is multiplied by
-    0)."""
+    0, and it is marked :func:`is_filler` so that no statistic counts its tokens)."""
     if not micro_batches:
         raise ValueError("a rank received an empty shard; the driver pads shards to >= 1 sample")
-    return micro_batches[0].slice(0, rows)
+    first = micro_batches[0].slice(0, rows)
+    return type(first)(first.tensors, [{**row, FILLER: True} for row in first.metadata])
+
+
+def is_filler(micro_batch: Batch | PackedSequences) -> bool:
+    """Whether ``micro_batch`` (padded or packed) is a filler pass: copies of a real sample that
+    a rank out of micro batches runs only to keep collectives aligned. A worker's own
+    statistics (a mixture of experts' router counts, :mod:`nrl_core.moe`) leave it out."""
+    from nrl_core.packing import PackedSequences
+
+    if isinstance(micro_batch, PackedSequences):
+        return micro_batch.filler
+    return bool(micro_batch.metadata) and bool(micro_batch.metadata[0].get(FILLER, False))
 
 
 def _packed(micro_batch: Batch, packed: bool) -> PackedSequences | None:
-    """The packed form of a (trimmed) micro batch when packing is on."""
+    """The packed form of a (trimmed) micro batch when packing is on (a filler stays one)."""
     if not packed:
         return None
     from nrl_core.packing import pack
 
-    return pack(micro_batch)
+    return attrs.evolve(pack(micro_batch), filler=is_filler(micro_batch))
 
 
 def train_on_rank(

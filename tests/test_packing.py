@@ -201,3 +201,119 @@ def test_attend_within_samples_is_per_sample_causal_attention(lengths):
     if len(lengths) > 1:
         leaky = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
         assert (leaky - want).abs().max() > 1e-3
+
+
+class _SizeWorker:
+    """One rank that records the tokens of every micro batch it computes on: ``rows x width``
+    padded (the trimmed micro batch), ``total`` packed."""
+
+    def __init__(self, supports: bool) -> None:
+        self.supports_sequence_packing = supports
+        self.tokens: list[int] = []
+
+    def _seen(self, micro_batch) -> torch.Tensor:
+        if isinstance(micro_batch, PackedSequences):
+            self.tokens.append(micro_batch.total)
+            return micro_batch.input_ids.float()
+        self.tokens.append(micro_batch["input_ids"].numel())
+        return micro_batch["input_ids"].float()
+
+    def compute_logprobs(self, micro_batch, *, reference=False):
+        return self._seen(micro_batch)
+
+    def forward_backward(self, micro_batch, loss):
+        loss(self._seen(micro_batch))
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+def _sum_loss(logprobs, batch, stats):
+    return logprobs.sum(), {}
+
+
+_sum_loss.needs_reference = _sum_loss.needs_prev_logprobs = False
+
+
+@pytest.mark.parametrize("step", ["logprobs", "train"])
+def test_packed_bins_never_exceed_the_padded_peak_of_the_same_data(step):
+    """Review m2: bins of ``rows x max_total_sequence_length`` tokens fill up to that worst
+    case on every step, while the padded path reaches it only when a sample has the maximum
+    length. One long sample and many short ones, max_total_sequence_length far above both: the
+    largest packed bin must not hold more tokens than the largest padded micro batch."""
+    lengths = [300] + [60] * 31  # skewed: one long response, the rest short
+    batch = _batch(lengths)
+    batch["loss_mask"] = torch.ones_like(batch["input_ids"])
+
+    def passes(mode: str) -> list[int]:
+        worker = _SizeWorker(True)
+        policy = Policy(
+            InProcessGroup(worker),
+            max_sequence_length=1024,
+            train_global_batch_size=len(lengths),
+            train_micro_batch_size=4,
+            logprob_batch_size=4,
+            sequence_packing=mode,
+        )
+        if step == "logprobs":
+            policy.get_logprobs(batch)
+        else:
+            policy.train(batch, _sum_loss)
+        assert worker.tokens, "the worker computed nothing"
+        return worker.tokens
+
+    padded, packed = passes("false"), passes("true")
+    # The padded chunk holding the long sample: 4 rows x 300; packing must not go beyond it
+    # (with the old 4 x 1024 budget every sample fits one bin of 300 + 31 x 60 = 2160 tokens).
+    assert max(padded) == 4 * max(lengths)
+    assert max(packed) <= max(padded)
+    # Packing still packs: every token once, in fewer passes than padded chunks.
+    assert sum(packed) == sum(lengths) and len(packed) < len(padded)
+
+
+def test_padded_peak_tokens_is_the_largest_trimmed_chunk():
+    from nrl_core.policy import padded_peak_tokens
+
+    shards = [_batch([5, 1, 1, 9, 2]), _batch([3, 3])]
+    # Shard 0 in chunks of 2: [5, 1] -> 10, [1, 9] -> 18, [2] -> 2; shard 1: [3, 3] -> 6.
+    assert padded_peak_tokens(shards, 2) == 18
+    assert padded_peak_tokens(shards, 5) == 45
+    assert padded_peak_tokens([Batch()], 4) == 1
+
+
+def test_attention_of_every_layer_reads_no_boundaries_from_the_device():
+    """Review m8: attend_within_samples read cu_seqlens to the host in every layer (a GPU sync
+    per layer). A packed micro batch moved to its device carries its boundaries on the host;
+    on the meta device (no data) any read of the device tensor fails."""
+    import torch.nn.functional as F
+
+    from nrl_core.packing import attend_within_samples
+
+    packed = pack(_batch([5, 3, 5, 2])).to("meta")
+    assert packed.cu_seqlens.device.type == "meta"
+    calls = []
+
+    def attend(q, k, v):
+        calls.append(q.shape)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+            1, 2
+        )
+
+    q = torch.empty(packed.total, 4, 8, device="meta")
+    kv = torch.empty(packed.total, 2, 8, device="meta")
+    for _layer in range(3):
+        out = attend_within_samples(q, kv, kv, packed.cu_seqlens, attend)
+        assert out.shape == (packed.total, 4, 8)
+    assert calls  # the kernel ran, on the samples the host boundaries name
+    # A caller holding the host list may pass it; the same split results.
+    out = attend_within_samples(q, kv, kv, packed.cu_seqlens, attend, bounds=[0, 5, 8, 13, 15])
+    assert out.shape == (15, 4, 8)
+
+
+def test_host_boundaries_follow_an_in_place_change():
+    from nrl_core.packing import host_boundaries
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert host_boundaries(cu) == [0, 3, 7]
+    cu[2] = 9  # a new version of the tensor: read again, not the remembered values
+    assert host_boundaries(cu) == [0, 3, 9]

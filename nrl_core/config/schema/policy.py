@@ -91,8 +91,9 @@ class PolicyConfig(ComponentSection):
             "ids, per-sample boundaries) for training and logprob passes: `auto` packs where "
             "the policy backend supports it (dtensor, megatron), `true` requires it, `false` "
             "computes on "
-            "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else "
-            "train_micro_batch_size (logprob_batch_size) x max_total_sequence_length. See "
+            "padded micro batches. Packed bins hold micro_batch_token_budget tokens, else at "
+            "most the tokens of the padded path's largest micro batch of the same data "
+            "(train_micro_batch_size or logprob_batch_size rows x its longest sample). See "
             "docs/configuration.md, sequence packing, for when to turn it off."
         ),
         validator=Valid("`auto`, `true` or `false`", lambda v: v == "auto" or isinstance(v, bool)),

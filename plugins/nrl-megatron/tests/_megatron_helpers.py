@@ -61,6 +61,28 @@ class ForwardProbe:
         with torch.no_grad():
             return self.model(input_ids, positions, None), self.hf(input_ids=input_ids).logits
 
+    def router_gemms(self, input_ids: torch.Tensor) -> tuple[int, int, dict[str, float]]:
+        """One forward counted by the router statistics: ``(router GEMMs run, MoE layers,
+        moe/* metrics)``; each ``gating`` call is one GEMM over the layer's tokens."""
+        from nrl_megatron.moe import RouterStatistics
+
+        from nrl_core.data import Batch
+
+        stats = RouterStatistics(self.model)
+        calls = []
+        for router in stats.routers:
+            gating = router.gating
+
+            def counted(x, gating=gating):
+                calls.append(1)
+                return gating(x)
+
+            router.gating = counted
+        positions = torch.arange(input_ids.shape[1])[None, :].expand(input_ids.shape[0], -1)
+        with torch.no_grad(), stats.collecting(Batch({"input_ids": input_ids})):
+            self.model(input_ids, positions, None)
+        return len(calls), len(stats.routers), stats.metrics()
+
 
 def greedy_hf(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations under the Hugging Face model (full forward each step, no stops)."""

@@ -156,6 +156,19 @@ def test_router_statistics_are_transformers_own_routing_of_the_step(moe_path, po
     assert 1 < got["moe/max_load"] < EXPERTS / TOP_K
 
 
+@requires_megatron
+def test_router_statistics_run_no_second_router_gemm(moe_path, pool1, start_group):
+    """Review m3: the statistics need the softmax over all experts, which TopKRouter does not
+    return; they took it from a second ``gating`` GEMM per layer and forward. They reuse the
+    logits the router routed: one GEMM per MoE layer, and still statistics to report."""
+    ids = torch.randint(7, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    probe = start_group(pool1, "_megatron_helpers:ForwardProbe", (str(moe_path),), name="gemms")
+    calls, layers, metrics = probe.run_all("router_gemms", ids)[0]
+    assert layers >= 1
+    assert calls == layers
+    assert 0 < metrics["moe/load_cv"] < (EXPERTS / TOP_K - 1) ** 0.5
+
+
 @pytest.mark.slow  # 2 gloo ranks: 30 s alone on the shared 2-core machine (4 s on warm pools)
 @requires_megatron
 def test_expert_parallel_two_ranks_match_one_rank(moe_path, tmp_path, pool1, pool2, start_group):

@@ -79,6 +79,20 @@ def test_per_request_seeds_differ_and_stop_strings_are_per_sample():
     assert "stop" not in kws[0] and kws[1]["stop"] == ["x"]
 
 
+def test_seed_per_request_is_on_by_default_and_off_sends_no_seed():
+    """Review m6: a seeded request costs vLLM a per-request generator at every decode step.
+    Determinism stays the default; generation.vllm.seed_per_request=false drops the request
+    seeds (the engine's own seed remains), stop strings still per sample."""
+    assert VllmConfig().seed_per_request is True
+    params = SamplingParams(seed=10)
+    kws = per_request_kwargs(
+        params, 3, [None, ["x"], None], seed_offset=100, seed_per_request=False
+    )
+    assert all("seed" not in k for k in kws)
+    assert kws[1]["stop"] == ["x"]
+    assert "seed" in sampling_kwargs(params)  # only the per-request list drops it
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_p", "top_k", "expected"),
     [

@@ -35,16 +35,38 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class RouterStatistics(_CoreRouterStatistics):
     """The core's router statistics (:class:`nrl_core.moe.RouterStatistics`, what
     :data:`~nrl_core.moe.METRIC_REDUCTIONS` reports), counted from a forward hook on each
-    ``TopKRouter`` of ``model`` (tokens sequence-major: Megatron's ``[s, b, h]``)."""
+    ``TopKRouter`` of ``model`` (tokens sequence-major: Megatron's ``[s, b, h]``).
+
+    The probabilities over *all* experts need the router's logits, which 0.16.1's
+    ``TopKRouter.forward`` computes (``gating``) and hands to ``self.routing(logits,
+    padding_mask)`` but does not return. Each router's ``routing`` is wrapped (on the instance)
+    to keep a reference to those logits while counting, so the hook reuses them instead of
+    running the router GEMM a second time (review m3)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         found = routers(model)
         super().__init__(found, [r.config.num_moe_experts for r in found], sequence_first=True)
+        self._logits: dict[int, torch.Tensor] = {}
+        for router in found:
+            self._keep_logits(router)
+
+    def _keep_logits(self, router: torch.nn.Module) -> None:
+        routing = router.routing  # the bound method, called as before
+
+        def routing_keeping_logits(logits: torch.Tensor, *args, **kwargs):
+            if self.active:
+                self._logits[id(router)] = logits.detach()
+            return routing(logits, *args, **kwargs)
+
+        router.routing = routing_keeping_logits
 
     def routing(self, router, args, output) -> tuple[torch.Tensor, torch.Tensor]:
-        """Megatron's ``TopKRouter`` returns ``(probs, routing_map)``; the probabilities over
-        *all* experts come from its own logits again (its forward does not return them)."""
+        """Megatron's ``TopKRouter`` returns ``(probs, routing_map)``; the softmax over all
+        experts comes from the logits its forward routed (kept by the wrapped ``routing``; if
+        a release stops calling it, from ``gating`` again: correct, one GEMM slower)."""
         _, routing_map = output
-        with torch.no_grad():
-            logits = router.gating(args[0]).reshape(routing_map.shape)
-        return torch.softmax(logits.float(), dim=-1), routing_map
+        logits = self._logits.pop(id(router), None)
+        if logits is None:
+            with torch.no_grad():
+                logits = router.gating(args[0])
+        return torch.softmax(logits.reshape(routing_map.shape).float(), dim=-1), routing_map

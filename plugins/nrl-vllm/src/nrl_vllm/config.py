@@ -83,3 +83,14 @@ class VllmConfig(EngineOptions):
         "(vLLM has no sleep mode there; NRL_MEMORY_CONTRACT=1 emulates it, docs/testing.md).",
         validator=one_of(1, 2),
     )
+    seed_per_request: bool = option(
+        True,
+        "Give every request its own seed (the step's seed, + 1000 x engine rank + its index), "
+        "so each sample is the same whichever requests vLLM batches with it: runs reproduce to "
+        "the last digit. Its cost (vLLM 0.32 v1/sample/ops/topk_topp_sampler.py random_sample): "
+        "at every decode step a Python loop over the seeded requests, one exponential_ kernel "
+        "each, and no FlashInfer top-k/top-p sampling (it takes no per-request generators). "
+        "false: no request seed; one draw for the whole batch from the engine's generator "
+        "(seeded once from the run seed), faster at large batch, but a sample then depends on "
+        "vLLM's batching (preemption, scheduling, other requests), so runs need not reproduce.",
+    )

@@ -89,13 +89,21 @@ def per_request_kwargs(
     n: int,
     stop_strings: Sequence[Sequence[str] | None] | None = None,
     seed_offset: int = 0,
+    seed_per_request: bool = True,
 ) -> list[dict[str, Any]]:
     """One :func:`sampling_kwargs` per prompt: per-sample stop strings, and distinct seeds
-    (``seed + i``) so that repeated prompts of a group do not sample identical continuations."""
+    (``seed + i``) so that repeated prompts of a group do not sample identical continuations.
+
+    ``seed_per_request=False`` (``generation.vllm.seed_per_request``) sends no seed at all:
+    vLLM then draws every request's noise in one call from the engine's own generator (seeded
+    once, ``engine_kwargs``' ``seed``), which is faster at large batch, and each sample depends
+    on which requests vLLM batches together (see that option)."""
     out = []
     for i in range(n):
         kw = sampling_kwargs(params, stop_strings[i] if stop_strings else None)
-        if params.seed is not None:
+        if not seed_per_request:
+            kw.pop("seed", None)
+        elif params.seed is not None:
             kw["seed"] = params.seed + seed_offset + i
         out.append(kw)
     return out

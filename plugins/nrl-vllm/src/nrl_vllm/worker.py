@@ -196,7 +196,13 @@ class VllmGenerationWorker:
             self._rpc("nrl_check_generate")
         sampling = [
             self._vllm.SamplingParams(**kw)
-            for kw in per_request_kwargs(params, len(prompts), stop_strings, 1000 * self.rank)
+            for kw in per_request_kwargs(
+                params,
+                len(prompts),
+                stop_strings,
+                1000 * self.rank,
+                seed_per_request=self.options.seed_per_request,
+            )
         ]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         if self.engine_died:

@@ -1,0 +1,81 @@
+"""Vocabulary-parallel logprobs (nrl_dtensor.vocab_parallel, review m10) on 2 gloo ranks: an
+``lm_head`` sharded by ``ColwiseParallel(output_layouts=Shard(-1))`` gives each rank its slice
+of the logits; the logprobs and the gradients equal the unsharded ``log_softmax`` path's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+B, T, H, V, K, TEMPERATURE = 2, 6, 8, 11, 3, 0.7  # V = 11: uneven slices (6 + 5)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g)
+    hidden = torch.randn(B, T, H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    at = torch.randint(0, V, (B, T, K), generator=g)
+    return weight, hidden, ids, at
+
+
+def _reference():
+    weight, hidden, ids, at = _inputs()
+    hidden.requires_grad_()
+    log_probs = torch.log_softmax(hidden @ weight.T / TEMPERATURE, dim=-1)
+    tokens = torch.nn.functional.pad(log_probs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    at_lp = log_probs.gather(-1, at)
+    (tokens.sum() + 0.5 * at_lp.sum()).backward()
+    return tokens.detach(), at_lp.detach(), hidden.grad
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    from nrl_dtensor.vocab_parallel import logprobs_of, token_logprobs, vocab_slice
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        weight, hidden, ids, at = _inputs()
+        head = torch.nn.Linear(H, V, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        # The TP plan's entry for the model's lm_head (see the module docstring).
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
+        hidden.requires_grad_()
+        local = head(hidden) / TEMPERATURE
+        start, stop = vocab_slice(V, rank, world)
+        group = mesh.get_group()
+        tokens = token_logprobs(local, ids, start, group)
+        at_lp = logprobs_of(local, at, start, group)
+        (tokens.sum() + 0.5 * at_lp.sum()).backward()
+        torch.save(
+            {
+                "width": local.shape[-1],
+                "slice": (start, stop),
+                "tokens": tokens.detach(),
+                "at": at_lp.detach(),
+                "grad": hidden.grad,
+            },
+            f"{out}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_sharded_logprobs_and_gradients_equal_the_full_log_softmax(tmp_path):
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    tokens, at_lp, grad = _reference()
+    # Each rank held only its slice of the vocabulary (the memory TP should save).
+    assert [r["slice"] for r in ranks] == [(0, 6), (6, 11)]
+    assert [r["width"] for r in ranks] == [6, 5]
+    for r in ranks:
+        torch.testing.assert_close(r["tokens"], tokens, rtol=0, atol=1e-6)
+        torch.testing.assert_close(r["at"], at_lp, rtol=0, atol=1e-6)
+        # The input gradient once, not once per rank.
+        torch.testing.assert_close(r["grad"], grad, rtol=0, atol=1e-6)
