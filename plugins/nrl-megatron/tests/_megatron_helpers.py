@@ -227,9 +227,11 @@ class RecordingMegatronWorker:
                 self._record(micro_batch)
                 return super().forward_backward(micro_batch, loss)
 
-            def compute_logprobs(self, micro_batch, **kw):
-                self._record(micro_batch)
-                return super().compute_logprobs(micro_batch, **kw)
+            def compute_logprobs_micro_batches(self, micro_batches, **kw):
+                # What the core calls for logprobs (compute_logprobs goes through it too).
+                for micro_batch in micro_batches:
+                    self._record(micro_batch)
+                return super().compute_logprobs_micro_batches(micro_batches, **kw)
 
             def seen(self) -> list[str]:
                 return list(self.kinds)
@@ -238,3 +240,34 @@ class RecordingMegatronWorker:
                 return {k: v for b in self.state_dict_buckets(1 << 30) for k, v in b.items()}
 
         return Recording(*args, **kwargs)
+
+
+def spy_on_pipeline_schedules(worker) -> None:
+    """Record ``num_microbatches`` of every call of Megatron-Core's pipeline schedule in this
+    rank (:func:`schedule_calls` reads them): the worker looks the schedule up at each call."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+
+    real = pipeline_parallel.get_forward_backward_func
+    worker.schedule_calls = []
+
+    def recorded():
+        schedule = real()
+
+        def call(*args, **kwargs):
+            worker.schedule_calls.append(kwargs["num_microbatches"])
+            return schedule(*args, **kwargs)
+
+        return call
+
+    pipeline_parallel.get_forward_backward_func = recorded
+
+
+def schedule_calls(worker) -> list[int]:
+    """The ``num_microbatches`` of each schedule call since :func:`spy_on_pipeline_schedules`."""
+    return list(worker.schedule_calls)
+
+
+def one_logprob_call_per_chunk(worker) -> None:
+    """Hide the worker's all-at-once logprob method from the core, which then calls
+    ``compute_logprobs`` once per chunk (what the core did before it had the method)."""
+    worker.compute_logprobs_micro_batches = None

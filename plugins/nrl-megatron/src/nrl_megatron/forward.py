@@ -113,18 +113,37 @@ class ForwardMixin:
         """Per-token logprobs ``[B, T]`` of one micro batch (vocab-parallel cross entropy, no
         graph) under the current or the reference ``GPTModel``; ``[1, total]`` for packed
         sequences."""
-        self._check_tp_peers_agree(micro_batch)
+        return self._compute_logprobs([micro_batch], reference)[0]
+
+    def compute_logprobs_micro_batches(
+        self, micro_batches: Sequence[Batch | PackedSequences], *, reference: bool = False
+    ) -> list[torch.Tensor]:
+        """:meth:`compute_logprobs` of each micro batch, in order (the core's optional
+        all-at-once method, :class:`nrl_core.interfaces.PolicyWorker`). Pipeline-parallel: ONE
+        forward-only schedule call over all of them, so the stages overlap (with one micro
+        batch per call, stage s+1 idles while stage s computes: ``(pp-1)/pp`` of the time)."""
+        return self._compute_logprobs(micro_batches, reference)
+
+    def _compute_logprobs(
+        self, micro_batches: Sequence[Batch | PackedSequences], reference: bool
+    ) -> list[torch.Tensor]:
+        for micro_batch in micro_batches:
+            self._check_tp_peers_agree(micro_batch)
         model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
             if self.pp_size == 1:
-                return self._logprobs(model, micro_batch)
-            out = self._run_schedule(model, [(micro_batch, None)], forward_only=True)
+                return [self._logprobs(model, micro_batch) for micro_batch in micro_batches]
+            items = [(micro_batch, None) for micro_batch in micro_batches]
+            out = self._run_schedule(model, items, forward_only=True)
         if self.last_stage:
-            return out[0]
+            return out
         # Not read (the core takes each shard's result from its last stage), but the same
         # shape as the last stage's, for the packed layout's unpacking.
-        return torch.zeros(_input_ids(micro_batch).shape, dtype=torch.float32)
+        return [
+            torch.zeros(_input_ids(micro_batch).shape, dtype=torch.float32)
+            for micro_batch in micro_batches
+        ]
 
     def _run_schedule(
         self,
