@@ -409,3 +409,92 @@ def test_tp_batch_digest_is_gathered_on_the_worker_device(monkeypatch):
     with pytest.raises(Gathered):
         megatron_worker.MegatronPolicyWorker._check_tp_peers_agree(worker, make_batch(4))
     assert seen == [(torch.long, (4,), 2)]
+
+
+# -- gpu-review-3 m4: non-finite gradients are not applied on the GPU path ------------------------
+
+
+class _StubMegatronOptimizer:
+    """Megatron's distributed optimizer as ``optimizer_step`` uses it: ``step()`` returns
+    ``(success, grad_norm, num_zeros)`` and would apply the update (recorded here)."""
+
+    def __init__(self, grad_norm: float) -> None:
+        self.grad_norm = grad_norm
+        self.param_groups = [{"lr": 0.0}]
+        self.steps = self.zeroed = 0
+
+    def step(self):
+        self.steps += 1
+        return True, self.grad_norm, 0
+
+    def zero_grad(self):
+        self.zeroed += 1
+
+
+class _StubDDP:
+    """Megatron DDP as ``optimizer_step`` uses it: its gradient buffers (``grad_data``)."""
+
+    def __init__(self, grads: torch.Tensor) -> None:
+        from types import SimpleNamespace
+
+        self.buffers = [SimpleNamespace(grad_data=grads)]
+        self.expert_parallel_buffers = [SimpleNamespace(grad_data=torch.zeros(3))]
+        self.synced = self.zeroed = 0
+
+    def finish_grad_sync(self):
+        self.synced += 1
+
+    def zero_grad_buffer(self):
+        self.zeroed += 1
+        for buffer in (*self.buffers, *self.expert_parallel_buffers):
+            buffer.grad_data.zero_()
+
+
+def _gpu_path_worker(grads: torch.Tensor, grad_norm: float):
+    from types import SimpleNamespace
+
+    worker = _stub_worker(
+        step=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        router_stats=None,
+        policy=SimpleNamespace(optimizer=SimpleNamespace(lr=1e-3, warmup_steps=0)),
+        model=_StubDDP(grads),
+    )
+    worker.optimizer = worker.megatron_optimizer = _StubMegatronOptimizer(grad_norm)
+    return worker
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gpu_path_skips_the_step_of_non_finite_gradients(bad):
+    """A NaN or infinite gradient in Megatron DDP's buffers: Megatron's ``step()`` (which would
+    apply it: bfloat16 has no grad scaler, and a NaN clip coefficient clips nothing) is not
+    called, the gradients are zeroed, the step is not counted, and ``grad_norm`` says NaN."""
+    grads = torch.ones(8)
+    grads[5] = bad
+    worker = _gpu_path_worker(grads, grad_norm=1.0)
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 0
+    assert worker.model.zeroed == 1 and worker.megatron_optimizer.zeroed == 1
+    assert not grads.any()
+    assert worker.step == 0
+    assert metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    assert metrics["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.gpu_sim
+def test_gpu_path_skips_a_step_whose_norm_megatron_reports_non_finite():
+    """Finite gradients whose norm Megatron reports as NaN (``(True, nan, 0)``): the step is
+    not counted and the gradients are zeroed; finite ones step and count."""
+    worker = _gpu_path_worker(torch.ones(8), grad_norm=float("nan"))
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 1 and worker.step == 0
+    assert worker.model.zeroed == 1
+    assert metrics["grad_norm"] != metrics["grad_norm"]
+
+    worker = _gpu_path_worker(torch.ones(8), grad_norm=2.5)
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 1 and worker.step == 1
+    assert worker.model.zeroed == 1
+    assert metrics["grad_norm"] == 2.5

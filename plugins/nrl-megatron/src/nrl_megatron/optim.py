@@ -32,21 +32,47 @@ class OptimizerMixin:
             group["lr"] = lr
         if self.megatron_optimizer is not None:
             self.model.finish_grad_sync()
-            _, grad_norm, _ = self.megatron_optimizer.step()
+            # Megatron's step() computes the norm and applies the update in one call, and
+            # without a grad scaler (bfloat16) it applies NaN gradients (a NaN clip
+            # coefficient is not < 1); so non-finite gradients are looked for first.
+            grad_norm = math.nan
+            if self._ddp_gradients_finite():
+                _, grad_norm, _ = self.megatron_optimizer.step()
+                grad_norm = math.nan if grad_norm is None else float(grad_norm)
+            if not math.isfinite(grad_norm):
+                # Skipped as on the CPU path (or, had only the norm overflowed, reported so);
+                # the driver sees grad_norm and stops the run (issue 40).
+                self._zero_grad()
+                return {"grad_norm": grad_norm, "lr": lr, **self._routing_metrics()}
         else:
             self._average_gradients_over_dp()
             grad_norm = self._clip_gradients()
             if not math.isfinite(grad_norm):
                 # A NaN or infinite gradient is never applied (the norm is the same on every
                 # rank, so all skip together); the driver sees grad_norm and stops the run
-                # (issue 40), as with dtensor. On GPUs Megatron's own optimizer steps: not
-                # covered here.
+                # (issue 40), as with dtensor.
                 self._zero_grad()
                 return {"grad_norm": float(grad_norm), "lr": lr, **self._routing_metrics()}
             self.optimizer.step()
         self.step += 1
         self._zero_grad()
         return {"grad_norm": float(grad_norm), "lr": lr, **self._routing_metrics()}
+
+    def _ddp_gradients_finite(self) -> bool:
+        """Whether every gradient in Megatron DDP's buffers is finite, on every rank (a
+        collective over all ranks when there are several). After the gradient sync each rank's
+        buffer holds its reduced shard and its own contributions to the others, so a NaN or
+        infinity any rank computed shows in some rank's buffer. One sum per buffer: finite
+        exactly when all its elements are (short of an overflow of the sum itself)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for buffer in self._ddp_buffers():
+            grads = getattr(buffer, "grad_data", None)
+            if grads is not None and grads.numel() and not torch.isfinite(grads.sum()):
+                bad.fill_(1.0)
+                break
+        if self.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def _routing_metrics(self) -> dict[str, float]:
         return self.router_stats.metrics() if self.router_stats is not None else {}
