@@ -111,6 +111,33 @@ def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group)
             assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_export_streams_the_gathered_model(pp, tp, tiny_path, tmp_path, pool2, start_group):
+    """M5 and m1 (gpu-review-3): during ``export_hf`` rank 1 (which writes nothing) never holds
+    more than two gathered tensors at once (the one being sent, the one its loop variable still
+    names), neither of the whole-model stream nor, as the second stage's sender at PP=2, of its
+    own stage; it keeps none after. Rank 0 writes the checkpoint's own weights."""
+    from _megatron_helpers import export_with_live_tensor_spies
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path)
+    options = MegatronConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
+    group = start_group(pool2, WORKER, (options, context(config)), name=f"export{pp}{tp}")
+    reports = group.run_all(export_with_live_tensor_spies, str(tmp_path / "hf"))
+    group.shutdown()
+    for method, spy in reports[1].items():
+        assert spy["yielded"] > 10, (method, spy)  # enough tensors for the bound to mean much
+        assert spy["peak_count"] <= 2, (method, spy)
+        assert spy["peak_bytes"] <= 2 * spy["largest"], (method, spy)
+        assert spy["retained_bytes"] == 0, (method, spy)
+    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_unsupported_pipeline_splits_are_user_errors(
     tiny_path, tiny_qwen2_path, pool2, start_group
 ):

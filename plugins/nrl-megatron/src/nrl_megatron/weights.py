@@ -101,34 +101,68 @@ class WeightsMixin:
         tensor parallelism and pipeline stages (a collective: every rank gets every tensor,
         each exactly once, under its whole-model name). With expert parallelism each local
         expert tensor is gathered over the expert-parallel group and yielded once per expert,
-        under its global name: every expert exactly once."""
+        under its global name: every expert exactly once.
+
+        A stream: each tensor is gathered when the consumer asks for it, and this generator
+        keeps no reference to what it yielded, so a consumer that drops each tensor holds one
+        at a time (not the whole model, nor, on a pipeline's sending stage, the whole stage)."""
         if self.pp_size == 1:
             yield from self._stage_tensors()
             return
         from nrl_megatron.pipeline import layers_per_stage
 
         per = layers_per_stage(self.shape.num_layers, self.pp_size)
-        # Stage by stage: the stage's ranks know its tensors; every rank of the pipeline group
-        # learns their names and shapes, then receives each tensor by broadcast. A stage sends
-        # only its own parameters, so no name arrives twice (NeMo RL's issue #2471).
+        # Stage by stage: every rank of the pipeline group learns the stage's names, shapes and
+        # dtypes (known without gathering anything), then receives each tensor by broadcast as
+        # the stage's ranks gather it. A stage sends only its own parameters, so no name
+        # arrives twice (NeMo RL's issue #2471).
         for stage in range(self.pp_size):
             source = dist.get_global_rank(self.pp_group, stage)
-            mine = list(self._stage_tensors(offset=stage * per)) if stage == self.pp_rank else []
-            header = [[(n, tuple(t.shape), t.dtype) for n, t in mine]]
+            sending = stage == self.pp_rank
+            header = [self._stage_header(offset=stage * per) if sending else None]
             dist.broadcast_object_list(header, src=source, group=self.pp_group)
-            own = dict(mine)
+            mine = self._stage_tensors(offset=stage * per) if sending else None
             for name, shape, dtype in header[0]:
-                tensor = (
-                    own[name]
-                    if stage == self.pp_rank
-                    else torch.empty(shape, dtype=dtype, device=self.device)
-                )
-                dist.broadcast(tensor.contiguous(), src=source, group=self.pp_group)
+                if mine is not None:
+                    gathered, tensor = next(mine)
+                    if gathered != name:  # _stage_header and _stage_tensors disagree: a bug
+                        raise RuntimeError(f"stage {stage} gathered {gathered}, announced {name}")
+                    dist.broadcast(tensor.contiguous(), src=source, group=self.pp_group)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.broadcast(tensor, src=source, group=self.pp_group)
                 yield name, tensor
+                del tensor  # the consumer decides how long it lives
+            if mine is not None and next(mine, None) is not None:
+                raise RuntimeError(f"stage {stage} gathered more tensors than it announced")
+
+    def _stage_header(self, offset: int = 0) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(name, shape, dtype)`` of each tensor :meth:`_stage_tensors` yields, in the same
+        order, from this rank's shards alone (no collective, nothing gathered)."""
+        from nrl_megatron.pipeline import global_name
+
+        header = []
+        for name, tensor in self.module.state_dict().items():
+            if name.endswith("_extra_state") or tensor is None:
+                continue
+            shape = tuple(tensor.shape)
+            if self.ep_size > 1 and expert_index(name) is not None:
+                local = self.shape.num_experts // self.ep_size
+                header += [
+                    (global_expert_name(name, ep_rank, local), shape, tensor.dtype)
+                    for ep_rank in range(self.ep_size)
+                ]
+                continue
+            dim = tp_split_dim(name) if self.tp_size > 1 else None
+            if dim is not None:  # unshard_from_tp concatenates the shards along dim
+                shape = (*shape[:dim], shape[dim] * self.tp_size, *shape[dim + 1 :])
+            header.append((global_name(name, offset), shape, tensor.dtype))
+        return header
 
     def _stage_tensors(self, offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's parameters, gathered over tensor parallelism, named with their decoder
-        layers shifted by ``offset`` (the stage's first layer in the whole model)."""
+        layers shifted by ``offset`` (the stage's first layer in the whole model); one tensor
+        gathered per step of the iteration."""
         from nrl_megatron.pipeline import global_name
 
         with torch.no_grad():
@@ -141,12 +175,15 @@ class WeightsMixin:
                     local = self.shape.num_experts // self.ep_size
                     for ep_rank, shard in enumerate(shards):
                         yield global_expert_name(name, ep_rank, local), shard
+                    del shards, shard
                     continue
                 if self.tp_size > 1 and tp_split_dim(name) is not None:
                     shards = [torch.empty_like(tensor) for _ in range(self.tp_size)]
                     dist.all_gather(shards, tensor.contiguous(), group=self.tp_group)
                     tensor = unshard_from_tp(name, shards)
+                    del shards  # the full tensor is a new one: the shards are not needed
                 yield global_name(name, offset), tensor.detach()
+                del tensor
 
     def state_dict_buckets(
         self, bucket_bytes: int, layout: str = IN_MEMORY
@@ -198,13 +235,25 @@ class WeightsMixin:
 
     def export_hf(self, path: str) -> None:
         """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0
-        writes; all ranks take part in gathering the weights)."""
+        writes; all ranks take part in gathering the weights).
+
+        Streamed: rank 0 moves each gathered tensor to CPU memory as it arrives (converting and
+        writing from there: it holds the model once, in CPU memory, as ``write_hf_folder``
+        takes a dict); the other ranks drop each tensor once it is sent, so no rank holds the
+        gathered model on its GPU (it is about 61 GB of bfloat16 for Qwen3-30B-A3B)."""
         from nrl_core.hf_export import write_hf_folder
 
+        gathered = self._full_megatron_tensors()
+        if self.rank != 0:
+            for _name, tensor in gathered:  # the gathers and sends are the collective part
+                del tensor
+            dist.barrier()
+            return
         te = self.options.transformer_engine
-        state = dict(iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te))
-        if self.rank == 0:
-            # vLLM, SGLang and other converters read the published (per-expert) layout.
-            state = dict(in_layout(state.items(), CHECKPOINT, self._hf_skeleton))
-            write_hf_folder(path, state, self.hf_config, self.tokenizer, self.dtype)
+        on_cpu = ((name, tensor.cpu()) for name, tensor in gathered)
+        # vLLM, SGLang and other converters read the published (per-expert) layout.
+        named = in_layout(
+            iter_megatron_to_hf(on_cpu, self.shape, te), CHECKPOINT, self._hf_skeleton
+        )
+        write_hf_folder(path, dict(named), self.hf_config, self.tokenizer, self.dtype)
         dist.barrier()
