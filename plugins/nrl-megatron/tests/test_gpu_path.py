@@ -498,3 +498,48 @@ def test_gpu_path_skips_a_step_whose_norm_megatron_reports_non_finite():
     assert worker.megatron_optimizer.steps == 1 and worker.step == 1
     assert worker.model.zeroed == 1
     assert metrics["grad_norm"] == 2.5
+
+
+# -- gpu-review-3 m9: a checkpoint of the other optimizer path is refused in one line -------------
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_a_checkpoint_of_the_other_optimizer_path_is_refused_in_one_line(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """The CPU path's checkpoint (torch.optim state) loaded by the GPU path (Megatron's
+    distributed optimizer, as :func:`checkpoint_through_parameter_state` presents it), and the
+    reverse: one line naming the path that wrote it, before anything is loaded."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    batch = make_batch(8, seed=5)
+    megatron.train(batch, TokenMeanNLL())
+    cpu, gpu = str(tmp_path / "cpu"), str(tmp_path / "gpu")
+    group.run_all("save_checkpoint", cpu)
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", gpu)
+    saved = megatron.get_logprobs(batch)
+    megatron.train(batch, TokenMeanNLL())  # the weights now differ from the checkpoints'
+    logprobs = megatron.get_logprobs(batch)
+    assert (logprobs - saved).abs().max() > 1e-4
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"MegatronSetupError: checkpoint .*cpu was written by "
+        r"the megatron policy's CPU path .*; resume it on CPU",
+    ):
+        group.run_all(checkpoint_through_parameter_state, "load_checkpoint", cpu)
+    with pytest.raises(
+        RuntimeError,
+        match=r"MegatronSetupError: checkpoint .*gpu was written by "
+        r"the megatron policy's GPU path .*; resume it on a GPU",
+    ):
+        group.run_all("load_checkpoint", gpu)
+    # Refused before anything was loaded: the weights are still the trained ones.
+    torch.testing.assert_close(megatron.get_logprobs(batch), logprobs, rtol=0, atol=0)
+    group.run_all("load_checkpoint", cpu)  # the path that wrote it loads it
+    torch.testing.assert_close(megatron.get_logprobs(batch), saved, rtol=0, atol=0)

@@ -141,6 +141,7 @@ class CheckpointMixin:
                 "resume with the same policy.num_workers, tensor_model_parallel_size, "
                 "pipeline_model_parallel_size and expert_model_parallel_size"
             )
+        self._check_optimizer_path(path, state["optimizer"])
         self.module.load_state_dict(state["model"])
         if state["optimizer"] is None:
             self._reset_optimizer_state()  # saved before the first step: a fresh optimizer
@@ -149,6 +150,28 @@ class CheckpointMixin:
         self.step = state["step"]
         self._set_rng_state(state["rng"])
         dist.barrier()
+
+    def _check_optimizer_path(self, path: str, saved: dict | list | None) -> None:
+        """Refuse, in one line and before anything is loaded, optimizer state written by the
+        other optimizer path: the CPU path saves ``torch.optim``'s state dict (``state`` and
+        ``param_groups``), the GPU path Megatron's distributed optimizer's (``optimizer`` and
+        its parameter-state files; a list when chained), and neither loads the other's."""
+        if saved is None:
+            return  # saved before the first step: either path starts a fresh optimizer
+        torch_state = isinstance(saved, dict) and {"state", "param_groups"} <= saved.keys()
+        convert = "or convert it there to a Hugging Face folder (nrl convert) and start from that"
+        if self.megatron_optimizer is not None and torch_state:
+            raise MegatronSetupError(
+                f"checkpoint {path} was written by the megatron policy's CPU path (torch.optim "
+                "state), which Megatron's distributed optimizer on GPU cannot load; resume it "
+                f"on CPU, {convert}"
+            )
+        if self.megatron_optimizer is None and not torch_state:
+            raise MegatronSetupError(
+                f"checkpoint {path} was written by the megatron policy's GPU path (Megatron's "
+                "distributed optimizer), which the CPU path's torch.optim cannot load; resume "
+                f"it on a GPU, {convert}"
+            )
 
     def _set_rng_state(self, rng: dict) -> None:
         torch.set_rng_state(rng["torch"])
