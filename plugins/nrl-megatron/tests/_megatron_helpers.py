@@ -227,6 +227,12 @@ class RecordingMegatronWorker:
                 self._record(micro_batch)
                 return super().forward_backward(micro_batch, loss)
 
+            def forward_backward_micro_batches(self, items):
+                # What the core calls for a step (the worker has it at every stage count).
+                for micro_batch, _ in items:
+                    self._record(micro_batch)
+                return super().forward_backward_micro_batches(items)
+
             def compute_logprobs_micro_batches(self, micro_batches, **kw):
                 # What the core calls for logprobs (compute_logprobs goes through it too).
                 for micro_batch in micro_batches:

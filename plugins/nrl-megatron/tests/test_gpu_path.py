@@ -543,3 +543,61 @@ def test_a_checkpoint_of_the_other_optimizer_path_is_refused_in_one_line(
     torch.testing.assert_close(megatron.get_logprobs(batch), logprobs, rtol=0, atol=0)
     group.run_all("load_checkpoint", cpu)  # the path that wrote it loads it
     torch.testing.assert_close(megatron.get_logprobs(batch), saved, rtol=0, atol=0)
+
+
+# -- gpu-review-3 m8: one tensor-parallel batch check per call, not per micro batch ---------------
+
+
+def _tp_worker(monkeypatch, peer_offset: int = 0):
+    """A TP=2 worker stub whose all-gather (counted) hands back this rank's digest as the
+    peer's, plus ``peer_offset`` on its last entry (a peer that saw other tokens)."""
+    from types import SimpleNamespace
+
+    from nrl_megatron import worker as megatron_worker
+
+    gathers = []
+
+    def all_gather(outputs, tensor, group=None):
+        gathers.append(tensor.numel())
+        outputs[0].copy_(tensor)
+        outputs[1].copy_(tensor)
+        outputs[1][-1] += peer_offset
+
+    monkeypatch.setattr(megatron_worker.dist, "all_gather", all_gather)
+    model = SimpleNamespace(train=lambda: None, eval=lambda: None)
+    worker = _stub_worker(
+        tp_size=2, tp_group=object(), device=torch.device("cpu"), pp_size=1, model=model
+    )
+    worker.router_stats = None
+    worker.ran = []
+    worker._logprobs = lambda model, micro_batch: torch.zeros(micro_batch["input_ids"].shape)
+    worker._forward_backward = lambda micro_batch, loss: worker.ran.append(len(micro_batch))
+    return worker, gathers
+
+
+@pytest.mark.gpu_sim
+def test_tp_batch_check_runs_once_per_call(monkeypatch):
+    """A step's or a logprob pass's micro batches are checked with ONE all-gather (four values
+    per micro batch), not one all-gather (and device syncs) per micro batch."""
+    micro_batches = list(make_batch(6, seed=2).micro_batches(2))
+    worker, gathers = _tp_worker(monkeypatch)
+
+    def loss(logprobs):
+        return logprobs.sum().requires_grad_()
+
+    assert worker.forward_backward_micro_batches([(mb, loss) for mb in micro_batches])
+    assert gathers == [12]
+    assert worker.ran == [2, 2, 2]
+    assert len(worker.compute_logprobs_micro_batches(micro_batches)) == 3
+    assert gathers == [12, 12]
+
+
+@pytest.mark.gpu_sim
+def test_tp_batch_check_still_refuses_peers_with_other_batches(monkeypatch):
+    from nrl_megatron.worker import MegatronSetupError
+
+    micro_batches = list(make_batch(6, seed=2).micro_batches(2))
+    worker, _ = _tp_worker(monkeypatch, peer_offset=1)  # the last micro batch differs
+    with pytest.raises(MegatronSetupError, match="tensor-parallel peers received different"):
+        worker.forward_backward_micro_batches([(mb, None) for mb in micro_batches])
+    assert worker.ran == []  # refused before any forward

@@ -82,26 +82,23 @@ class ForwardMixin:
         token_lp = -vocab_parallel_cross_entropy(logits.contiguous(), input_ids[:, 1:].contiguous())
         return torch.nn.functional.pad(token_lp, (1, 0))
 
-    def _check_tp_peers_agree(self, batch: Batch | PackedSequences) -> None:
-        """Tensor-parallel peers must compute on the same samples (they share activations)."""
-        if self.tp_size == 1:
+    def _check_tp_peers_agree(self, *batches: Batch | PackedSequences) -> None:
+        """Tensor-parallel peers must compute on the same samples (they share activations).
+        Checks all ``batches`` of one call (a step's or a logprob pass's micro batches) with
+        one all-gather and one device-to-host read, not one of each per micro batch."""
+        if self.tp_size == 1 or not batches:
             return
-        ids = batch.input_ids if isinstance(batch, PackedSequences) else batch["input_ids"]
+        values = []
+        for batch in batches:
+            ids = batch.input_ids if isinstance(batch, PackedSequences) else batch["input_ids"]
+            ids = ids.long()  # on the host as the core hands them over: no device sync here
+            values += [ids.shape[0], ids.shape[1], int(ids.sum()), int((ids * 31 % 1009).sum())]
         # On the worker's device: Megatron's groups use the default backend, and NCCL has no
         # backend for CPU tensors ("No backend type associated with device type cpu").
-        digest = torch.tensor(
-            [
-                ids.shape[0],
-                ids.shape[1],
-                int(ids.long().sum()),
-                int((ids.long() * 31 % 1009).sum()),
-            ],
-            dtype=torch.long,
-            device=self.device,
-        )
+        digest = torch.tensor(values, dtype=torch.long, device=self.device)
         gathered = [torch.zeros_like(digest) for _ in range(self.tp_size)]
         dist.all_gather(gathered, digest, group=self.tp_group)
-        if any(not torch.equal(g, gathered[0]) for g in gathered):
+        if bool((torch.stack(gathered) != digest).any()):
             raise MegatronSetupError(
                 "tensor-parallel peers received different batches; the core must give each "
                 "tensor-parallel group one data-parallel shard"
@@ -127,8 +124,7 @@ class ForwardMixin:
     def _compute_logprobs(
         self, micro_batches: Sequence[Batch | PackedSequences], reference: bool
     ) -> list[torch.Tensor]:
-        for micro_batch in micro_batches:
-            self._check_tp_peers_agree(micro_batch)
+        self._check_tp_peers_agree(*micro_batches)
         model = self.reference.model() if reference else self.model
         model.eval()
         with torch.no_grad():
@@ -235,6 +231,11 @@ class ForwardMixin:
         """Training forward of one micro batch (padded or packed), ``loss`` on its logprobs,
         backward."""
         self._check_tp_peers_agree(micro_batch)
+        self._forward_backward(micro_batch, loss)
+
+    def _forward_backward(
+        self, micro_batch: Batch | PackedSequences, loss: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         self.model.train()
         with self._router_statistics(micro_batch):
             logprobs = self._logprobs(self.model, micro_batch)
@@ -255,12 +256,11 @@ class ForwardMixin:
         order): through Megatron-Core's pipeline schedule when pipeline-parallel, else one
         :meth:`forward_backward` each. Returns whether this rank computed the loss (only the
         last pipeline stage does: its closures are called, the other stages' are not)."""
+        self._check_tp_peers_agree(*(micro_batch for micro_batch, _ in items))
         if self.pp_size == 1:
             for micro_batch, loss in items:
-                self.forward_backward(micro_batch, loss)
+                self._forward_backward(micro_batch, loss)
             return True
-        for micro_batch, _ in items:
-            self._check_tp_peers_agree(micro_batch)
         self.model.train()
         self._run_schedule(self.model, items, forward_only=False)
         return self.last_stage
