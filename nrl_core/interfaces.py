@@ -112,6 +112,15 @@ class PolicyWorker(Protocol):
     closure)`` pairs in order; the core then calls it instead of :meth:`forward_backward`, and it
     returns whether this rank called the closures (only a pipeline's last stage does;
     :func:`nrl_core.training.train_on_rank`).
+
+    Optional, likewise for logprobs: ``compute_logprobs_micro_batches(micro_batches, *,
+    reference=False) -> list[torch.Tensor]`` takes all of a rank's logprob (or reference)
+    micro batches of one call at once, in order, fillers included (the same count on every
+    rank), and returns one :meth:`compute_logprobs` result per micro batch, in order. The core
+    (:func:`nrl_core.training.logprobs_on_rank`) then calls it instead of
+    :meth:`compute_logprobs`, so a pipeline schedule overlaps its stages over the micro batches.
+    Only the ranks the core reads results from (a pipeline's last stage) need real values;
+    others return tensors of the right shape.
     """
 
     def compute_logprobs(self, micro_batch: Batch, *, reference: bool = False) -> torch.Tensor:

@@ -369,19 +369,40 @@ def logprobs_on_rank(
 ) -> torch.Tensor:
     """``[B, width]`` logprobs of this rank's shard, in ``chunks`` (fillers after the last, so
     every rank runs ``num_chunks`` forwards); padding and position 0 hold 0. With ``packed``,
-    each chunk goes to the worker packed (:mod:`nrl_core.packing`)."""
+    each chunk goes to the worker packed (:mod:`nrl_core.packing`).
+
+    A worker that defines ``compute_logprobs_micro_batches(micro_batches, *, reference)`` gets
+    all ``num_chunks`` micro batches, fillers included, in one call (a pipeline schedule
+    overlaps its stages only across micro batches); others get one ``compute_logprobs`` call
+    per micro batch."""
     import torch
 
+    real: list[Batch | None] = []  # each micro batch's trimmed chunk; None for a filler
+    packs: list[PackedSequences | None] = []
+    sent: list[Batch | PackedSequences] = []  # what the worker receives
+    for index in range(num_chunks):
+        filler = index >= len(chunks)
+        chunk = (_filler(chunks) if filler else chunks[index]).trimmed()
+        packed_chunk = _packed(chunk, packed)
+        real.append(None if filler else chunk)
+        packs.append(packed_chunk)
+        sent.append(chunk if packed_chunk is None else packed_chunk)
     out = []
     with torch.no_grad():
-        for index in range(num_chunks):
-            if index >= len(chunks):
-                filler = _filler(chunks).trimmed()
-                worker.compute_logprobs(_packed(filler, packed) or filler, reference=reference)
-                continue
-            chunk = chunks[index].trimmed()
-            packed_chunk = _packed(chunk, packed)
-            lp = worker.compute_logprobs(packed_chunk or chunk, reference=reference).detach()
+        all_at_once = getattr(worker, "compute_logprobs_micro_batches", None)
+        if all_at_once is not None:
+            results = list(all_at_once(sent, reference=reference))
+            if len(results) != len(sent):
+                raise RuntimeError(
+                    f"{type(worker).__name__}.compute_logprobs_micro_batches returned "
+                    f"{len(results)} results for {len(sent)} micro batches"
+                )
+        else:  # one at a time, each result consumed before the next forward
+            results = (worker.compute_logprobs(mb, reference=reference) for mb in sent)
+        for chunk, packed_chunk, lp in zip(real, packs, results, strict=True):
+            if chunk is None:
+                continue  # a filler: run for the collectives, its result unused
+            lp = lp.detach()
             if packed_chunk is not None:
                 lp = packed_chunk.unpack(lp)
             lp = lp.float().cpu()

@@ -177,3 +177,52 @@ def test_a_pipeline_worker_gets_every_micro_batch_in_one_call(last):
     assert worker.calls == [4]
     # Metrics of the real micro batches from the stage that computed the loss, none from others.
     assert len(result.micro_batch_metrics) == (3 if last else 0)
+
+
+def _scores(micro_batch) -> torch.Tensor:
+    """Logprobs that depend on each token (``-id / 1000``), padded or packed alike."""
+    packed = not isinstance(micro_batch, Batch)
+    return (micro_batch.input_ids if packed else micro_batch["input_ids"]).float() / -1000
+
+
+class _Scorer:
+    """One ``compute_logprobs`` call per micro batch; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def compute_logprobs(self, micro_batch, *, reference=False):
+        self.calls.append(1)
+        return _scores(micro_batch)
+
+
+class _ScheduleScorer(_Scorer):
+    """The same logprobs, all micro batches of a call at once (as a pipeline schedule)."""
+
+    def compute_logprobs(self, micro_batch, *, reference=False):
+        raise AssertionError("a worker with compute_logprobs_micro_batches gets them all at once")
+
+    def compute_logprobs_micro_batches(self, micro_batches, *, reference=False):
+        self.calls.append(len(micro_batches))
+        return [_scores(mb) for mb in micro_batches]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_pipeline_worker_gets_every_logprob_micro_batch_in_one_call(packed):
+    """M2 (gpu-review-3): 3 chunks plus a filler go to ``compute_logprobs_micro_batches`` in one
+    call, and the logprobs are those of one ``compute_logprobs`` call per chunk."""
+    from nrl_core.testing.batches import make_batch
+    from nrl_core.training import logprobs_on_rank
+
+    batch = make_batch(6, seed=1)
+    chunks = list(batch.micro_batches(2))
+    width = batch["input_ids"].shape[1]
+    one_by_one, all_at_once = _Scorer(), _ScheduleScorer()
+    want = logprobs_on_rank(one_by_one, chunks, 4, width, reference=False, packed=packed)
+    got = logprobs_on_rank(all_at_once, chunks, 4, width, reference=True, packed=packed)
+    assert one_by_one.calls == [1, 1, 1, 1]
+    # One call (the filler is the 4th micro batch), the 1/-1000 -scores kept per real token.
+    assert all_at_once.calls == [4]
+    assert got.shape == (6, width)
+    assert got.abs().sum() > 0
+    assert torch.equal(got, want)

@@ -249,9 +249,17 @@ class RecordingMegatronWorker:
                 self._record(micro_batch)
                 return super().forward_backward(micro_batch, loss)
 
-            def compute_logprobs(self, micro_batch, **kw):
-                self._record(micro_batch)
-                return super().compute_logprobs(micro_batch, **kw)
+            def forward_backward_micro_batches(self, items):
+                # What the core calls for a step (the worker has it at every stage count).
+                for micro_batch, _ in items:
+                    self._record(micro_batch)
+                return super().forward_backward_micro_batches(items)
+
+            def compute_logprobs_micro_batches(self, micro_batches, **kw):
+                # What the core calls for logprobs (compute_logprobs goes through it too).
+                for micro_batch in micro_batches:
+                    self._record(micro_batch)
+                return super().compute_logprobs_micro_batches(micro_batches, **kw)
 
             def seen(self) -> list[str]:
                 return list(self.kinds)
@@ -297,3 +305,95 @@ class CountingReadsWorker:
             return Counting(*args, **kwargs)
         finally:
             modeling_utils.safe_open = original
+
+
+def spy_on_pipeline_schedules(worker) -> None:
+    """Record ``num_microbatches`` of every call of Megatron-Core's pipeline schedule in this
+    rank (:func:`schedule_calls` reads them): the worker looks the schedule up at each call."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+
+    real = pipeline_parallel.get_forward_backward_func
+    worker.schedule_calls = []
+
+    def recorded():
+        schedule = real()
+
+        def call(*args, **kwargs):
+            worker.schedule_calls.append(kwargs["num_microbatches"])
+            return schedule(*args, **kwargs)
+
+        return call
+
+    pipeline_parallel.get_forward_backward_func = recorded
+
+
+def schedule_calls(worker) -> list[int]:
+    """The ``num_microbatches`` of each schedule call since :func:`spy_on_pipeline_schedules`."""
+    return list(worker.schedule_calls)
+
+
+def one_logprob_call_per_chunk(worker) -> None:
+    """Hide the worker's all-at-once logprob method from the core, which then calls
+    ``compute_logprobs`` once per chunk (what the core did before it had the method)."""
+    worker.compute_logprobs_micro_batches = None
+
+
+class LiveTensorSpy:
+    """Wraps a worker's tensor generator (an instance attribute shadowing the method) and, at
+    each tensor it yields, measures the tensors it yielded before that are still alive
+    (weak references): the peak count and bytes held at once, what the generator's consumers
+    keep."""
+
+    def __init__(self, worker, method: str) -> None:
+        import weakref
+
+        self.refs: list[weakref.ref] = []
+        self.peak_count = self.peak_bytes = self.largest = 0
+        inner = getattr(worker, method)
+
+        def spied(*args, **kwargs):
+            for name, tensor in inner(*args, **kwargs):
+                self.refs.append(weakref.ref(tensor))
+                self.largest = max(self.largest, _nbytes(tensor))
+                self._measure()
+                yield name, tensor
+                del tensor  # held by the consumer only, from here on
+
+        setattr(worker, method, spied)
+
+    def _measure(self) -> None:
+        live = [t for t in (ref() for ref in self.refs) if t is not None]
+        self.peak_count = max(self.peak_count, len(live))
+        self.peak_bytes = max(self.peak_bytes, sum(_nbytes(t) for t in live))
+
+    def report(self) -> dict[str, int]:
+        import gc
+
+        gc.collect()
+        live = [t for t in (ref() for ref in self.refs) if t is not None]
+        return {
+            "yielded": len(self.refs),
+            "largest": self.largest,
+            "peak_count": self.peak_count,
+            "peak_bytes": self.peak_bytes,
+            "retained_bytes": sum(_nbytes(t) for t in live),
+        }
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def export_with_live_tensor_spies(worker, path: str) -> dict[str, dict[str, int]]:
+    """``worker.export_hf(path)`` with :class:`LiveTensorSpy` on the whole-model stream and on
+    this stage's gathered tensors; the spies' reports."""
+    spies = {
+        method: LiveTensorSpy(worker, method)
+        for method in ("_full_megatron_tensors", "_stage_tensors")
+    }
+    try:
+        worker.export_hf(path)
+    finally:
+        for method in spies:
+            delattr(worker, method)
+    return {method: spy.report() for method, spy in spies.items()}

@@ -409,3 +409,195 @@ def test_tp_batch_digest_is_gathered_on_the_worker_device(monkeypatch):
     with pytest.raises(Gathered):
         megatron_worker.MegatronPolicyWorker._check_tp_peers_agree(worker, make_batch(4))
     assert seen == [(torch.long, (4,), 2)]
+
+
+# -- gpu-review-3 m4: non-finite gradients are not applied on the GPU path ------------------------
+
+
+class _StubMegatronOptimizer:
+    """Megatron's distributed optimizer as ``optimizer_step`` uses it: ``step()`` returns
+    ``(success, grad_norm, num_zeros)`` and would apply the update (recorded here)."""
+
+    def __init__(self, grad_norm: float) -> None:
+        self.grad_norm = grad_norm
+        self.param_groups = [{"lr": 0.0}]
+        self.steps = self.zeroed = 0
+
+    def step(self):
+        self.steps += 1
+        return True, self.grad_norm, 0
+
+    def zero_grad(self):
+        self.zeroed += 1
+
+
+class _StubDDP:
+    """Megatron DDP as ``optimizer_step`` uses it: its gradient buffers (``grad_data``)."""
+
+    def __init__(self, grads: torch.Tensor) -> None:
+        from types import SimpleNamespace
+
+        self.buffers = [SimpleNamespace(grad_data=grads)]
+        self.expert_parallel_buffers = [SimpleNamespace(grad_data=torch.zeros(3))]
+        self.synced = self.zeroed = 0
+
+    def finish_grad_sync(self):
+        self.synced += 1
+
+    def zero_grad_buffer(self):
+        self.zeroed += 1
+        for buffer in (*self.buffers, *self.expert_parallel_buffers):
+            buffer.grad_data.zero_()
+
+
+def _gpu_path_worker(grads: torch.Tensor, grad_norm: float):
+    from types import SimpleNamespace
+
+    worker = _stub_worker(
+        step=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        router_stats=None,
+        policy=SimpleNamespace(optimizer=SimpleNamespace(lr=1e-3, warmup_steps=0)),
+        model=_StubDDP(grads),
+    )
+    worker.optimizer = worker.megatron_optimizer = _StubMegatronOptimizer(grad_norm)
+    return worker
+
+
+@pytest.mark.gpu_sim
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gpu_path_skips_the_step_of_non_finite_gradients(bad):
+    """A NaN or infinite gradient in Megatron DDP's buffers: Megatron's ``step()`` (which would
+    apply it: bfloat16 has no grad scaler, and a NaN clip coefficient clips nothing) is not
+    called, the gradients are zeroed, the step is not counted, and ``grad_norm`` says NaN."""
+    grads = torch.ones(8)
+    grads[5] = bad
+    worker = _gpu_path_worker(grads, grad_norm=1.0)
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 0
+    assert worker.model.zeroed == 1 and worker.megatron_optimizer.zeroed == 1
+    assert not grads.any()
+    assert worker.step == 0
+    assert metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    assert metrics["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.gpu_sim
+def test_gpu_path_skips_a_step_whose_norm_megatron_reports_non_finite():
+    """Finite gradients whose norm Megatron reports as NaN (``(True, nan, 0)``): the step is
+    not counted and the gradients are zeroed; finite ones step and count."""
+    worker = _gpu_path_worker(torch.ones(8), grad_norm=float("nan"))
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 1 and worker.step == 0
+    assert worker.model.zeroed == 1
+    assert metrics["grad_norm"] != metrics["grad_norm"]
+
+    worker = _gpu_path_worker(torch.ones(8), grad_norm=2.5)
+    metrics = worker.optimizer_step()
+    assert worker.megatron_optimizer.steps == 1 and worker.step == 1
+    assert worker.model.zeroed == 1
+    assert metrics["grad_norm"] == 2.5
+
+
+# -- gpu-review-3 m9: a checkpoint of the other optimizer path is refused in one line -------------
+
+
+@requires_megatron
+@pytest.mark.gpu_sim
+def test_a_checkpoint_of_the_other_optimizer_path_is_refused_in_one_line(
+    tiny_path, tmp_path, pool1, start_group
+):
+    """The CPU path's checkpoint (torch.optim state) loaded by the GPU path (Megatron's
+    distributed optimizer, as :func:`checkpoint_through_parameter_state` presents it), and the
+    reverse: one line naming the path that wrote it, before anything is loaded."""
+    from _megatron_helpers import checkpoint_through_parameter_state
+    from nrl_megatron.config import MegatronConfig
+
+    config = _config(tiny_path)
+    group = start_group(pool1, WORKER, (MegatronConfig(), _context(config)))
+    megatron = Policy.from_config(group, config.policy)
+    batch = make_batch(8, seed=5)
+    megatron.train(batch, TokenMeanNLL())
+    cpu, gpu = str(tmp_path / "cpu"), str(tmp_path / "gpu")
+    group.run_all("save_checkpoint", cpu)
+    group.run_all(checkpoint_through_parameter_state, "save_checkpoint", gpu)
+    saved = megatron.get_logprobs(batch)
+    megatron.train(batch, TokenMeanNLL())  # the weights now differ from the checkpoints'
+    logprobs = megatron.get_logprobs(batch)
+    assert (logprobs - saved).abs().max() > 1e-4
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"MegatronSetupError: checkpoint .*cpu was written by "
+        r"the megatron policy's CPU path .*; resume it on CPU",
+    ):
+        group.run_all(checkpoint_through_parameter_state, "load_checkpoint", cpu)
+    with pytest.raises(
+        RuntimeError,
+        match=r"MegatronSetupError: checkpoint .*gpu was written by "
+        r"the megatron policy's GPU path .*; resume it on a GPU",
+    ):
+        group.run_all("load_checkpoint", gpu)
+    # Refused before anything was loaded: the weights are still the trained ones.
+    torch.testing.assert_close(megatron.get_logprobs(batch), logprobs, rtol=0, atol=0)
+    group.run_all("load_checkpoint", cpu)  # the path that wrote it loads it
+    torch.testing.assert_close(megatron.get_logprobs(batch), saved, rtol=0, atol=0)
+
+
+# -- gpu-review-3 m8: one tensor-parallel batch check per call, not per micro batch ---------------
+
+
+def _tp_worker(monkeypatch, peer_offset: int = 0):
+    """A TP=2 worker stub whose all-gather (counted) hands back this rank's digest as the
+    peer's, plus ``peer_offset`` on its last entry (a peer that saw other tokens)."""
+    from types import SimpleNamespace
+
+    from nrl_megatron import worker as megatron_worker
+
+    gathers = []
+
+    def all_gather(outputs, tensor, group=None):
+        gathers.append(tensor.numel())
+        outputs[0].copy_(tensor)
+        outputs[1].copy_(tensor)
+        outputs[1][-1] += peer_offset
+
+    monkeypatch.setattr(megatron_worker.dist, "all_gather", all_gather)
+    model = SimpleNamespace(train=lambda: None, eval=lambda: None)
+    worker = _stub_worker(
+        tp_size=2, tp_group=object(), device=torch.device("cpu"), pp_size=1, model=model
+    )
+    worker.router_stats = None
+    worker.ran = []
+    worker._logprobs = lambda model, micro_batch: torch.zeros(micro_batch["input_ids"].shape)
+    worker._forward_backward = lambda micro_batch, loss: worker.ran.append(len(micro_batch))
+    return worker, gathers
+
+
+@pytest.mark.gpu_sim
+def test_tp_batch_check_runs_once_per_call(monkeypatch):
+    """A step's or a logprob pass's micro batches are checked with ONE all-gather (four values
+    per micro batch), not one all-gather (and device syncs) per micro batch."""
+    micro_batches = list(make_batch(6, seed=2).micro_batches(2))
+    worker, gathers = _tp_worker(monkeypatch)
+
+    def loss(logprobs):
+        return logprobs.sum().requires_grad_()
+
+    assert worker.forward_backward_micro_batches([(mb, loss) for mb in micro_batches])
+    assert gathers == [12]
+    assert worker.ran == [2, 2, 2]
+    assert len(worker.compute_logprobs_micro_batches(micro_batches)) == 3
+    assert gathers == [12, 12]
+
+
+@pytest.mark.gpu_sim
+def test_tp_batch_check_still_refuses_peers_with_other_batches(monkeypatch):
+    from nrl_megatron.worker import MegatronSetupError
+
+    micro_batches = list(make_batch(6, seed=2).micro_batches(2))
+    worker, _ = _tp_worker(monkeypatch, peer_offset=1)  # the last micro batch differs
+    with pytest.raises(MegatronSetupError, match="tensor-parallel peers received different"):
+        worker.forward_backward_micro_batches([(mb, None) for mb in micro_batches])
+    assert worker.ran == []  # refused before any forward

@@ -1,7 +1,7 @@
 """Resuming Megatron's distributed optimizer on torch's Adam (no Apex, no Transformer Engine),
 pinned on CPU (``gpu_sim``): the real optimizer needs CUDA, so these tests reproduce the two
 steps of Megatron-Core 0.16.1 that broke the ``gpu`` resume test on an H100 (2026-11-26) with
-torch's own ``Adam`` and check :func:`nrl_megatron.worker._adam_step_set_aside` against them:
+torch's own ``Adam`` and check :func:`nrl_megatron.checkpoint._adam_step_set_aside` against them:
 
 - ``DistributedOptimizer.load_state_dict`` gives every parameter's state the SAME ``step``
   tensor (distrib_optimizer.py:817-825);
@@ -64,7 +64,7 @@ def test_loading_without_the_step_set_aside_fails_as_on_the_gpu():
 
 
 def test_the_step_set_aside_loads_and_the_next_step_equals_the_uninterrupted_one():
-    from nrl_megatron.worker import _adam_step_set_aside
+    from nrl_megatron.checkpoint import _adam_step_set_aside
 
     params, opt = _adam_after_one_step()
     saved = _saved_parameter_state(params, opt)

@@ -72,6 +72,34 @@ def test_two_stages_match_one(tiny_path, pool1, pool2, start_group):
             torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
+def test_logprobs_of_all_chunks_run_in_one_schedule_call(tiny_path, pool2, start_group):
+    """M2 (gpu-review-3): ``get_logprobs`` of 4 chunks (and the reference pass) hands all 4 to
+    ONE forward-only schedule call (``num_microbatches=4``: the stages overlap), with the
+    logprobs of one call per chunk (the core's path for workers without the method)."""
+    import attrs
+    from _megatron_helpers import one_logprob_call_per_chunk, schedule_calls
+    from _megatron_helpers import spy_on_pipeline_schedules as spy
+
+    config = make_config(tiny_path)
+    # logprob_batch_size=4: 16 samples are 4 padded chunks (packing would fill one bin).
+    config = attrs.evolve(config, policy=attrs.evolve(config.policy, sequence_packing=False))
+    batch = make_batch(16, seed=8)
+    group = start_group(pool2, WORKER, (pp_options(2), context(config)))
+    megatron = policy(group, config)
+    group.run_all(spy)
+    got = megatron.get_logprobs(batch)
+    got_ref = megatron.get_logprobs(batch, reference=True)
+    assert group.run_all(schedule_calls) == [[4, 4], [4, 4]]  # both stages, one call per pass
+
+    group.run_all(one_logprob_call_per_chunk)
+    want = megatron.get_logprobs(batch)
+    assert group.run_all(schedule_calls) == [[4, 4, 1, 1, 1, 1]] * 2
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_ref, want, rtol=0, atol=1e-6)  # no step: reference = policy
+
+
 def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group):
     """Every stage's layers come back under their whole-model Hugging Face names, bit-exact."""
     config = make_config(tiny_path)
@@ -81,6 +109,33 @@ def test_export_before_training_is_the_checkpoint(tiny_path, pool2, start_group)
         assert exported.keys() == checkpoint.keys()
         for name, tensor in checkpoint.items():
             assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_export_streams_the_gathered_model(pp, tp, tiny_path, tmp_path, pool2, start_group):
+    """M5 and m1 (gpu-review-3): during ``export_hf`` rank 1 (which writes nothing) never holds
+    more than two gathered tensors at once (the one being sent, the one its loop variable still
+    names), neither of the whole-model stream nor, as the second stage's sender at PP=2, of its
+    own stage; it keeps none after. Rank 0 writes the checkpoint's own weights."""
+    from _megatron_helpers import export_with_live_tensor_spies
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path)
+    options = MegatronConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
+    group = start_group(pool2, WORKER, (options, context(config)), name=f"export{pp}{tp}")
+    reports = group.run_all(export_with_live_tensor_spies, str(tmp_path / "hf"))
+    group.shutdown()
+    for method, spy in reports[1].items():
+        assert spy["yielded"] > 10, (method, spy)  # enough tensors for the bound to mean much
+        assert spy["peak_count"] <= 2, (method, spy)
+        assert spy["peak_bytes"] <= 2 * spy["largest"], (method, spy)
+        assert spy["retained_bytes"] == 0, (method, spy)
+    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_unsupported_pipeline_splits_are_user_errors(
