@@ -463,21 +463,13 @@ def layout_of(options: Any, *, num_ranks: int, precision: str) -> Layout | None:
 
 
 def gpu_memory_bytes() -> float | None:
-    """The memory of this machine's first NVIDIA GPU (bytes), from ``nvidia-smi`` (no CUDA
+    """The memory of this machine's smallest NVIDIA GPU (bytes), from ``nvidia-smi`` (no CUDA
     context in the driver); ``None`` without a driver."""
-    import shutil
-    import subprocess
+    from nrl_core.distributed.devices import nvidia_smi
 
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-        mib = [float(line) for line in out.stdout.split() if line.strip()]
-    except (OSError, subprocess.SubprocessError, ValueError):
+        mib = [float(line) for line in nvidia_smi("memory.total") or []]
+    except ValueError:  # "[N/A]" on some virtualised GPUs
         return None
     return min(mib) * 2**20 if mib else None
 

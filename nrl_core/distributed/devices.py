@@ -20,12 +20,29 @@ from typing import Any
 from nrl_core.errors import NrlError
 
 
+def nvidia_smi(field: str) -> list[str] | None:
+    """One line per GPU of ``nvidia-smi --query-gpu=FIELD`` (``name``, ``memory.total``...; no
+    header, no units), or ``None`` without a working ``nvidia-smi``. Light: no CUDA context."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
 def nvidia_gpus() -> list[str] | None:
     """The NVIDIA GPUs the driver lists (names), without importing torch; ``None`` when no
     driver is found. ``CUDA_VISIBLE_DEVICES`` is not applied (``nrl doctor -v`` asks torch).
     Light: imports neither torch nor Ray, so config-only commands can call it."""
-    import shutil
-    import subprocess
     from pathlib import Path
 
     proc = Path("/proc/driver/nvidia/gpus")
@@ -39,17 +56,7 @@ def nvidia_gpus() -> list[str] | None:
             )  # fmt: skip
             names.append(model)
         return names
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return nvidia_smi("name")
 
 
 def machine_has_gpus() -> bool:
