@@ -15,7 +15,7 @@ HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool_
 the device (a host sync)."""
 
 
-def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0):
+def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0, **overrides):
     """A ``SequentialMLP`` or ``GroupedMatmulExperts`` (``cls_name``) of ``len(counts)`` local
     experts (hidden 64, expert width 48, gated silu as for Qwen3), weights drawn from ``seed``,
     and routed inputs: ``sum(counts)`` tokens sorted by expert, probabilities, counts."""
@@ -26,7 +26,7 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
     from nrl_megatron.grouped_experts import GroupedMatmulExperts
 
     experts = len(counts)
-    config = TransformerConfig(
+    settings = dict(
         num_layers=1,
         hidden_size=64,
         num_attention_heads=4,
@@ -41,6 +41,7 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
         use_cpu_initialization=True,
         perform_initialization=False,
     )
+    config = TransformerConfig(**{**settings, **overrides})
     submodules = get_gpt_layer_local_spec(num_experts=experts).submodules.mlp.submodules
     cls = {"sequential": SequentialMLP, "grouped": GroupedMatmulExperts}[cls_name]
     module = cls(
@@ -108,6 +109,17 @@ def _host_reads_raise():
                 setattr(torch.Tensor, name, own[name])
             else:
                 delattr(torch.Tensor, name)
+
+
+def refusal(_probe, overrides: dict) -> str | None:
+    """The :class:`GroupedExpertsError` building grouped experts with ``overrides`` raises."""
+    from nrl_megatron.grouped_experts import GroupedExpertsError
+
+    try:
+        _experts("grouped", [1, 1], torch.float32, **overrides)
+    except GroupedExpertsError as error:
+        return str(error)
+    return None
 
 
 def host_read_in_forward(_probe, cls_name: str) -> str | None:

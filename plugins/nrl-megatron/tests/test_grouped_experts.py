@@ -89,6 +89,13 @@ def test_grouped_forward_reads_no_token_count_on_the_host(probe):
     assert probe.run_all(read, "grouped")[0] is None
 
 
+def test_linear_biases_are_refused_at_construction(probe):
+    """The grouped forward has no bias term: refused, not silently dropped."""
+    error = probe.run_all(_helper("refusal"), {"add_bias_linear": True})[0]
+    assert error == "grouped experts have no linear bias (add_bias_linear)"
+    assert probe.run_all(_helper("refusal"), {})[0] is None
+
+
 @pytest.mark.gpu_sim
 def test_gpu_config_builds_moe_layers_on_grouped_experts(probe):
     """``transformer_config(..., on_gpu=True)`` + the local spec for a Qwen3-MoE shape: every

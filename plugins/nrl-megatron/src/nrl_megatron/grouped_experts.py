@@ -19,6 +19,7 @@ tokens' device. The forward reads no count on the host (no ``.tolist()``, no ``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -80,6 +81,10 @@ class GroupedMatmulExperts(SequentialMLP):
 
     Refused at construction (:class:`GroupedExpertsError`): expert tensor parallelism (this
     plugin runs MoE with TP=1), linear biases, FP8/FP4.
+
+    On CUDA, torch's grouped GEMM kernel (no host sync) takes bfloat16 on SM90+; float32 or
+    float16 operands take torch's per-group fallback loop instead (correct, no speed-up
+    expected). The GPU path of this plugin trains in bfloat16.
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection: Any = None):
@@ -93,6 +98,18 @@ class GroupedMatmulExperts(SequentialMLP):
             raise GroupedExpertsError("grouped experts have no linear bias (add_bias_linear)")
         if self.config.fp8 or self.config.fp4:
             raise GroupedExpertsError("grouped experts do not run FP8/FP4")
+        # CUDA's grouped GEMM wants every operand stride a multiple of 16 bytes ("strides
+        # should be multiple of 16 bytes"): the hidden and expert widths in elements. Other
+        # shapes (no Qwen3-MoE has one) run SequentialMLP's loop on CUDA.
+        item = torch.empty((), dtype=self.config.params_dtype).element_size()
+        widths = (self.config.hidden_size, self.config.moe_ffn_hidden_size)
+        self.cuda_aligned = all(width * item % 16 == 0 for width in widths)
+        if not self.cuda_aligned and not self.config.use_cpu_initialization:
+            warnings.warn(
+                f"hidden/expert widths {widths} are not multiples of {16 // item} elements: "
+                "the MoE experts run SequentialMLP's per-expert loop on CUDA",
+                stacklevel=2,
+            )
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """``MLP.forward``'s unfused activation (megatron-core 0.16.1 ``transformer/mlp.py``)."""
@@ -119,6 +136,8 @@ class GroupedMatmulExperts(SequentialMLP):
     ):
         """``[T, hidden]`` tokens sorted by local expert, ``[num_local_experts]`` token counts
         (on any device), ``[T]`` probabilities -> ``([T, hidden], None)``."""
+        if permuted_local_hidden_states.is_cuda and not self.cuda_aligned:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         hidden = permuted_local_hidden_states
         if self.config.moe_apply_probs_on_input:
             # As SequentialMLP: the probabilities scale the input, then count as 1.
