@@ -26,18 +26,9 @@ def _helper(name: str):
     return getattr(importlib.import_module(HELPERS), name)
 
 
-@pytest.fixture(scope="module")
-def probe_pool():
-    from conftest import _pool
-
-    pool = _pool(1)
-    yield pool
-    pool.close()
-
-
 @pytest.fixture
-def probe(probe_pool, start_group):
-    return start_group(probe_pool, PROBE, (), name="grouped-experts")
+def probe(pool1, start_group):
+    return start_group(pool1, PROBE, (), name="grouped-experts")
 
 
 @pytest.mark.parametrize(
