@@ -4,10 +4,12 @@ Two layer specs:
 
 - GPU with ``policy.megatron.transformer_engine``: Megatron-Core's Transformer Engine spec
   (``get_gpt_layer_with_transformer_engine_spec``, extra ``te``).
-- Otherwise the local spec (``get_gpt_layer_local_spec``) with its core attention replaced by
-  :class:`SDPAttention` (PyTorch scaled-dot-product attention). Megatron-Core's own local
-  ``DotProductAttention`` takes its score buffer from ``parallel_state``'s global memory
-  buffer and its dropout RNG from the CUDA RNG tracker, so it cannot run without a GPU.
+- Otherwise the local spec (:func:`local_layer_spec`) with its core attention replaced by
+  :class:`SDPAttention` (PyTorch scaled-dot-product attention) and, for MoE, its experts by
+  :class:`~nrl_megatron.grouped_experts.GroupedMatmulExperts` (grouped GEMM).
+  Megatron-Core's own local ``DotProductAttention`` takes its score buffer from
+  ``parallel_state``'s global memory buffer and its dropout RNG from the CUDA RNG tracker, so
+  it cannot run without a GPU.
 
 On CPU the rotary embedding is also replaced by :class:`DeviceRotaryEmbedding`: Megatron-Core
 0.16's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on
@@ -36,6 +38,7 @@ from megatron.core.utils import divide
 
 from nrl_core.errors import NrlError
 from nrl_megatron.convert import ModelShape, tp_split_dim
+from nrl_megatron.grouped_experts import GroupedMatmulExperts
 
 
 class MegatronModelError(NrlError):
@@ -432,6 +435,31 @@ def moe_settings(
     }
 
 
+def local_layer_spec(shape: ModelShape) -> ModuleSpec:
+    """Megatron-Core's local layer spec with :class:`SDPAttention`; for MoE, the
+    :class:`DeviceTopKRouter` and :class:`~nrl_megatron.grouped_experts.GroupedMatmulExperts`
+    (on CPU and GPU alike: on CPU its float32 output and gradients equal ``SequentialMLP``'s
+    bit for bit, and it is faster there too, see docs/megatron.md)."""
+    spec = get_gpt_layer_local_spec(
+        # MoE: SequentialMLP's experts (one ColumnParallel/RowParallel pair per expert; the
+        # legacy GroupedMLP that moe_grouped_gemm=True selects needs the grouped_gemm package),
+        # TopKRouter, no shared expert (config has no shared size).
+        num_experts=shape.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=shape.qk_norm,
+        normalization="RMSNorm",
+    )
+    attention: ModuleSpec = spec.submodules.self_attention
+    attention.submodules.core_attention = SDPAttention
+    if shape.is_moe:
+        # On GPU too: without Transformer Engine Megatron's own gate raises NameError.
+        spec.submodules.mlp.submodules.router = DeviceTopKRouter
+        # Same modules and parameter names as SequentialMLP, one grouped GEMM per projection
+        # instead of a Python loop over the experts (GPU review 3, M3).
+        spec.submodules.mlp.submodules.experts.module = GroupedMatmulExperts
+    return spec
+
+
 def build_gpt_model(
     hf_config: Any,
     config: TransformerConfig,
@@ -458,19 +486,7 @@ def build_gpt_model(
 
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = get_gpt_layer_local_spec(
-            # MoE: SequentialMLP experts (one ColumnParallel/RowParallel pair per expert, no
-            # grouped GEMM kernel), TopKRouter, no shared expert (config has no shared size).
-            num_experts=shape.num_experts or None,
-            moe_grouped_gemm=False,
-            qk_layernorm=shape.qk_norm,
-            normalization="RMSNorm",
-        )
-        attention: ModuleSpec = spec.submodules.self_attention
-        attention.submodules.core_attention = SDPAttention
-        if shape.is_moe:
-            # On GPU too: without Transformer Engine Megatron's own gate raises NameError.
-            spec.submodules.mlp.submodules.router = DeviceTopKRouter
+        spec = local_layer_spec(shape)
     rope = rope_settings(hf_config)
     model = GPTModel(
         config=config,

@@ -1,0 +1,177 @@
+"""Functions for ``test_grouped_experts.py`` that run in a spawned rank with a one-rank Megatron
+``parallel_state`` (``_megatron_helpers.ParallelStateProbe``): building Megatron's expert
+modules needs its process groups."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+"""``torch.Tensor`` methods that read a value on the host: on a CUDA tensor each one waits for
+the device (a host sync)."""
+
+
+def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0, **overrides):
+    """A ``SequentialMLP`` or ``GroupedMatmulExperts`` (``cls_name``) of ``len(counts)`` local
+    experts (hidden 64, expert width 48, gated silu as for Qwen3), weights drawn from ``seed``,
+    and routed inputs: ``sum(counts)`` tokens sorted by expert, probabilities, counts."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from nrl_megatron.grouped_experts import GroupedMatmulExperts
+
+    experts = len(counts)
+    settings = dict(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=48,
+        num_moe_experts=experts,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+    config = TransformerConfig(**{**settings, **overrides})
+    submodules = get_gpt_layer_local_spec(num_experts=experts).submodules.mlp.submodules
+    cls = {"sequential": SequentialMLP, "grouped": GroupedMatmulExperts}[cls_name]
+    module = cls(
+        experts,
+        config,
+        submodules.experts.submodules,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    tokens = sum(counts)
+    x = torch.randn(tokens, 64, generator=generator).to(dtype)
+    probs = torch.rand(tokens, generator=generator)
+    return module, x, probs, torch.tensor(counts)
+
+
+def forward_backward(_probe, cls_name: str, counts: list[int], dtype_name: str) -> dict:
+    """Output and every gradient (weights by name, input, probabilities) of one forward and
+    backward with a random upstream gradient."""
+    module, x, probs, counts_t = _experts(cls_name, counts, getattr(torch, dtype_name))
+    x.requires_grad_(True)
+    probs.requires_grad_(True)
+    saved = []  # the shapes of the tensors autograd keeps for the backward
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out, bias = module(x, counts_t, probs)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(upstream)
+    return {
+        "type": type(module).__name__,
+        "bias": bias,
+        "out": out.detach(),
+        "grads": {name: p.grad for name, p in module.named_parameters()},
+        "grad_x": x.grad,
+        "grad_probs": probs.grad,
+        "saved": saved,
+    }
+
+
+@contextlib.contextmanager
+def _host_reads_raise():
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise RuntimeError(f"host read: Tensor.{name}")
+
+        return method
+
+    # Most are inherited from torch._C.TensorBase: restore by deleting the override.
+    own = {
+        name: torch.Tensor.__dict__[name] for name in HOST_READS if name in torch.Tensor.__dict__
+    }
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name in HOST_READS:
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
+
+
+def refusal(_probe, overrides: dict) -> str | None:
+    """The :class:`GroupedExpertsError` building grouped experts with ``overrides`` raises."""
+    from nrl_megatron.grouped_experts import GroupedExpertsError
+
+    try:
+        _experts("grouped", [1, 1], torch.float32, **overrides)
+    except GroupedExpertsError as error:
+        return str(error)
+    return None
+
+
+def host_read_in_forward(_probe, cls_name: str) -> str | None:
+    """The host read a forward of ``cls_name``'s experts makes (the error raised when the
+    :data:`HOST_READS` methods raise), or None."""
+    module, x, probs, counts = _experts(cls_name, [5, 0, 9, 2], torch.float32)
+    with _host_reads_raise():
+        try:
+            module(x, counts, probs)
+        except RuntimeError as error:
+            if "host read" not in str(error):
+                raise
+            return str(error)
+    return None
+
+
+def gpu_config_moe_model(_probe, hf_config_kwargs: dict) -> dict:
+    """The GPU path's ``TransformerConfig`` (``on_gpu=True``, bfloat16) for a Qwen3-MoE shape and
+    the local-spec ``GPTModel`` built from it on the host (the GPU-only steps left out:
+    allocating on ``torch.cuda.current_device()``, and the alltoall token dispatcher, whose
+    constructor creates a CUDA stream; the allgather one routes the same tokens on one rank):
+    its experts' classes, their parameter names, and a bfloat16 forward and backward."""
+    from nrl_megatron.convert import ModelShape
+    from nrl_megatron.model import build_gpt_model, local_layer_spec, transformer_config
+    from transformers import Qwen3MoeConfig
+
+    hf_config = Qwen3MoeConfig(**hf_config_kwargs)
+    config = transformer_config(hf_config, dtype=torch.bfloat16, on_gpu=True)
+    spec = local_layer_spec(ModelShape.from_hf_config(hf_config))
+    host = dataclasses.replace(
+        config, use_cpu_initialization=True, moe_token_dispatcher_type="allgather"
+    )
+    model = build_gpt_model(hf_config, host)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    ids = torch.randint(0, hf_config.vocab_size, (2, 10), generator=generator)
+    positions = torch.arange(10)[None, :].expand(2, -1)
+    logits = model(ids, positions, None)
+    logits.float().logsumexp(-1).mean().backward()
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    return {
+        "use_cpu_initialization": config.use_cpu_initialization,
+        "dispatcher": config.moe_token_dispatcher_type,
+        "spec_experts": spec.submodules.mlp.submodules.experts.module.__name__,
+        "expert_types": sorted({type(m).__name__ for m in experts}),
+        "expert_params": sorted(
+            name for name, _ in model.named_parameters() if ".mlp.experts." in name
+        ),
+        "finite": bool(torch.isfinite(logits).all()),
+        "expert_grads": [
+            float(p.grad.abs().sum()) for m in experts for p in m.parameters() if p.grad is not None
+        ],
+    }
