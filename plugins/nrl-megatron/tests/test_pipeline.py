@@ -211,10 +211,14 @@ def test_two_stages_times_two_match_one_rank(tp, tiny_path, pool1, pool4, start_
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
     torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
     assert len(got_w) == 4
+    # 1e-4, a tenth of the learning rate: the data-parallel shards pack into other bins than
+    # one rank's, so gradients are summed in another order, and Adam's first step
+    # (lr * g / (|g| + eps)) amplifies that rounding in gradients near eps (measured: 1.2e-5 in
+    # one element). A wrong shard or a missed gradient moves weights by about lr.
     for exported in got_w:
         assert exported.keys() == want_w.keys()
         for name, tensor in want_w.items():
-            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-4, msg=name)
 
 
 @pytest.mark.slow
