@@ -26,10 +26,11 @@ from .policy import run_config, train_batch
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 """The tiny Qwen3-MoE of the ``megatron_moe`` stage (as plugins/nrl-megatron/tests/test_moe.py)."""
 
-GROUPED_EXPERTS = ("TEGroupedMLP", "GroupedMLP")
-"""Megatron-Core's expert modules that run a layer's local experts as one grouped GEMM
-(megatron/core/transformer/moe/experts.py: ``TEGroupedMLP`` with Transformer Engine,
-``GroupedMLP`` the legacy one); ``SequentialMLP`` loops over the experts, a GEMM pair each."""
+GROUPED_EXPERTS = ("GroupedMatmulExperts", "TEGroupedMLP", "GroupedMLP")
+"""The expert modules that run a layer's local experts as grouped GEMMs: nrl's
+``GroupedMatmulExperts`` (nrl_megatron.grouped_experts: torch's ``grouped_mm``, what nrl
+builds), and Megatron-Core's ``TEGroupedMLP`` (Transformer Engine) and legacy ``GroupedMLP``;
+``SequentialMLP`` loops over the experts, a GEMM pair each."""
 
 
 def expert_classes(model: Any) -> list[str]:
