@@ -437,6 +437,22 @@ def test_tensor_parallel_shards_the_vocabulary(tiny_path, start_group):
     torch.testing.assert_close(head, worker.model.lm_head.weight.detach(), rtol=0, atol=1e-5)
 
 
+def test_tensor_parallel_generation_samples_from_the_whole_vocabulary(tiny_path, start_group):
+    """Torch generation under TP (vocabulary-sharded logits, gathered at the last position)
+    samples what one process samples, with the same logprobs."""
+    config = make_config(tiny_path, temperature=0.7)
+    prompts = [[1, 5, 20, 21, 22], [1, 5, 30]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=11)
+    want = local_worker(config).generate(prompts, params)
+    group = start_group(WORKER, (DTensorConfig(tensor_parallel_size=2), context(config)))
+    for out in group.run_all("generate", prompts, params):  # TP peers take the same prompts
+        assert out.token_ids == want.token_ids
+        for got_lp, want_lp in zip(out.logprobs, want.logprobs, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-5, rtol=0
+            )
+
+
 def test_bfloat16_and_activation_checkpointing(tiny_path, start_group):
     batch = make_batch(4, seed=6)
     config = make_config(tiny_path)
