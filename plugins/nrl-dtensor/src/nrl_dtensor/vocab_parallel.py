@@ -1,13 +1,13 @@
 """Logprobs from vocabulary-sharded logits, for tensor parallelism without full-vocabulary
 logits on every rank (review m10).
 
-The dtensor TP plan leaves ``lm_head`` whole, so each TP rank computes and keeps the ``[B, T,
-V]`` logits and their ``log_softmax``: the largest activation of a step (V = 152k for Qwen) is
-not reduced by TP. With ``lm_head`` column-parallel over the vocabulary
-(``ColwiseParallel(output_layouts=Shard(-1))``, local output) each rank holds ``[B, T, V / tp]``
-of its vocabulary slice (:func:`vocab_slice`), and the functions here give what the padded
-path's ``log_softmax(...).gather(...)`` gives, with two small all-reduces of ``[B, T]`` over the
-TP group: the log-sum-exp and the picked token's logit. Both carry gradients (to each rank's
+With ``lm_head`` whole, each TP rank would compute and keep the ``[B, T, V]`` logits and their
+``log_softmax``: the largest activation of a step (V = 152k for Qwen), not reduced by TP. The
+dtensor TP plan (:mod:`nrl_dtensor.building`) makes an untied ``lm_head`` column-parallel over
+the vocabulary (``ColwiseParallel(output_layouts=Shard(-1))``): each rank holds ``[B, T, V /
+tp]`` of its vocabulary slice (:func:`vocab_slice`), and the functions here give what the
+unsharded path's ``log_softmax(...).gather(...)`` / ``topk`` give, with two small all-reduces
+of ``[B, T]`` over the TP group: the log-sum-exp and the picked token's logit. Both carry gradients (to each rank's
 own slice), so training back-propagates through them.
 
 Temperature: divide the local logits by ``T`` before calling, as the unsharded path does.
