@@ -42,6 +42,13 @@ class InspectableWorker(DTensorPolicyWorker):
         sharded = all(isinstance(p, DTensor) for p in self.model.parameters())
         return out, counts, sharded
 
+    def materialised_logits_shape(self, input_ids: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the logits this rank holds after a forward (its local shard of a
+        vocabulary-parallel DTensor)."""
+        with torch.no_grad():
+            logits = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        return tuple((logits.to_local() if hasattr(logits, "to_local") else logits).shape)
+
     def is_sharded(self) -> bool:
         return self.sharded
 

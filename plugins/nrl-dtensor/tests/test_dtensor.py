@@ -400,6 +400,59 @@ def test_tensor_parallel_matches_single_process(tiny_path, start_group):
     assert got["tokens"] == stats.valid_tokens  # counted once, not once per TP peer
 
 
+def test_tensor_parallel_shards_the_vocabulary(tiny_path, start_group):
+    """Review m10: under TP each rank holds [.., V / tp] logits (old code: V on both), and the
+    sharded logprobs, top-k, student logprobs and step equal one process's; the refit stream
+    still carries the whole lm_head weight."""
+    from nrl_core.losses.distillation import DistillationLoss, DistillationLossConfig
+
+    config = make_config(tiny_path, temperature=0.7)  # the sharded path divides by T too
+    batch = make_batch(4, seed=9)
+    worker = local_worker(config)
+    single = Policy.from_config(InProcessGroup(worker), config.policy)
+    vocab, hidden = worker.model.lm_head.weight.shape
+    group = start_group(WORKER, (DTensorConfig(tensor_parallel_size=2), context(config)))
+    policy = Policy.from_config(group, config.policy)
+    ids = batch["input_ids"][:2]
+    widths = [shape[-1] for shape in group.run_all("materialised_logits_shape", ids)]
+    assert widths == [vocab // 2, vocab // 2]
+    torch.testing.assert_close(
+        policy.get_logprobs(batch), single.get_logprobs(batch), atol=1e-5, rtol=0
+    )
+    tokens, values, top_ids = policy.get_topk_logprobs(batch, 5)
+    want_tokens, want_values, want_ids = single.get_topk_logprobs(batch, 5)
+    torch.testing.assert_close(tokens, want_tokens, rtol=0, atol=1e-5)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=1e-5)
+    assert torch.equal(top_ids, want_ids)
+    # A distillation student: logprobs at the teacher's ids, with the graph, through the step.
+    loss = DistillationLoss(DistillationLossConfig())
+    # Shifted: a teacher other than the student itself (whose KL and gradient would be ~0).
+    batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = values - 0.5, top_ids
+    expected = single.train(batch, loss)
+    got = policy.train(batch, loss)
+    assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
+    assert abs(got["grad_norm"] - expected["grad_norm"]) <= 1e-5 * expected["grad_norm"]
+    head = full_params(group)["lm_head.weight"]
+    assert head.shape == (vocab, hidden)
+    torch.testing.assert_close(head, worker.model.lm_head.weight.detach(), rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_generation_samples_from_the_whole_vocabulary(tiny_path, start_group):
+    """Torch generation under TP (vocabulary-sharded logits, gathered at the last position)
+    samples what one process samples, with the same logprobs."""
+    config = make_config(tiny_path, temperature=0.7)
+    prompts = [[1, 5, 20, 21, 22], [1, 5, 30]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=11)
+    want = local_worker(config).generate(prompts, params)
+    group = start_group(WORKER, (DTensorConfig(tensor_parallel_size=2), context(config)))
+    for out in group.run_all("generate", prompts, params):  # TP peers take the same prompts
+        assert out.token_ids == want.token_ids
+        for got_lp, want_lp in zip(out.logprobs, want.logprobs, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-5, rtol=0
+            )
+
+
 def test_bfloat16_and_activation_checkpointing(tiny_path, start_group):
     batch = make_batch(4, seed=6)
     config = make_config(tiny_path)

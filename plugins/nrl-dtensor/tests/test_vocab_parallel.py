@@ -31,7 +31,12 @@ def _reference():
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
-    from nrl_dtensor.vocab_parallel import logprobs_of, token_logprobs, vocab_slice
+    from nrl_dtensor.vocab_parallel import (
+        logprobs_of,
+        token_logprobs,
+        vocab_parallel_topk,
+        vocab_slice,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -53,6 +58,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         tokens = token_logprobs(local, ids, start, group)
         at_lp = logprobs_of(local, at, start, group)
         (tokens.sum() + 0.5 * at_lp.sum()).backward()
+        with torch.no_grad():
+            # k = 4 is within each slice; V + 5 exceeds the vocabulary and either slice.
+            topk = [vocab_parallel_topk(local, ids, k, start, group) for k in (4, V + 5)]
         torch.save(
             {
                 "width": local.shape[-1],
@@ -60,6 +68,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
                 "tokens": tokens.detach(),
                 "at": at_lp.detach(),
                 "grad": hidden.grad,
+                "topk": topk,
             },
             f"{out}/rank{rank}.pt",
         )
@@ -79,3 +88,18 @@ def test_vocab_sharded_logprobs_and_gradients_equal_the_full_log_softmax(tmp_pat
         torch.testing.assert_close(r["at"], at_lp, rtol=0, atol=1e-6)
         # The input gradient once, not once per rank.
         torch.testing.assert_close(r["grad"], grad, rtol=0, atol=1e-6)
+
+
+def test_vocab_sharded_topk_equals_the_full_distributions_top_k(tmp_path):
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    weight, hidden, ids, _ = _inputs()
+    log_probs = torch.log_softmax(hidden @ weight.T / TEMPERATURE, dim=-1)
+    for r in ranks:
+        for (tokens, values, top_ids), k in zip(r["topk"], (4, V + 5), strict=True):
+            want_values, want_ids = log_probs.topk(min(k, V), dim=-1)
+            assert values.shape == top_ids.shape == (B, T, min(k, V))
+            # Values near -16 differ by float32 rounding (~1e-7 relative) from the other sum.
+            torch.testing.assert_close(values, want_values, rtol=1e-6, atol=1e-6)
+            assert torch.equal(top_ids, want_ids)
+            torch.testing.assert_close(tokens, log_probs.gather(-1, ids[..., None])[..., 0])

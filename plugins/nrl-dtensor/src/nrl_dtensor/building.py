@@ -258,6 +258,21 @@ class ModelBuilding:
         }
         for layer in layers:
             parallelize_module(layer, self.tp_mesh, plan)
+        lm_head = getattr(model, "lm_head", None)
+        if isinstance(lm_head, torch.nn.Linear) and not getattr(
+            config, "tie_word_embeddings", False
+        ):
+            from torch.distributed.tensor import Shard
+
+            # Vocabulary-parallel logits (review m10): each rank computes [.., V / tp], a
+            # DTensor sharded on the vocabulary; the worker's logprobs reduce over the TP group
+            # (nrl_dtensor.vocab_parallel), whatever else reads the logits sees whole ones.
+            # Tied embeddings keep lm_head whole: the weight is also the (unsharded) embedding.
+            parallelize_module(
+                model,
+                self.tp_mesh,
+                {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)},
+            )
 
     def _apply_fsdp(self, model) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

@@ -241,7 +241,12 @@ class TorchGenerator:
         cache = out.past_key_values
         steps = 0
         for step in range(max_new):
-            token, logprob = sample(out.logits[:, -1, :], params, rng)
+            logits = out.logits[:, -1, :]
+            if hasattr(logits, "full_tensor"):
+                # Vocabulary-parallel lm_head (tensor parallelism): gather the last position's
+                # [B, V] to sample from the whole vocabulary.
+                logits = logits.full_tensor()
+            token, logprob = sample(logits, params, rng)
             token = torch.where(done, self.pad_token_id, token)
             out_tokens[:, step] = token
             out_logprobs[:, step] = logprob

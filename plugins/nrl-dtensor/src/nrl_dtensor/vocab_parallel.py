@@ -1,13 +1,13 @@
 """Logprobs from vocabulary-sharded logits, for tensor parallelism without full-vocabulary
 logits on every rank (review m10).
 
-The dtensor TP plan leaves ``lm_head`` whole, so each TP rank computes and keeps the ``[B, T,
-V]`` logits and their ``log_softmax``: the largest activation of a step (V = 152k for Qwen) is
-not reduced by TP. With ``lm_head`` column-parallel over the vocabulary
-(``ColwiseParallel(output_layouts=Shard(-1))``, local output) each rank holds ``[B, T, V / tp]``
-of its vocabulary slice (:func:`vocab_slice`), and the functions here give what the padded
-path's ``log_softmax(...).gather(...)`` gives, with two small all-reduces of ``[B, T]`` over the
-TP group: the log-sum-exp and the picked token's logit. Both carry gradients (to each rank's
+With ``lm_head`` whole, each TP rank would compute and keep the ``[B, T, V]`` logits and their
+``log_softmax``: the largest activation of a step (V = 152k for Qwen), not reduced by TP. The
+dtensor TP plan (:mod:`nrl_dtensor.building`) makes an untied ``lm_head`` column-parallel over
+the vocabulary (``ColwiseParallel(output_layouts=Shard(-1))``): each rank holds ``[B, T, V /
+tp]`` of its vocabulary slice (:func:`vocab_slice`), and the functions here give what the
+unsharded path's ``log_softmax(...).gather(...)`` / ``topk`` give, with two small all-reduces
+of ``[B, T]`` over the TP group: the log-sum-exp and the picked token's logit. Both carry gradients (to each rank's
 own slice), so training back-propagates through them.
 
 Temperature: divide the local logits by ``T`` before calling, as the unsharded path does.
@@ -87,3 +87,37 @@ def token_logprobs(
     (``local_logits`` ``[B, T, V / tp]``, all positions)."""
     lp = logprobs_of(local_logits[:, :-1], input_ids[:, 1:, None], vocab_start, group)
     return torch.nn.functional.pad(lp.squeeze(-1), (1, 0))
+
+
+def vocab_parallel_topk(
+    local_logits: torch.Tensor, ids: torch.Tensor, k: int, vocab_start: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Without a graph (a distillation teacher): the logprobs ``[...]`` of ``ids`` ``[...]``
+    and the ``k' = min(k, V)`` largest logprobs and their global ids ``[..., k']`` from the
+    ``[..., V / tp]`` local logits. Each rank's own top ``k'`` (padded with ``-inf`` where its
+    slice is narrower), all-gathered: ``[..., tp * k']``, of which the overall top ``k'``,
+    minus the log normaliser. Every rank gets the same values."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(group)
+    width = local_logits.shape[-1]
+    # The whole vocabulary: the sum of the slices' widths (a tensor on the logits' device, so
+    # that NCCL takes it too).
+    vocab = torch.tensor([width], device=local_logits.device)
+    dist.all_reduce(vocab, group=group)
+    vocab = int(vocab.item())
+    kk = min(k, vocab)
+    mine = min(kk, width)
+    values, local_ids = local_logits.topk(mine, dim=-1)
+    pad = kk - mine
+    values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    local_ids = torch.nn.functional.pad(local_ids + vocab_start, (0, pad))
+    all_values = [torch.empty_like(values) for _ in range(tp)]
+    all_ids = [torch.empty_like(local_ids) for _ in range(tp)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, local_ids.contiguous(), group=group)
+    values, where = torch.cat(all_values, -1).topk(kk, dim=-1)
+    top_ids = torch.cat(all_ids, -1).gather(-1, where)
+    normalizer = log_normalizer(local_logits, group)
+    token_lp = logprobs_of(local_logits, ids[..., None], vocab_start, group).squeeze(-1)
+    return token_lp, values - normalizer, top_ids

@@ -199,18 +199,31 @@ class DTensorPolicyWorker(ModelBuilding):
             return model_inputs(micro_batch.to(self.device))
         return {"input_ids": micro_batch["input_ids"].to(self.device)}
 
-    def _log_softmax(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[B, T - 1, V]`` next-token log-probabilities (at the logprob temperature); packed
-        inputs give ``[1, total - 1, V]``, position ``p`` predicting token ``p + 1`` of the row."""
+    def _next_token_logits(
+        self, model, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, int | None]:
+        """``[B, T - 1, V]`` float32 next-token logits divided by the logprob temperature (packed
+        inputs: ``[1, total - 1, V]``, position ``p`` predicting token ``p + 1`` of the row),
+        and None; under a vocabulary-parallel ``lm_head`` (tensor parallelism, review m10) this
+        rank's ``[.., V / tp]`` slice and the slice's first vocabulary id instead."""
         from nrl_dtensor.packing import packed_forward
 
         packed = "cu_seq_lens_q" in inputs
         with self._autocast(), packed_forward() if packed else contextlib.nullcontext():
             logits = model(**inputs, use_cache=False).logits
+        vocab_start = None
+        if hasattr(logits, "to_local"):
+            from nrl_dtensor.vocab_parallel import vocab_slice
+
+            vocab_start, stop = vocab_slice(
+                logits.shape[-1], self.tp_mesh.get_local_rank(), self.tp_size
+            )
+            logits = logits.to_local()
+            assert logits.shape[-1] == stop - vocab_start, "unexpected vocabulary shard"
         logits = logits[:, :-1].float()
         if self.logprob_temperature != 1.0:
             logits = logits / self.logprob_temperature
-        return torch.log_softmax(logits, dim=-1)
+        return logits, vocab_start
 
     def _logprobs(
         self, model, inputs: dict[str, torch.Tensor], at: torch.Tensor | None = None
@@ -227,13 +240,24 @@ class DTensorPolicyWorker(ModelBuilding):
 
             with self._autocast():
                 return token_values(model, input_ids)
-        log_probs = self._log_softmax(model, inputs)
-        token_lp = torch.nn.functional.pad(
-            log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0)
-        )
+        logits, vocab_start = self._next_token_logits(model, inputs)
+        if vocab_start is None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+
+            def logprobs_at(ids: torch.Tensor) -> torch.Tensor:
+                return log_probs.gather(-1, ids)
+        else:
+            from nrl_dtensor.vocab_parallel import logprobs_of
+
+            group = self.tp_mesh.get_group()
+
+            def logprobs_at(ids: torch.Tensor) -> torch.Tensor:
+                return logprobs_of(logits, ids, vocab_start, group)
+
+        token_lp = torch.nn.functional.pad(logprobs_at(input_ids[:, 1:, None]).squeeze(-1), (1, 0))
         if at is None:
             return token_lp
-        at_lp = log_probs.gather(-1, at[:, 1:].to(self.device))
+        at_lp = logprobs_at(at[:, 1:].to(self.device))
         return token_lp, torch.nn.functional.pad(at_lp, (0, 0, 1, 0))
 
     def compute_logprobs(
@@ -258,9 +282,17 @@ class DTensorPolicyWorker(ModelBuilding):
         inputs = self._inputs(micro_batch)
         input_ids = inputs["input_ids"]
         with torch.no_grad():
-            log_probs = self._log_softmax(self.model, inputs)
-            token_lp = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-            values, ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+            logits, vocab_start = self._next_token_logits(self.model, inputs)
+            if vocab_start is None:
+                log_probs = torch.log_softmax(logits, dim=-1)
+                token_lp = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+                values, ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+            else:
+                from nrl_dtensor.vocab_parallel import vocab_parallel_topk
+
+                token_lp, values, ids = vocab_parallel_topk(
+                    logits, input_ids[:, 1:], k, vocab_start, self.tp_mesh.get_group()
+                )
         return (
             torch.nn.functional.pad(token_lp, (1, 0)),
             torch.nn.functional.pad(values, (0, 0, 1, 0)),
