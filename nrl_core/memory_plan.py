@@ -565,5 +565,6 @@ def check_memory_plan(config: Any, registry: Registry, *, verbose: bool = False)
         engine_dtype_bytes=engine_bytes,
     )
     if not plan.fits:
-        raise ConfigError(plan.refusal(f"policy.{policy.selected} on {layout.world} GPUs"))
+        gpus = f"{layout.world} GPU" + ("s" if layout.world > 1 else "")
+        raise ConfigError(plan.refusal(f"policy.{policy.selected} on {gpus}"))
     return plan.warning() if plan.tight else plan.summary()
