@@ -4,7 +4,6 @@ folder (4 experts, top-2); on ``cuda`` the path CPU cannot build."""
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,10 @@ from .common import (
     have_megatron,
     load_safetensors,
     peak_memory_gb,
-    reset_peak_memory,
-    synchronize,
     torch_dtype,
 )
 from .megatron import check_megatron_path
-from .policy import run_config, train_batch
+from .policy import run_config, timed_training, train_batch
 
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 """The tiny Qwen3-MoE of the ``megatron_moe`` stage (as plugins/nrl-megatron/tests/test_moe.py)."""
@@ -203,19 +200,7 @@ def stage_megatron_moe(ctx: StageContext) -> dict[str, Any]:
         # Training steps with the router statistics of each.
         loss = NLLLoss()
         tokens = int(batch["lengths"].sum())
-        reset_peak_memory(ctx)
-        first = policy.train(batch, loss)
-        synchronize(ctx)
-        started = time.perf_counter()
-        for _ in range(p.train_steps):
-            last = policy.train(batch, loss)
-        synchronize(ctx)
-        train_s = time.perf_counter() - started
-        check(
-            math.isfinite(first["loss"]) and last["loss"] < first["loss"],
-            f"loss did not go down on the batch it trains on: {first['loss']} -> {last['loss']}",
-        )
-        check(math.isfinite(last["grad_norm"]) and last["grad_norm"] > 0, f"grad_norm {last}")
+        first, last, train_s = timed_training(ctx, policy, batch, loss)
         moe = {}
         for key in METRIC_REDUCTIONS:
             check(key in last, f"the step reports no {key} (keys: {sorted(last)})")

@@ -62,11 +62,34 @@ def train_batch(ctx: StageContext, vocab_size: int):
     )
 
 
+def timed_training(ctx: StageContext, policy, batch, loss) -> tuple[dict, dict, float]:
+    """A warm-up step, then the profile's ``train_steps`` timed steps on ``batch`` (peak memory
+    counted from the warm-up on); checks that the warm-up loss is finite, that the last grad
+    norm is finite and positive, and that the loss went down on the batch it trains on.
+    Returns the warm-up's and the last step's metrics and the timed steps' seconds."""
+    import math
+
+    reset_peak_memory(ctx)
+    first = policy.train(batch, loss)
+    check(math.isfinite(first["loss"]), f"warm-up loss is {first['loss']}")
+    synchronize(ctx)
+    started = time.perf_counter()
+    for _ in range(ctx.profile.train_steps):
+        last = policy.train(batch, loss)
+    synchronize(ctx)
+    train_s = time.perf_counter() - started
+    check(math.isfinite(last["grad_norm"]) and last["grad_norm"] > 0, f"grad_norm {last}")
+    check(
+        last["loss"] < first["loss"],
+        f"loss did not go down on the batch it trains on: {first['loss']} -> {last['loss']}",
+    )
+    return first, last, train_s
+
+
 def measure_policy(ctx: StageContext, worker, policy, vocab_size: int) -> dict[str, Any]:
     """Warm-up step, timed steps and a timed logprob pass over one batch; checks that the
     loss is finite and goes down on the batch it trains on, and that logprobs are sane. Then
     the colocated-engine hand-over (:func:`offload_round_trip`)."""
-    import math
 
     import torch
 
@@ -76,20 +99,7 @@ def measure_policy(ctx: StageContext, worker, policy, vocab_size: int) -> dict[s
     batch = train_batch(ctx, vocab_size)
     tokens = int(batch["lengths"].sum())
     loss = NLLLoss()
-    reset_peak_memory(ctx)
-    first = policy.train(batch, loss)
-    check(math.isfinite(first["loss"]), f"warm-up loss is {first['loss']}")
-    synchronize(ctx)
-    started = time.perf_counter()
-    for _ in range(p.train_steps):
-        last = policy.train(batch, loss)
-    synchronize(ctx)
-    train_s = time.perf_counter() - started
-    check(math.isfinite(last["grad_norm"]) and last["grad_norm"] > 0, f"grad_norm {last}")
-    check(
-        last["loss"] < first["loss"],
-        f"loss did not go down on the batch it trains on: {first['loss']} -> {last['loss']}",
-    )
+    first, last, train_s = timed_training(ctx, policy, batch, loss)
     policy.get_logprobs(batch)  # warm-up of the no-grad path
     synchronize(ctx)
     started = time.perf_counter()
