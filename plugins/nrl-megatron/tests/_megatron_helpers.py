@@ -84,6 +84,21 @@ class ForwardProbe:
         return len(calls), len(stats.routers), stats.metrics()
 
 
+def assert_every_rank_streams_the_checkpoint(group, path) -> None:
+    """On every rank of ``group``, the streamed export (``state_dict_buckets``: shards gathered,
+    converted back to Hugging Face names) is bit-identical to ``path``'s ``model.safetensors``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    checkpoint = load_file(str(Path(path) / "model.safetensors"))
+    for buckets in group.run_all("state_dict_buckets", 1 << 16):
+        exported = {k: v for bucket in buckets for k, v in bucket.items()}
+        assert exported.keys() == checkpoint.keys()
+        for name, tensor in checkpoint.items():
+            assert torch.equal(exported[name], tensor), name
+
+
 def greedy_hf(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations under the Hugging Face model (full forward each step, no stops)."""
     from transformers import AutoModelForCausalLM

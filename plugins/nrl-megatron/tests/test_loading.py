@@ -4,11 +4,7 @@ both tensor-parallel ranks still hold exactly the checkpoint's weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-from _megatron_helpers import requires_megatron
-from safetensors.torch import load_file
+from _megatron_helpers import assert_every_rank_streams_the_checkpoint, requires_megatron
 
 from nrl_core.config.schema import GRPOConfig, PolicyConfig
 from nrl_core.interfaces import ComponentContext
@@ -29,9 +25,4 @@ def test_one_rank_reads_the_checkpoint_and_both_tp_ranks_hold_it(tiny_path, pool
     # Rank 0 opens the checkpoint; rank 1 never does (policy, then the frozen reference).
     assert [n > 0 for n in group.run_all("reads")] == [True, False]
     assert [n > 0 for n in group.run_all("build_reference")] == [True, False]
-    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
-    for buckets in group.run_all("state_dict_buckets", 1 << 16):
-        exported = {k: v for bucket in buckets for k, v in bucket.items()}
-        assert exported.keys() == checkpoint.keys()
-        for name, tensor in checkpoint.items():
-            assert torch.equal(exported[name], tensor), name
+    assert_every_rank_streams_the_checkpoint(group, tiny_path)

@@ -8,12 +8,9 @@ norms within 1e-5 relative, logprobs 1e-5 absolute, as in the dtensor tests.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from _megatron_helpers import requires_megatron
-from safetensors.torch import load_file
+from _megatron_helpers import assert_every_rank_streams_the_checkpoint, requires_megatron
 
 from nrl_core.config.schema import GenerationConfig, GRPOConfig, OptimizerConfig, PolicyConfig
 from nrl_core.distributed.worker_group import InProcessGroup
@@ -175,12 +172,7 @@ def test_two_ranks_match_one_rank(tp, tiny_path, pool1, pool2, start_group):
     group = start_group(pool2, WORKER, (megatron_options(tp), context(config)))
     # Before training, the streamed export (TP shards gathered, converted back to HF names)
     # is bit-identical to the checkpoint on every rank.
-    checkpoint = load_file(str(Path(tiny_path) / "model.safetensors"))
-    for buckets in group.run_all("state_dict_buckets", 1 << 16):
-        exported = {k: v for bucket in buckets for k, v in bucket.items()}
-        assert exported.keys() == checkpoint.keys()
-        for name, tensor in checkpoint.items():
-            assert torch.equal(exported[name], tensor), name
+    assert_every_rank_streams_the_checkpoint(group, tiny_path)
 
     got = policy(group, config).train(batch, TokenMeanNLL())
     for key in ("loss", "nll_sum", "tokens", "grad_norm"):
