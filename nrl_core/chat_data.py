@@ -24,7 +24,7 @@ import attrs
 
 from nrl_core.config.schema import ge, option, optional
 from nrl_core.data import Message, Sample
-from nrl_core.datasets import read_jsonl_rows, require_text
+from nrl_core.datasets import SHIPPED_PREFIX, read_jsonl_rows, require_text, shipped_path
 from nrl_core.errors import ConfigError
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
@@ -111,24 +111,21 @@ class PreferenceDataConfig:
 # -- reading rows ------------------------------------------------------------------------------
 
 
-SHIPPED_PREFIX = "nrl://"
-"""Paths starting with this name files shipped inside the nrl_core package (the demo data)."""
-
-
-def resolve_path(path: str | Path) -> Path:
-    """``nrl://recipes/data/x.jsonl`` is a file shipped with nrl_core; other paths pass through."""
+def resolve_path(path: str | Path, key: str = "") -> Path:
+    """``nrl://recipes/data/x.jsonl`` is a file shipped with nrl_core (confined to that package:
+    see :func:`nrl_core.datasets.shipped_path`); other paths pass through."""
     text = str(path)
     if text.startswith(SHIPPED_PREFIX):
-        from importlib import resources
-
-        return Path(str(resources.files("nrl_core") / text[len(SHIPPED_PREFIX) :]))
+        return shipped_path(text, key=key, error=ChatDataError)
     return Path(path)
 
 
 def read_jsonl(path: str | Path, key: str = "") -> list[dict[str, Any]]:
     """The objects of a JSON Lines file (blank lines skipped); see :func:`resolve_path`.
     Every line must be a JSON object (see :func:`nrl_core.datasets.read_jsonl_rows`)."""
-    return [row for _, row in read_jsonl_rows(resolve_path(path), key=key, error=ChatDataError)]
+    return [
+        row for _, row in read_jsonl_rows(resolve_path(path, key), key=key, error=ChatDataError)
+    ]
 
 
 def _hub_rows(name: str, subset: str | None, split: str, key: str) -> list[dict[str, Any]]:
@@ -172,7 +169,7 @@ def split_rows(options: Any, split: str, seed_key: str) -> list[tuple[str, dict]
             path, key = options.validation_path, f"data.{seed_key}.validation_path"
         else:
             path, key = options.path, f"data.{seed_key}.path"
-        rows = read_jsonl_rows(resolve_path(path), key=key, error=ChatDataError)
+        rows = read_jsonl_rows(resolve_path(path, key), key=key, error=ChatDataError)
     else:
         raise ChatDataError(
             f"the {seed_key} dataset needs data: set data.{seed_key}.path to a JSONL file "

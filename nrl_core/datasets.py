@@ -42,6 +42,62 @@ def dataset_file(name: str) -> tuple[str, str] | None:
 # -- JSONL files ---------------------------------------------------------------------------------
 
 
+SHIPPED_PREFIX = "nrl://"
+"""Paths starting with this name files shipped inside the nrl_core package (the demo data,
+``nrl://recipes/data/chat_train.jsonl``); nothing outside that package folder."""
+
+
+def shipped_path(text: str, *, key: str = "", error: type[ConfigError] = ConfigError) -> Path:
+    """The file that ``nrl://REL`` names inside the installed nrl_core package.
+
+    ``REL`` is confined to the package folder: an absolute ``REL``, a ``..`` component, or a
+    path that leaves the folder once resolved (a symbolic link) is ``error`` (a
+    :class:`~nrl_core.errors.ConfigError`, exit 2), naming ``key`` when given. Checked on the
+    name alone: nothing is opened.
+    """
+    from importlib import resources
+
+    rel = text[len(SHIPPED_PREFIX) :]
+    named = f"{key}={text}" if key else text
+    root = Path(str(resources.files("nrl_core"))).resolve()
+    parts = rel.replace("\\", "/").split("/")
+    if not rel or rel.startswith(("/", "\\")) or ".." in parts or Path(rel).is_absolute():
+        raise error(_outside_message(named))
+    resolved = (root / rel).resolve()
+    if not resolved.is_relative_to(root):
+        raise error(_outside_message(named))
+    return resolved
+
+
+def _outside_message(named: str) -> str:
+    return (
+        f"{named}: an {SHIPPED_PREFIX} path names a file shipped inside nrl_core (e.g. "
+        f"{SHIPPED_PREFIX}recipes/data/chat_train.jsonl), without '..' or a leading '/'; "
+        "give a plain path for your own files"
+    )
+
+
+def not_a_regular_file(path: str | Path) -> str | None:
+    """What ``path`` is when it is not a regular file ("a folder", "a FIFO (named pipe)", "a
+    character device"...), or None for a regular file (symbolic links followed). Uses
+    ``os.stat`` only, so a FIFO is never opened (opening one blocks until a writer comes).
+    Raises ``OSError`` (``FileNotFoundError``...) when ``path`` cannot be looked up."""
+    import os
+    import stat
+
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((kind for test, kind in kinds if test(mode)), "not a file")
+
+
 def read_jsonl_rows(
     path: str | Path, *, key: str = "", error: type[ConfigError] = ConfigError
 ) -> list[tuple[str, dict[str, Any]]]:
@@ -56,11 +112,15 @@ def read_jsonl_rows(
     """
     path = Path(path)
     named = f" ({key})" if key else ""
-    if path.is_dir():
+    try:
+        kind = not_a_regular_file(path)
+    except OSError:
+        kind = None  # missing or unreadable: said by the read below
+    if kind == "a folder":
         raise error(f"data file {path}{named} is a folder; name a .jsonl file")
-    if path.exists() and not path.is_file():
+    if kind is not None:
         # A FIFO would block the read for ever, a device (/dev/zero) fill memory.
-        raise error(f"data file {path}{named} is not a regular file; name a .jsonl file")
+        raise error(f"data file {path}{named} is {kind}, not a regular file; name a .jsonl file")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -59,7 +59,6 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "vocab.txt",
 )
-_SHIPPED_PREFIX = "nrl://"  # nrl_core.chat_data.SHIPPED_PREFIX, without importing torch
 
 
 def check_components(config: Any, registry: Registry) -> None:
@@ -71,6 +70,10 @@ def check_components(config: Any, registry: Registry) -> None:
         name = section.selected
         if section.component_kind == "dataset" and name.endswith(".jsonl"):
             continue  # a file, read by the registered `jsonl` dataset
+        if section.component_kind == "dataset" and (section.component_kind, name) not in registry:
+            # Not a dataset name but perhaps a path: a FIFO or a device is said as such (not
+            # as an unknown dataset).
+            _refuse_special_file(f"{field.name}.{section.selector}", name, Path(name).expanduser())
         if section.component_kind == "environment" and name == NO_ENVIRONMENT:
             if not hasattr(config, "teacher"):
                 raise ConfigError(
@@ -426,12 +429,25 @@ def _interpreter_has(python: str, module: str) -> bool:
 # -- files and folders -----------------------------------------------------------------------
 
 
-def _resolve(path: str) -> Path:
-    if path.startswith(_SHIPPED_PREFIX):
-        from importlib import resources
+def _resolve(path: str, key: str) -> Path:
+    from nrl_core.datasets import SHIPPED_PREFIX, shipped_path  # light: no torch
 
-        return Path(str(resources.files("nrl_core") / path[len(_SHIPPED_PREFIX) :]))
+    if path.startswith(SHIPPED_PREFIX):
+        return shipped_path(path, key=key)
     return Path(path).expanduser()
+
+
+def _refuse_special_file(key: str, value: str, path: Path) -> None:
+    """Refuse ``path`` when it exists and is a FIFO, a device or a socket (``os.stat`` only:
+    opening a FIFO would block). Missing paths and folders pass: the caller says those."""
+    from nrl_core.datasets import not_a_regular_file
+
+    try:
+        kind = not_a_regular_file(path)
+    except OSError:
+        return
+    if kind is not None and kind != "a folder":
+        raise ConfigError(f"{key}={value} is {kind}, not a regular file; name a .jsonl data file")
 
 
 def _named_files(config: Any) -> list[tuple[str, str]]:
@@ -479,9 +495,11 @@ def check_named_files(config: Any) -> None:
     """The data files (and other inputs) the config names exist. Their contents are checked
     line by line when the data is loaded, still before any worker starts."""
     for key, value in _named_files(config):
-        path = _resolve(value)
+        path = _resolve(value, key)
         if not path.exists():
             raise ConfigError(f"{key}={value} does not exist; check the path")
+        # Before any size check: a FIFO or /dev/zero has size 0 but is not "empty".
+        _refuse_special_file(key, value, path)
         if path.suffix == ".jsonl":
             if path.is_dir():
                 raise ConfigError(f"{key}={value} is a folder; name a .jsonl file")

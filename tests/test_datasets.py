@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,41 @@ def test_read_jsonl_rows_names_each_row_by_file_and_line(tmp_path):
         read_jsonl_rows(tmp_path)
     with pytest.raises(ConfigError, match=r"does not exist"):
         read_jsonl_rows(tmp_path / "nope.jsonl")
+
+
+def test_a_fifo_or_a_device_is_named_for_what_it_is_without_being_opened(tmp_path):
+    """Issue 47: a FIFO or /dev/zero as a data file was "not a regular file" at load time
+    (and "empty" at preflight); now the line says what it is, found by ``os.stat`` alone (no
+    writer ever opens this FIFO: an ``open`` would block the test for ever)."""
+    import os
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(
+        ConfigError,
+        match=r"rows\.jsonl \(data\.x\.path\) is a FIFO \(named pipe\), not a regular file",
+    ):
+        read_jsonl_rows(fifo, key="data.x.path")
+    with pytest.raises(ConfigError, match=r"/dev/zero is a character device, not a regular file"):
+        read_jsonl_rows("/dev/zero")
+
+
+def test_nrl_paths_name_only_files_shipped_inside_nrl_core():
+    """Issue 47: ``nrl://`` took ``..`` and absolute paths (``nrl:///etc/passwd``) to any file
+    on the machine. Now only names inside the package resolve."""
+    from importlib import resources
+
+    from nrl_core.datasets import shipped_path
+
+    root = Path(str(resources.files("nrl_core"))).resolve()
+    good = shipped_path("nrl://recipes/data/chat_train.jsonl")
+    assert good == root / "recipes" / "data" / "chat_train.jsonl" and good.is_file()
+    escapes = ["nrl://../pyproject.toml", "nrl://recipes/../../etc/passwd", "nrl:///etc/passwd",
+               "nrl://" + "../" * 12 + "etc/passwd", "nrl://"]  # fmt: skip
+    for text in escapes:
+        with pytest.raises(ConfigError, match=r"data\.chat\.path=nrl://.*names a file shipped inside nrl_core") as error:  # fmt: skip
+            shipped_path(text, key="data.chat.path")
+        assert "\n" not in str(error.value)
 
 
 def test_require_text_refuses_numbers_and_names_the_fields():
