@@ -1,7 +1,8 @@
 """Write-temp-then-rename: a reader sees the old file (or folder) or the new one, never half.
 
 Everything nrl replaces on disk goes through here: a checkpoint's ``step_N`` folder, the run's
-``config.yaml``, ``nrl convert``'s output folder and the GRPO reference snapshot.
+``config.yaml``, ``nrl convert``'s output files (:func:`fill_dir`: only its own names) and the
+GRPO reference snapshot.
 """
 
 from __future__ import annotations
@@ -74,3 +75,62 @@ def new_dir(final: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class EntryConflict(OSError):
+    """:func:`fill_dir` would replace a folder with a file (or a file with a folder) that the
+    writer did not make: nothing was moved."""
+
+
+@contextlib.contextmanager
+def fill_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder next to ``final`` to fill; on success its entries are moved into
+    ``final``, replacing only the entries of the same name: nothing else in ``final`` is
+    removed or changed (the user's own files and folders beside a model export survive).
+
+    ``final`` missing or an empty folder: the filled folder is renamed to it (all or
+    nothing). Otherwise entries are moved one by one with ``os.replace`` (each file whole,
+    the set of files not atomically); a subfolder of the same name on both sides is filled
+    the same way, and an entry that would replace a folder with a file, a file with a folder,
+    or write through a symbolic link, is :class:`EntryConflict`, raised before anything is
+    moved. On any error the temporary folder is removed.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            tmp.rename(final)  # final missing, or an empty folder (rename replaces it)
+        except OSError:
+            if not final.is_dir():  # a file in the way (a link to a folder is filled)
+                raise
+            _check_merge(tmp, final)
+            _merge(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_merge(src: Path, dest: Path) -> None:
+    for entry in src.iterdir():
+        there = dest / entry.name
+        if not there.exists() and not there.is_symlink():
+            continue
+        if entry.is_dir():
+            if there.is_symlink() or not there.is_dir():
+                raise EntryConflict(
+                    f"{there} is not a folder, and a folder of that name was written"
+                )
+            _check_merge(entry, there)
+        elif there.is_dir() and not there.is_symlink():
+            raise EntryConflict(f"{there} is a folder, and a file of that name was written")
+
+
+def _merge(src: Path, dest: Path) -> None:
+    for entry in src.iterdir():
+        there = dest / entry.name
+        if entry.is_dir() and there.is_dir() and not there.is_symlink():
+            _merge(entry, there)
+        else:
+            os.replace(entry, there)  # a symbolic link there is replaced, never written through

@@ -23,6 +23,8 @@ Imports stay lazy: ``nrl --help`` must not import torch, ray or transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N folder")
     parser.add_argument("--to", choices=FORMATS, default="hf", help="output format (hf)")
     parser.add_argument("out", metavar="OUT_DIR", help="where to write the model folder")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an OUT_DIR that already holds files (or is a symbolic link to a "
+        "folder): convert's own files replace those of the same name; nothing else there is "
+        "removed",
+    )
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -72,6 +81,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         config_file=args.config,
         num_workers=args.num_workers,
         quiet=bool(getattr(args, "quiet", False)),
+        overwrite=args.overwrite,
     )
     if not getattr(args, "quiet", False):
         print(f"wrote {out}")
@@ -86,14 +96,22 @@ def convert(
     config_file: str | None = None,
     num_workers: int | None = None,
     quiet: bool = True,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the policy of ``checkpoint`` as a Hugging Face folder ``out``; return ``out``."""
+    """Write the policy of ``checkpoint`` as a Hugging Face folder ``out``; return ``out``.
+
+    ``out`` must be new or an empty folder; with ``overwrite`` it may also be a folder that
+    holds files, or a symbolic link to a folder: the export's files then replace those of
+    the same names and nothing else in it is removed (:func:`nrl_core.atomic.fill_dir`).
+    Anything else is a :class:`~nrl_core.errors.ConfigError`, raised before the checkpoint
+    is read.
+    """
+    _check_out_dir(Path(out), overwrite)
     import tempfile
 
     import attrs
     from rich.console import Console
 
-    from nrl_core import atomic
     from nrl_core.checkpoint import (
         POLICY_CHECKPOINT,
         detect_format,
@@ -139,13 +157,75 @@ def convert(
         try:
             session.start_policy_only()
             session.policy.load_checkpoint(str(step.resolve() / POLICY_CHECKPOINT))
-            # Exported next to OUT and renamed into place: OUT is never half-written.
-            with atomic.new_dir(out) as tmp:
+            # Exported next to OUT and moved in: OUT never holds a half-written export.
+            with _filled(out) as tmp:
                 session.policy.export_hf(str(tmp))
                 refuse_nonfinite_export(tmp, step)
         finally:
             session.close()
     return out
+
+
+@contextlib.contextmanager
+def _filled(out: Path) -> Iterator[Path]:
+    """:func:`nrl_core.atomic.fill_dir`, with a name clash against the user's own entries
+    (possible with ``--overwrite`` only) said in one line."""
+    from nrl_core import atomic
+    from nrl_core.errors import ConfigError
+
+    try:
+        with atomic.fill_dir(out) as tmp:
+            yield tmp
+    except atomic.EntryConflict as exc:
+        raise ConfigError(
+            f"nothing written to OUT_DIR {out}: {exc}; move it aside or choose another OUT_DIR"
+        ) from None
+
+
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an ``out`` that convert would have to write over (the user's files): a file, a
+    folder that holds anything, or a symbolic link, unless ``overwrite`` (then only a link to
+    something other than a folder, a file, or the file system root is refused). Checked with
+    ``lstat``: a link is never followed into its target to decide."""
+    import os
+
+    from nrl_core.errors import ConfigError
+
+    if out.is_symlink():
+        target = os.readlink(out)
+        if not overwrite:
+            raise ConfigError(
+                f"OUT_DIR {out} is a symbolic link (to {target}); name a new or empty folder, "
+                "or pass --overwrite to write into the folder it points to (only convert's own "
+                "files are replaced)"
+            )
+        if not out.is_dir():
+            raise ConfigError(
+                f"OUT_DIR {out} is a symbolic link to {target}, which is not a folder; name a "
+                "new or empty folder"
+            )
+        return
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"OUT_DIR {out} is a file; name a new or empty folder")
+    resolved = out.resolve()
+    if resolved.parent == resolved:
+        raise ConfigError(f"OUT_DIR {out} is the file system root; name a new or empty folder")
+    try:
+        with os.scandir(out) as entries:
+            names = sorted(entry.name for entry in entries)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot list OUT_DIR {out} ({exc.strerror or exc}); name a new or empty folder"
+        ) from None
+    if names and not overwrite:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"OUT_DIR {out} is not empty (it holds {shown}); name a new or empty folder, or "
+            "pass --overwrite to replace only the files convert writes (nothing else there is "
+            "removed)"
+        )
 
 
 def _check_writable(out: Path) -> None:
@@ -215,7 +295,6 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
     ``export_hf``: the calls the Ray path makes, through the same policy facade."""
     import warnings
 
-    from nrl_core import atomic
     from nrl_core.checkpoint import refuse_nonfinite_export
     from nrl_core.distributed.worker_group import InProcessGroup
     from nrl_core.interfaces import ComponentContext
@@ -230,7 +309,7 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
             # DCP says it assumes a single-process load: that is the intent here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             policy.load_checkpoint(str(checkpoint.resolve()))
-        with atomic.new_dir(out) as tmp:
+        with _filled(out) as tmp:
             policy.export_hf(str(tmp))
             refuse_nonfinite_export(tmp, checkpoint.parent)
     finally:

@@ -200,6 +200,10 @@ def d(tmp_path_factory):
     _write(d / "huge_line.jsonl", _jsonl([{"problem": "1+" * 2_500_000, "answer": "2"}]))
     _write(d / "answer_5000_digits.jsonl", '{"problem": "1+1", "answer": ' + "9" * 5000 + "}\n")
     _write(d / "deep.yaml", "grpo: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    # Issue 47, h-convert: OUT_DIRs that `nrl convert` must not write over.
+    _write(d / "convert_out_full" / "mine.txt", "mine\n")
+    (d / "convert_out_link").symlink_to(d / "outside")
+    (d / "convert_out_link_to_file").symlink_to(d / "afile")
     return d
 
 
@@ -437,6 +441,19 @@ CASES = [
     ("plot_binary_line", ["plot", "{d}/plot_binary"], "{d}/plot_binary/metrics.jsonl:2: not UTF-8", {}),
     ("plot_empty", ["plot", "{d}/plot_empty"], "{d}/plot_empty/metrics.jsonl holds no metrics", {}),
     ("plot_no_steps", ["plot", "{d}/plot_no_steps"], "{d}/plot_no_steps/metrics.jsonl holds no metrics", {}),
+    # issue 47, h-convert
+    ("convert_out_not_empty", ["convert", "{d}/no-ckpt", "{d}/convert_out_full"], "OUT_DIR {d}/convert_out_full is not empty (it holds mine.txt); name a new or empty folder, or pass --overwrite", {}),
+    ("convert_out_symlink", ["convert", "{d}/no-ckpt", "{d}/convert_out_link"], "OUT_DIR {d}/convert_out_link is a symbolic link (to {d}/outside)", {}),
+    ("convert_out_is_file", ["convert", "{d}/no-ckpt", "{d}/afile"], "OUT_DIR {d}/afile is a file; name a new or empty folder", {}),
+    ("convert_out_link_to_file", ["convert", "{d}/no-ckpt", "{d}/convert_out_link_to_file", "--overwrite"], "OUT_DIR {d}/convert_out_link_to_file is a symbolic link to {d}/afile, which is not a folder", {}),
+    ("nrl_path_dotdot", run("sft", "data.chat.path=nrl://" + "../" * 12 + "etc/passwd"), "data.chat.path=nrl://../../", {}),
+    ("nrl_path_dotdot_inside", run("sft", "data.chat.path=nrl://recipes/../recipes/data/chat_train.jsonl"), "an nrl:// path names a file shipped inside nrl_core", {}),
+    ("nrl_path_absolute", run("rm", "data.preference.path=nrl:///etc/passwd"), "data.preference.path=nrl:///etc/passwd: an nrl:// path names a file shipped inside nrl_core", {}),
+    ("data_fifo_named", run("grpo", "data.dataset={d}/fifo.jsonl"), "data.dataset={d}/fifo.jsonl is a FIFO (named pipe), not a regular file", {}),
+    ("data_dev_zero_named", run("grpo", "data.dataset=/dev/zero"), "data.dataset=/dev/zero is a character device, not a regular file", {}),
+    ("data_val_dev_zero", run("grpo", "data.val_dataset=/dev/zero"), "data.val_dataset=/dev/zero is a character device, not a regular file", {}),
+    ("chat_path_fifo", run("sft", "data.chat.path={d}/fifo.jsonl"), "data.chat.path={d}/fifo.jsonl is a FIFO (named pipe), not a regular file", {}),
+    ("prompts_path_dev_zero", run("grpo", "data.dataset=prompts", "data.prompts.path=/dev/zero"), "data.prompts.path=/dev/zero is a character device, not a regular file", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

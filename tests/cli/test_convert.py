@@ -254,3 +254,168 @@ def test_a_pickle_planted_in_the_rank_state_is_one_line_exit_2(tmp_path, capsys)
     assert rc == 2, err[-3000:]
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]
     assert str(extra) in err and "io.open" in err, err
+
+
+# -- OUT_DIR: never the user's files (issue 47) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_step(tmp_path_factory) -> Path:
+    """A real dtensor checkpoint of the tiny model (the sft recipe), converted in-process."""
+    from nrl_dtensor.worker import DTensorPolicyWorker
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, CheckpointManager
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+
+    def write(folder: Path) -> None:
+        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
+
+    return CheckpointManager(tmp_path_factory.mktemp("ckpt") / "ckpt").save(2, write, {})
+
+
+def _snapshot(root: Path) -> dict[str, object]:
+    """Every entry under ``root`` (links not followed): a file's bytes, a link's target, or
+    "dir"."""
+    found: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            found[rel] = ("link", os.readlink(path))
+        elif path.is_dir():
+            found[rel] = "dir"
+        else:
+            found[rel] = path.read_bytes()
+    return found
+
+
+def _user_folder(folder: Path) -> Path:
+    """A folder of the user's own: a file, a stale config.json, a subfolder with a file."""
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / "config.json").write_text('{"stale": true}\n')
+    (folder / "sub" / "keep.bin").write_bytes(os.urandom(64))
+    return folder
+
+
+def _convert(capsys, *argv: str) -> tuple[int, str]:
+    from nrl_core.cli import main
+
+    capsys.readouterr()
+    rc = main(["convert", *argv])
+    return rc, capsys.readouterr().err
+
+
+def _assert_one_error_line(rc: int, err: str, text: str) -> None:
+    assert rc == 2, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], err[-3000:]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_into_a_non_empty_folder_changes_nothing_and_exits_2(sft_step, tmp_path, capsys):
+    """Issue 47: `nrl convert STEP OUT` replaced a non-empty OUT whole (its other files and
+    subfolders gone) and exited 0. Now: one line, exit 2, every file there byte-identical."""
+    out = _user_folder(tmp_path / "out")
+    before = _snapshot(tmp_path)
+    rc, err = _convert(capsys, str(sft_step), str(out))
+    _assert_one_error_line(rc, err, f"OUT_DIR {out} is not empty (it holds config.json, notes")
+    assert "--overwrite" in err
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_into_the_working_folder_is_refused(sft_step, tmp_path, capsys, monkeypatch):
+    """Issue 47: `nrl convert STEP .` would have wiped the working folder."""
+    cwd = _user_folder(tmp_path / "cwd")
+    monkeypatch.chdir(cwd)
+    before = _snapshot(tmp_path)
+    rc, err = _convert(capsys, str(sft_step), ".")
+    _assert_one_error_line(rc, err, "OUT_DIR . is not empty")
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("target_holds_files", [True, False])
+def test_convert_through_a_symbolic_link_leaves_its_target_untouched(
+    sft_step, tmp_path, capsys, target_holds_files
+):
+    """Issue 47: OUT_DIR a link to a folder elsewhere (full or empty): refused, the link and
+    everything it points to left as they were."""
+    outside = tmp_path / "outside"
+    if target_holds_files:
+        _user_folder(outside)
+    else:
+        outside.mkdir()
+    (tmp_path / "work").mkdir()
+    link = tmp_path / "work" / "hf"
+    link.symlink_to(outside)
+    before = _snapshot(tmp_path)
+    rc, err = _convert(capsys, str(sft_step), str(link))
+    _assert_one_error_line(rc, err, f"OUT_DIR {link} is a symbolic link (to {outside})")
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_overwrite_replaces_only_converts_own_files(sft_step, tmp_path, capsys):
+    """Issue 47: with --overwrite the export's files replace those of the same name (the stale
+    config.json); the user's other file and subfolder survive byte-identical, and no
+    temporary folder is left beside OUT_DIR."""
+    out = _user_folder(tmp_path / "out")
+    before = _snapshot(out)
+    rc, err = _convert(capsys, str(sft_step), str(out), "--overwrite")
+    assert rc == 0, err[-3000:]
+    after = _snapshot(out)
+    for name in ("notes.txt", "sub", "sub/keep.bin"):
+        assert after[name] == before[name], name
+    assert (out / "model.safetensors").is_file()
+    assert '"stale"' not in (out / "config.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_overwrite_through_a_link_fills_its_folder_and_keeps_the_link(sft_step, tmp_path, capsys):
+    outside = _user_folder(tmp_path / "outside")
+    link = tmp_path / "hf"
+    link.symlink_to(outside)
+    keep = outside / "sub" / "keep.bin"
+    kept = keep.read_bytes()
+    rc, err = _convert(capsys, str(sft_step), str(link), "--overwrite")
+    assert rc == 0, err[-3000:]
+    assert link.is_symlink() and os.readlink(link) == str(outside)
+    assert (outside / "model.safetensors").is_file() and (outside / "notes.txt").is_file()
+    assert keep.read_bytes() == kept
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_empty_existing_folder_is_written(sft_step, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = _convert(capsys, str(sft_step), str(out))
+    assert rc == 0, err[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_overwrite_never_replaces_a_folder_of_the_users_with_a_file(sft_step, tmp_path, capsys):
+    """With --overwrite, a folder of the user's named like a file of the export
+    (`config.json/`) is said in one `error:` line (exit 2) and nothing in OUT_DIR is changed."""
+    out = tmp_path / "out"
+    (out / "config.json").mkdir(parents=True)
+    (out / "config.json" / "theirs.txt").write_text("theirs\n")
+    before = _snapshot(tmp_path)
+    rc, err = _convert(capsys, str(sft_step), str(out), "--overwrite")
+    # Found only once the export is written: after the loading's own progress lines.
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0], err[-3000:]
+    assert f"nothing written to OUT_DIR {out}: {out / 'config.json'} is a folder" in errors[0]
+    assert _snapshot(tmp_path) == before
