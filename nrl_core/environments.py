@@ -93,6 +93,11 @@ class EnvironmentActor(ComponentActor):
     def _checked_step(self, conversations, metadata) -> list[EnvStep]:
         return self.checked(self.env.step(conversations, metadata), "step", len(conversations))
 
+    def shutdown(self) -> None:
+        """At the group's shutdown: close the environment (its ``close``, when it has one: the
+        ``reward_fn`` environment's process, a verifier pool)."""
+        self.close()
+
     def defines_correctness(self) -> bool:
         """The hosted environment's ``defines_correctness`` (see
         :class:`~nrl_core.interfaces.Environment`; False when it does not say)."""

@@ -17,10 +17,16 @@ for a sample, or returns NaN or infinity, gives that sample reward 0 and is coun
 ``train/env_errors`` (like any environment); one that returns anything else (``None``, a
 string) fails the run in one line naming the file and function, since no sample can be scored.
 
-The function runs in the environment actors (single turn; ``env.step_timeout_s`` bounds each
-batch), imported there from its file: the file is the user's own code, named on their command
-line. The driver only reads it (:meth:`RewardFnConfig.preflight`): a missing file, a syntax
-error or a missing function is a ``ConfigError`` (exit 2) before Ray starts.
+The function runs in a process of its own that each environment worker starts once and keeps
+(:mod:`nrl_core.reward_fn_process`; single turn, ``env.step_timeout_s`` bounds each batch),
+imported there from its file: the file is the user's own code, named on their command line, and
+code may end its process. A function that calls ``sys.exit`` (any code, 0 too) or whose process
+ends (``os._exit``, a crash, a kill) fails the run in one line naming the function and the exit
+code or signal (exit code 1), never the ``nrl`` process itself. What it prints goes where the
+environment's output goes (the run log ``nrl.log``, capped per line and per step; the console
+with ``nrl run -v``). The driver only reads the file (:meth:`RewardFnConfig.preflight`): a
+missing file, a syntax error or a missing function is a ``ConfigError`` (exit 2) before Ray
+starts.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +44,19 @@ import attrs
 from nrl_core.config.schema import Valid, option
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import EnvStep
+from nrl_core.reward_fn_process import RewardFunctionExit, RewardFunctionProcess
+
+__all__ = [
+    "NAME",
+    "RewardFnConfig",
+    "RewardFunctionEnvironment",
+    "RewardFunctionError",
+    "RewardFunctionExit",
+    "accepted_fields",
+    "load_reward_function",
+    "prompt_text",
+    "split_reference",
+]
 
 NAME = "reward_fn"
 """The environment's registered name (``env.name: reward_fn``; options under ``env.reward_fn``)."""
@@ -142,7 +160,7 @@ def load_reward_function(reference: str) -> Callable[..., Any]:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() at import: the file is broken too
         del sys.modules[name]
         raise ConfigError(
             f"env.reward_fn.path={reference}: importing {file.name} failed: "
@@ -166,7 +184,9 @@ def prompt_text(conversation: Sequence[dict]) -> str:
 
 class RewardFunctionEnvironment:
     """Scores each response with the function :attr:`RewardFnConfig.path` names; single turn.
-    Registered as ``reward_fn`` (see the module docstring for the function's contract)."""
+    Registered as ``reward_fn`` (see the module docstring for the function's contract). The
+    function runs in a child process this environment starts (:class:`RewardFunctionProcess`)
+    and stops with :meth:`close`."""
 
     def __init__(self, options: RewardFnConfig | None = None, context: Any = None) -> None:
         options = options or RewardFnConfig()
@@ -177,37 +197,43 @@ class RewardFunctionEnvironment:
             )
         self.reference = options.path
         self.defines_correctness = options.correctness
-        self.fn = load_reward_function(options.path)
-        self.name = f"{split_reference(options.path)[0].name}:{self.fn.__name__}"
-        self.fields = _accepted_fields(self.fn, options.path)
+        self.process = RewardFunctionProcess(options.path)
+        self.name = self.process.name
+        self.fields = self.process.fields
         self.context = context
 
     def step(
         self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
     ) -> list[EnvStep]:
-        steps = []
+        items = []
         for conversation, meta in zip(conversations, metadata, strict=True):
             completion = str(conversation[-1].get("content") or "")
             row = meta if self.fields is None else {k: meta[k] for k in self.fields if k in meta}
-            reward = self.fn(prompt_text(conversation), completion, **row)
-            steps.append(EnvStep(reward=self._checked(reward), terminated=True))
+            items.append((prompt_text(conversation), completion, dict(row)))
+        if not items:
+            return []
+        steps = []
+        for outcome in self.process.score(items):
+            if "bad" in outcome:
+                # No sample can be at fault for this: the function is wrong, the run stops.
+                raise RewardFunctionError(
+                    f"reward function {self.name} returned {outcome['bad']}; it must return a "
+                    f"float (env.reward_fn.path={self.reference})"
+                )
+            if "error" in outcome:  # it raised, or returned NaN or infinity: reward 0, counted
+                steps.append(
+                    EnvStep(reward=0.0, terminated=True, failure=f"error: {outcome['error']}")
+                )
+            else:
+                steps.append(EnvStep(reward=outcome["reward"], terminated=True))
         return steps
 
-    def _checked(self, reward: Any) -> float:
-        # bool is an int: True/False are rewards 1/0, as in TRL.
-        if not isinstance(reward, int | float) or isinstance(reward, complex):
-            raise RewardFunctionError(
-                f"reward function {self.name} returned {type(reward).__name__} "
-                f"{_short(reward)}; it must return a float (env.reward_fn.path={self.reference})"
-            )
-        value = float(reward)
-        if not math.isfinite(value):
-            # One sample's fault, not the function's: that sample gets 0 and is counted.
-            raise ValueError(f"reward function {self.name} returned {value}")
-        return value
+    def close(self) -> None:
+        """Stop the function's process."""
+        self.process.close()
 
 
-def _accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
+def accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
     """The row fields ``fn`` takes by name, or ``None`` when it takes ``**row`` (all of them):
     a function written as ``score(prompt, completion, answer)`` gets only ``answer``. A
     function that cannot take a prompt and a completion is a ``ConfigError``."""
@@ -231,8 +257,3 @@ class RewardFunctionError(NrlError):
     (exit code 2: the user fixes their function)."""
 
     exit_code = 2
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
