@@ -205,6 +205,21 @@ class RewardFunctionEnvironment:
     def step(
         self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
     ) -> list[EnvStep]:
+        """One :class:`EnvStep` per sample; a sample whose call raised (or returned NaN or
+        infinity) gets reward 0 and an ``EnvStep.failure`` saying why."""
+        return [
+            r.step if r.error is None else attrs.evolve(r.step, failure=f"error: {r.error}")
+            for r in self.step_results(conversations, metadata)
+        ]
+
+    def step_results(
+        self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
+    ) -> list[Any]:
+        """As :meth:`step`, as :class:`~nrl_core.environments.StepResult`: a raising sample's
+        error in ``StepResult.error``, which the environment actor counts as the step raising
+        for that sample (``train/env_errors``) without calling the function again."""
+        from nrl_core.environments import StepResult
+
         items = []
         for conversation, meta in zip(conversations, metadata, strict=True):
             completion = str(conversation[-1].get("content") or "")
@@ -212,7 +227,7 @@ class RewardFunctionEnvironment:
             items.append((prompt_text(conversation), completion, dict(row)))
         if not items:
             return []
-        steps = []
+        results = []
         for outcome in self.process.score(items):
             if "bad" in outcome:
                 # No sample can be at fault for this: the function is wrong, the run stops.
@@ -221,12 +236,10 @@ class RewardFunctionEnvironment:
                     f"float (env.reward_fn.path={self.reference})"
                 )
             if "error" in outcome:  # it raised, or returned NaN or infinity: reward 0, counted
-                steps.append(
-                    EnvStep(reward=0.0, terminated=True, failure=f"error: {outcome['error']}")
-                )
+                results.append(StepResult(EnvStep(reward=0.0), error=outcome["error"]))
             else:
-                steps.append(EnvStep(reward=outcome["reward"], terminated=True))
-        return steps
+                results.append(StepResult(EnvStep(reward=outcome["reward"])))
+        return results
 
     def close(self) -> None:
         """Stop the function's process."""

@@ -127,7 +127,7 @@ def test_what_the_actor_makes_of_bad_returns_and_raising_samples(tmp_path):
     meta = {"answer": 1, "task": "t"}
     results = actor.step(([_conversation("p", "ok"), _conversation("p", "boom")], [meta, meta]))
     assert [r.reward for r in results] == [1.0, 0.0]
-    assert failure_of(results[0]) is None  # counted, run goes on:
+    assert failure_of(results[0]) is None and results[1].error is not None  # train/env_errors
     assert failure_of(results[1]).startswith("error: KeyError: 'no such thing' (")
     assert failure_of(results[1]).endswith("my_reward.py:4)")  # the line that raised
     [nan] = actor.step(([_conversation("p", "nan")], [meta]))
@@ -302,3 +302,28 @@ def test_the_function_runs_in_one_process_kept_for_every_batch(tmp_path):
     assert pids == {float(env.process.proc.pid)} and env.process.proc.pid != os.getpid()
     env.close()
     assert env.process.proc.poll() is not None
+
+
+def test_a_raising_sample_fails_alone_and_the_function_is_called_once_per_sample(tmp_path):
+    """The batch was retried sample by sample after one raised: every other sample was scored
+    twice (a function with side effects saw them twice)."""
+    calls = tmp_path / "calls.txt"
+    _write(
+        tmp_path,
+        f"""
+        def score(prompt, completion, **row):
+            with open({str(calls)!r}, "a") as file:
+                file.write(completion + "\\n")
+            if completion == "boom":
+                raise ValueError("no")
+            return 1.0
+        """,
+    )
+    actor = EnvironmentActor(TARGET, RewardFnConfig(path=f"{tmp_path}/my_reward.py:score"), None)
+    meta = {"answer": 1, "task": "t"}
+    results = actor.step(([_conversation("p", c) for c in ("a", "boom", "b")], [meta] * 3))
+    assert [r.reward for r in results] == [1.0, 0.0, 1.0]
+    assert [r.error is not None for r in results] == [False, True, False]
+    assert calls.read_text().split() == ["a", "boom", "b"]
+    actor.shutdown()  # the group's shutdown stops the function's process
+    assert actor.env.process.proc.poll() is not None
