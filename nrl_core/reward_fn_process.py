@@ -25,19 +25,19 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-import traceback
 import weakref
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_core.errors import NrlError
+
+if TYPE_CHECKING:
+    import subprocess
+    from multiprocessing.connection import Connection
+
+# subprocess, socket, pickle and multiprocessing are imported where used: the driver imports
+# this module with RewardFnConfig, long before (or without) starting a function's process.
 
 OUTPUT_CHUNK_CHARS = 64 * 1024
 """The child sends what the function printed at the end of each call, or sooner once this
@@ -70,6 +70,10 @@ class RewardFunctionProcess:
     """
 
     def __init__(self, reference: str) -> None:
+        import socket
+        import subprocess
+        from multiprocessing.connection import Connection
+
         from nrl_core.errors import ConfigError
 
         self.reference = reference
@@ -113,6 +117,8 @@ class RewardFunctionProcess:
         Raises:
             RewardFunctionExit: the function called ``sys.exit``, or its process ended.
         """
+        import pickle
+
         what = f"scoring {len(items)} sample{'s' if len(items) != 1 else ''}"
         with self._lock:
             try:
@@ -131,6 +137,8 @@ class RewardFunctionProcess:
     def close(self) -> None:
         """Stop the child (idempotent): it exits when its socket closes; killed if it has not
         within :data:`STOP_WAIT_S` (a function still running)."""
+        import subprocess
+
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
@@ -157,6 +165,9 @@ class RewardFunctionProcess:
 
     def _ended(self, what: str) -> RewardFunctionExit:
         """The error for a child that ended (its socket closed) while ``what``."""
+        import signal
+        import subprocess
+
         try:
             code = self.proc.wait(10)
         except subprocess.TimeoutExpired:  # it closed the socket but lives on: not ours to keep
@@ -223,6 +234,8 @@ class _Forward(io.TextIOBase):
 
 
 def _where(exc: BaseException) -> str:
+    import traceback
+
     frames = traceback.extract_tb(exc.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
@@ -253,6 +266,8 @@ def _outcome(reward: Any, name: str) -> dict[str, Any]:
 def _watch_parent(parent: int) -> None:
     """Exit once the host is gone, also while the function runs (it may never return)."""
 
+    import time
+
     def watch() -> None:
         while True:
             time.sleep(PARENT_POLL_S)
@@ -265,6 +280,10 @@ def _watch_parent(parent: int) -> None:
 def serve(fd: int, parent: int, reference: str) -> None:
     """The child's main loop: import the function, then score each batch the host sends
     (a pickled list of ``(prompt, completion, row)``) until its socket closes."""
+    import pickle
+    import signal
+    from multiprocessing.connection import Connection
+
     # A Ctrl-C in the terminal reaches this process too; the run handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent)
