@@ -206,8 +206,10 @@ class _Forward(io.TextIOBase):
     """The child's ``sys.stdout`` / ``sys.stderr``: what the function prints, sent to the host
     as ``{key: text}`` messages."""
 
-    def __init__(self, conn: Connection, key: str) -> None:
-        self.conn, self.key = conn, key
+    def __init__(self, conn: Connection, key: str, lock: threading.RLock) -> None:
+        # One lock for every message: a thread of the function's may print meanwhile, and two
+        # messages written at once would interleave on the socket.
+        self.conn, self.key, self.lock = conn, key, lock
         self._parts: list[str] = []
         self._size = 0
 
@@ -221,16 +223,19 @@ class _Forward(io.TextIOBase):
     def write(self, text: str) -> int:
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        self._parts.append(text)
-        self._size += len(text)
-        if self._size >= OUTPUT_CHUNK_CHARS:
+        with self.lock:
+            self._parts.append(text)
+            self._size += len(text)
+            full = self._size >= OUTPUT_CHUNK_CHARS
+        if full:
             self.flush()
         return len(text)
 
     def flush(self) -> None:
-        if self._parts:
-            text, self._parts, self._size = "".join(self._parts), [], 0
-            self.conn.send_bytes(json.dumps({self.key: text}).encode())
+        with self.lock:
+            if self._parts:
+                text, self._parts, self._size = "".join(self._parts), [], 0
+                self.conn.send_bytes(json.dumps({self.key: text}).encode())
 
 
 def _where(exc: BaseException) -> str:
@@ -288,13 +293,15 @@ def serve(fd: int, parent: int, reference: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent)
     conn = Connection(fd)
-    out, err = _Forward(conn, "out"), _Forward(conn, "err")
+    lock = threading.RLock()
+    out, err = _Forward(conn, "out", lock), _Forward(conn, "err", lock)
     sys.stdout, sys.stderr = out, err
 
     def send(message: dict[str, Any]) -> None:
-        out.flush()
-        err.flush()
-        conn.send_bytes(json.dumps(message).encode())
+        with lock:
+            out.flush()
+            err.flush()
+            conn.send_bytes(json.dumps(message).encode())
 
     from nrl_core.errors import ConfigError
     from nrl_core.reward_fn import accepted_fields, load_reward_function, split_reference

@@ -327,3 +327,28 @@ def test_a_raising_sample_fails_alone_and_the_function_is_called_once_per_sample
     assert calls.read_text().split() == ["a", "boom", "b"]
     actor.shutdown()  # the group's shutdown stops the function's process
     assert actor.env.process.proc.poll() is not None
+
+
+def test_what_a_thread_of_the_function_prints_meanwhile_keeps_the_answers_intact(tmp_path, capsys):
+    """Its output shares the socket with the answers: a thread printing while the call does
+    must not garble either."""
+    _write(
+        tmp_path,
+        """
+        import threading
+
+        def score(prompt, completion, **row):
+            thread = threading.Thread(target=lambda: [print("t" * 999) for _ in range(300)])
+            thread.start()
+            for _ in range(300):
+                print("m" * 999)
+            thread.join()
+            return 1.0
+        """,
+    )
+    env = RewardFunctionEnvironment(RewardFnConfig(path=f"{tmp_path}/my_reward.py:score"))
+    meta = {"answer": 1, "task": "t"}
+    assert [s.reward for s in env.step([_conversation("p", "x")] * 3, [meta] * 3)] == [1.0] * 3
+    out = capsys.readouterr().out
+    assert out.count("t") == out.count("m") == 3 * 300 * 999
+    env.close()
