@@ -32,11 +32,7 @@ starts.
 from __future__ import annotations
 
 import ast
-import importlib.util
-import inspect
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -44,7 +40,13 @@ import attrs
 from nrl_core.config.schema import Valid, option
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import EnvStep
-from nrl_core.reward_fn_process import RewardFunctionExit, RewardFunctionProcess
+from nrl_core.reward_fn_process import (
+    RewardFunctionExit,
+    RewardFunctionProcess,
+    accepted_fields,
+    load_reward_function,
+    split_reference,
+)
 
 __all__ = [
     "NAME",
@@ -115,13 +117,6 @@ class RewardFnConfig:
             raise ConfigError(f"{where}: {file} defines no function {function!r}{known}")
 
 
-def split_reference(reference: str) -> tuple[Path, str]:
-    """``("my_reward.py", "score")`` of ``"my_reward.py:score"``, the file made absolute
-    (against the current folder: the driver's and, on a local cluster, its actors')."""
-    file, _, function = reference.rpartition(":")
-    return Path(file).expanduser().absolute(), function
-
-
 def _top_level_functions(tree: ast.Module) -> set[str]:
     return {
         node.name
@@ -142,36 +137,6 @@ def _binds_name(tree: ast.Module, name: str) -> bool:
         ):
             return True
     return False
-
-
-def load_reward_function(reference: str) -> Callable[..., Any]:
-    """Import ``FILE.py`` (as a module of its own, its folder first on ``sys.path`` so that it
-    can import its neighbours) and return its ``FUNCTION``; a ``ConfigError`` naming the file
-    when that fails."""
-    file, function = split_reference(reference)
-    name = f"nrl_reward_fn_{file.stem}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"env.reward_fn.path={reference}: {file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    folder = str(file.parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # sys.exit() at import: the file is broken too
-        del sys.modules[name]
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: importing {file.name} failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, function, None)
-    if not callable(fn):
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: {file.name} has no function {function!r}"
-        )
-    return fn
 
 
 def prompt_text(conversation: Sequence[dict]) -> str:
@@ -244,25 +209,6 @@ class RewardFunctionEnvironment:
     def close(self) -> None:
         """Stop the function's process."""
         self.process.close()
-
-
-def accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
-    """The row fields ``fn`` takes by name, or ``None`` when it takes ``**row`` (all of them):
-    a function written as ``score(prompt, completion, answer)`` gets only ``answer``. A
-    function that cannot take a prompt and a completion is a ``ConfigError``."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None  # a builtin or C function: call it with everything
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: {fn.__name__}{inspect.signature(fn)} must take "
-            "(prompt, completion, **row)"
-        )
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return tuple(p.name for p in positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY])
 
 
 class RewardFunctionError(NrlError):

@@ -34,7 +34,9 @@ from nrl_core.errors import NrlError
 
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Callable
     from multiprocessing.connection import Connection
+    from pathlib import Path
 
 # subprocess, socket, pickle and multiprocessing are imported where used: the driver imports
 # this module with RewardFnConfig, long before (or without) starting a function's process.
@@ -65,7 +67,7 @@ class RewardFunctionProcess:
 
     Raises:
         ConfigError: the file does not import, or the function cannot take a prompt and a
-            completion (as :func:`nrl_core.reward_fn.load_reward_function` words it).
+            completion (as :func:`load_reward_function` words it).
         RewardFunctionExit: the child ended while importing the file.
     """
 
@@ -199,6 +201,76 @@ def _kill(proc: subprocess.Popen, conn: Connection) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Loading the function (in the child; also what the driver's checks share)
+
+
+def split_reference(reference: str) -> tuple[Path, str]:
+    """``("my_reward.py", "score")`` of ``"my_reward.py:score"``, the file made absolute
+    (against the current folder: the driver's and, on a local cluster, its actors')."""
+    from pathlib import Path
+
+    file, _, function = reference.rpartition(":")
+    return Path(file).expanduser().absolute(), function
+
+
+def load_reward_function(reference: str) -> Callable[..., Any]:
+    """Import ``FILE.py`` (as a module of its own, its folder first on ``sys.path`` so that it
+    can import its neighbours) and return its ``FUNCTION``; a ``ConfigError`` naming the file
+    when that fails."""
+    import importlib.util
+
+    from nrl_core.errors import ConfigError
+
+    file, function = split_reference(reference)
+    name = f"nrl_reward_fn_{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"env.reward_fn.path={reference}: {file} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(file.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # sys.exit() at import: the file is broken too
+        del sys.modules[name]
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: importing {file.name} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: {file.name} has no function {function!r}"
+        )
+    return fn
+
+
+def accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
+    """The row fields ``fn`` takes by name, or ``None`` when it takes ``**row`` (all of them):
+    a function written as ``score(prompt, completion, answer)`` gets only ``answer``. A
+    function that cannot take a prompt and a completion is a ``ConfigError``."""
+    import inspect
+
+    from nrl_core.errors import ConfigError
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None  # a builtin or C function: call it with everything
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(
+            f"env.reward_fn.path={reference}: {fn.__name__}{inspect.signature(fn)} must take "
+            "(prompt, completion, **row)"
+        )
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY])
+
+
+# ---------------------------------------------------------------------------------------------
 # The child's side
 
 
@@ -304,7 +376,6 @@ def serve(fd: int, parent: int, reference: str) -> None:
             conn.send_bytes(json.dumps(message).encode())
 
     from nrl_core.errors import ConfigError
-    from nrl_core.reward_fn import accepted_fields, load_reward_function, split_reference
 
     try:
         fn = load_reward_function(reference)
