@@ -68,6 +68,20 @@ class EnvironmentActor(ComponentActor):
         conversations, metadata = batch
         if not conversations:
             return []
+        step_results = getattr(self.env, "step_results", None)
+        if callable(step_results):
+            # An environment that says itself which samples raised (the core's reward_fn, whose
+            # function runs in a process of its own): no sample-by-sample retry, which would
+            # call the function again for every sample of the batch.
+            results = list(step_results(conversations, metadata))
+            if len(results) != len(conversations) or not all(
+                isinstance(r, StepResult) for r in results
+            ):
+                raise ValueError(
+                    f"{type(self.env).__name__}.step_results must return one StepResult per "
+                    f"sample ({len(conversations)})"
+                )
+            return results
         try:
             return [StepResult(s) for s in self._checked_step(conversations, metadata)]
         except NrlError:
@@ -92,6 +106,11 @@ class EnvironmentActor(ComponentActor):
 
     def _checked_step(self, conversations, metadata) -> list[EnvStep]:
         return self.checked(self.env.step(conversations, metadata), "step", len(conversations))
+
+    def shutdown(self) -> None:
+        """At the group's shutdown: close the environment (its ``close``, when it has one: the
+        ``reward_fn`` environment's process, a verifier pool)."""
+        self.close()
 
     def defines_correctness(self) -> bool:
         """The hosted environment's ``defines_correctness`` (see

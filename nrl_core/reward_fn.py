@@ -17,21 +17,22 @@ for a sample, or returns NaN or infinity, gives that sample reward 0 and is coun
 ``train/env_errors`` (like any environment); one that returns anything else (``None``, a
 string) fails the run in one line naming the file and function, since no sample can be scored.
 
-The function runs in the environment actors (single turn; ``env.step_timeout_s`` bounds each
-batch), imported there from its file: the file is the user's own code, named on their command
-line. The driver only reads it (:meth:`RewardFnConfig.preflight`): a missing file, a syntax
-error or a missing function is a ``ConfigError`` (exit 2) before Ray starts.
+The function runs in a process of its own that each environment worker starts once and keeps
+(:mod:`nrl_core.reward_fn_process`; single turn, ``env.step_timeout_s`` bounds each batch),
+imported there from its file: the file is the user's own code, named on their command line, and
+code may end its process. A function that calls ``sys.exit`` (any code, 0 too) or whose process
+ends (``os._exit``, a crash, a kill) fails the run in one line naming the function and the exit
+code or signal (exit code 1), never the ``nrl`` process itself. What it prints goes where the
+environment's output goes (the run log ``nrl.log``, capped per line and per step; the console
+with ``nrl run -v``). The driver only reads the file (:meth:`RewardFnConfig.preflight`): a
+missing file, a syntax error or a missing function is a ``ConfigError`` (exit 2) before Ray
+starts.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
-import inspect
-import math
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -39,6 +40,25 @@ import attrs
 from nrl_core.config.schema import Valid, option
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import EnvStep
+from nrl_core.reward_fn_process import (
+    RewardFunctionExit,
+    RewardFunctionProcess,
+    accepted_fields,
+    load_reward_function,
+    split_reference,
+)
+
+__all__ = [
+    "NAME",
+    "RewardFnConfig",
+    "RewardFunctionEnvironment",
+    "RewardFunctionError",
+    "RewardFunctionExit",
+    "accepted_fields",
+    "load_reward_function",
+    "prompt_text",
+    "split_reference",
+]
 
 NAME = "reward_fn"
 """The environment's registered name (``env.name: reward_fn``; options under ``env.reward_fn``)."""
@@ -97,13 +117,6 @@ class RewardFnConfig:
             raise ConfigError(f"{where}: {file} defines no function {function!r}{known}")
 
 
-def split_reference(reference: str) -> tuple[Path, str]:
-    """``("my_reward.py", "score")`` of ``"my_reward.py:score"``, the file made absolute
-    (against the current folder: the driver's and, on a local cluster, its actors')."""
-    file, _, function = reference.rpartition(":")
-    return Path(file).expanduser().absolute(), function
-
-
 def _top_level_functions(tree: ast.Module) -> set[str]:
     return {
         node.name
@@ -126,36 +139,6 @@ def _binds_name(tree: ast.Module, name: str) -> bool:
     return False
 
 
-def load_reward_function(reference: str) -> Callable[..., Any]:
-    """Import ``FILE.py`` (as a module of its own, its folder first on ``sys.path`` so that it
-    can import its neighbours) and return its ``FUNCTION``; a ``ConfigError`` naming the file
-    when that fails."""
-    file, function = split_reference(reference)
-    name = f"nrl_reward_fn_{file.stem}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"env.reward_fn.path={reference}: {file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    folder = str(file.parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: importing {file.name} failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, function, None)
-    if not callable(fn):
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: {file.name} has no function {function!r}"
-        )
-    return fn
-
-
 def prompt_text(conversation: Sequence[dict]) -> str:
     """The prompt's last user message before the response (empty when there is none)."""
     for message in reversed(conversation[:-1]):
@@ -166,7 +149,9 @@ def prompt_text(conversation: Sequence[dict]) -> str:
 
 class RewardFunctionEnvironment:
     """Scores each response with the function :attr:`RewardFnConfig.path` names; single turn.
-    Registered as ``reward_fn`` (see the module docstring for the function's contract)."""
+    Registered as ``reward_fn`` (see the module docstring for the function's contract). The
+    function runs in a child process this environment starts (:class:`RewardFunctionProcess`)
+    and stops with :meth:`close`."""
 
     def __init__(self, options: RewardFnConfig | None = None, context: Any = None) -> None:
         options = options or RewardFnConfig()
@@ -177,53 +162,53 @@ class RewardFunctionEnvironment:
             )
         self.reference = options.path
         self.defines_correctness = options.correctness
-        self.fn = load_reward_function(options.path)
-        self.name = f"{split_reference(options.path)[0].name}:{self.fn.__name__}"
-        self.fields = _accepted_fields(self.fn, options.path)
+        self.process = RewardFunctionProcess(options.path)
+        self.name = self.process.name
+        self.fields = self.process.fields
         self.context = context
 
     def step(
         self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
     ) -> list[EnvStep]:
-        steps = []
+        """One :class:`EnvStep` per sample; a sample whose call raised (or returned NaN or
+        infinity) gets reward 0 and an ``EnvStep.failure`` saying why."""
+        return [
+            r.step if r.error is None else attrs.evolve(r.step, failure=f"error: {r.error}")
+            for r in self.step_results(conversations, metadata)
+        ]
+
+    def step_results(
+        self, conversations: Sequence[Sequence[dict]], metadata: Sequence[dict]
+    ) -> list[Any]:
+        """As :meth:`step`, as :class:`~nrl_core.environments.StepResult`: a raising sample's
+        error in ``StepResult.error``, which the environment actor counts as the step raising
+        for that sample (``train/env_errors``) without calling the function again."""
+        from nrl_core.environments import StepResult
+
+        items = []
         for conversation, meta in zip(conversations, metadata, strict=True):
             completion = str(conversation[-1].get("content") or "")
             row = meta if self.fields is None else {k: meta[k] for k in self.fields if k in meta}
-            reward = self.fn(prompt_text(conversation), completion, **row)
-            steps.append(EnvStep(reward=self._checked(reward), terminated=True))
-        return steps
+            items.append((prompt_text(conversation), completion, dict(row)))
+        if not items:
+            return []
+        results = []
+        for outcome in self.process.score(items):
+            if "bad" in outcome:
+                # No sample can be at fault for this: the function is wrong, the run stops.
+                raise RewardFunctionError(
+                    f"reward function {self.name} returned {outcome['bad']}; it must return a "
+                    f"float (env.reward_fn.path={self.reference})"
+                )
+            if "error" in outcome:  # it raised, or returned NaN or infinity: reward 0, counted
+                results.append(StepResult(EnvStep(reward=0.0), error=outcome["error"]))
+            else:
+                results.append(StepResult(EnvStep(reward=outcome["reward"])))
+        return results
 
-    def _checked(self, reward: Any) -> float:
-        # bool is an int: True/False are rewards 1/0, as in TRL.
-        if not isinstance(reward, int | float) or isinstance(reward, complex):
-            raise RewardFunctionError(
-                f"reward function {self.name} returned {type(reward).__name__} "
-                f"{_short(reward)}; it must return a float (env.reward_fn.path={self.reference})"
-            )
-        value = float(reward)
-        if not math.isfinite(value):
-            # One sample's fault, not the function's: that sample gets 0 and is counted.
-            raise ValueError(f"reward function {self.name} returned {value}")
-        return value
-
-
-def _accepted_fields(fn: Callable[..., Any], reference: str) -> tuple[str, ...] | None:
-    """The row fields ``fn`` takes by name, or ``None`` when it takes ``**row`` (all of them):
-    a function written as ``score(prompt, completion, answer)`` gets only ``answer``. A
-    function that cannot take a prompt and a completion is a ``ConfigError``."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None  # a builtin or C function: call it with everything
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise ConfigError(
-            f"env.reward_fn.path={reference}: {fn.__name__}{inspect.signature(fn)} must take "
-            "(prompt, completion, **row)"
-        )
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return tuple(p.name for p in positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY])
+    def close(self) -> None:
+        """Stop the function's process."""
+        self.process.close()
 
 
 class RewardFunctionError(NrlError):
@@ -231,8 +216,3 @@ class RewardFunctionError(NrlError):
     (exit code 2: the user fixes their function)."""
 
     exit_code = 2
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

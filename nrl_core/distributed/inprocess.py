@@ -190,9 +190,13 @@ class InProcessCluster:
         return InProcessWorkerGroup.start(target, num_workers, *args, **kwargs)
 
 
+class _Terminated(SystemExit):
+    """The SIGTERM handler's exit: unlike a worker's own ``sys.exit``, it ends the run."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM: unwind like Ctrl-C does (the run closes its components), exit code 143."""
-    sys.exit(128 + signum)
+    raise _Terminated(128 + signum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,9 +419,11 @@ class InProcessWorkerGroup:
                     result = function(*args, **kwargs) if copy_io else function()
                 else:
                     result = self._bounded(slot, function, what, args, kwargs, *timeout)
-            except WorkerError:
+            except (WorkerError, _Terminated):
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
+                # A worker's sys.exit() would end a Ray actor, not the driver: here too it is
+                # this worker's failure, one line naming it, not the silent end of the run.
                 raise self._error(slot, what, exc) from None
         return copy.deepcopy(result) if copy_io else result
 
@@ -453,7 +459,7 @@ class InProcessWorkerGroup:
             return None
         return f"({self.name} rank {slot.rank}, in process)"
 
-    def _error(self, slot: _Slot, what: str, exc: Exception) -> WorkerError:
+    def _error(self, slot: _Slot, what: str, exc: BaseException) -> WorkerError:
         """The one-line error of a worker's failure, as the Ray group words it; the traceback
         goes to the run log."""
         from nrl_core.run_log import log_failure

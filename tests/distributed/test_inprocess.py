@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from nrl_core.config.loader import resolve_config
-from nrl_core.distributed.inprocess import cluster_backend, hosting_problem
+from nrl_core.distributed.errors import WorkerError
+from nrl_core.distributed.inprocess import (
+    InProcessWorkerGroup,
+    _on_sigterm,
+    cluster_backend,
+    hosting_problem,
+)
 from nrl_core.plugins import PluginHost
 
 ONE_RANK = [
@@ -221,3 +227,38 @@ def _unlocked(folder: Path) -> bool:
         except BlockingIOError:
             return False
     return True
+
+
+class _Exits:
+    """A worker whose method ends its process as user code may."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def stop(self, code) -> None:
+        sys.exit(code)
+
+    def terminated(self) -> None:
+        _on_sigterm(signal.SIGTERM, None)  # as if SIGTERM came during this call
+
+    def ok(self) -> int:
+        return 1
+
+
+def test_a_workers_sys_exit_is_its_failure_not_the_end_of_the_driver():
+    """A Ray actor's sys.exit() ends the actor, which the run reports; in process it ended the
+    driver, with the worker's exit code (0: a run that stopped looked like success)."""
+    group = InProcessWorkerGroup.start(_Exits, 1, name="env-test")
+    try:
+        for code, shown in ((0, "SystemExit: 0"), (None, "SystemExit"), (3, "SystemExit: 3")):
+            with pytest.raises(WorkerError) as exc:
+                group.run_one(0, "stop", code)
+            assert str(exc.value).startswith(f"env-test rank 0 failed in stop: {shown} (")
+            assert exc.value.exit_code == 1
+        assert group.run_one(0, "ok") == 1  # the worker is still there
+        # The run's own SIGTERM handler still ends the run, with 143.
+        with pytest.raises(SystemExit) as stopped:
+            group.run_one(0, "terminated")
+        assert stopped.value.code == 143 and not isinstance(stopped.value, WorkerError)
+    finally:
+        group.shutdown()

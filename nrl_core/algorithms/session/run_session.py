@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from nrl_core import atomic
+from nrl_core import atomic, run_log
 from nrl_core.algorithms.session.components import Components
 from nrl_core.algorithms.session.console import RunConsole
 from nrl_core.algorithms.session.run_data import RunData
@@ -233,6 +233,7 @@ class RunSession:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.display.record(step, metrics)
         self.metrics.log(step, metrics)
+        run_log.step_done(step)  # captured output is capped per step
 
     def agent_for(self, task: str) -> str:
         """See :meth:`.run_data.RunData.agent_for`."""
