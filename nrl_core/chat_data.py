@@ -292,15 +292,35 @@ class PreferenceDataset:
 # -- encoding ----------------------------------------------------------------------------------
 
 
+def apply_template(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool) -> str:
+    """``tokenizer.apply_chat_template`` as text. A template that jinja2's sandbox refuses
+    (it reaches for ``__class__``, changes a list, ...) is a :class:`ConfigError` naming the
+    tokenizer's folder: the template is the model folder's input, and it is not fixed by
+    retrying."""
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:
+        from jinja2.exceptions import SecurityError
+
+        if not isinstance(exc, SecurityError):
+            raise
+        where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise ConfigError(
+            f"the chat template of {where} was refused by jinja2's sandbox ({exc}); fix the "
+            "template (chat_template.jinja or tokenizer_config.json), or set "
+            "data.apply_chat_template=false"
+        ) from None
+
+
 def render(
     tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool, use_template: bool
 ) -> str:
     """The conversation as text: the chat template, or the contents joined by newlines."""
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     if use_template:
-        return tokenizer.apply_chat_template(
-            plain, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return apply_template(tokenizer, plain, add_generation_prompt)
     return "".join(m["content"] + "\n" for m in plain)
 
 

@@ -85,8 +85,9 @@ def verify(folder: Path) -> str | None:
     """What is wrong with checkpoint ``folder`` (a missing, resized or changed file, an
     unreadable manifest or trainer state), or ``None`` when it is intact.
 
-    A checkpoint written before manifests existed (``trainer_state.json`` but no
-    ``manifest.json``) is checked for a readable trainer state only.
+    A checkpoint without ``manifest.json`` (written before manifests existed, or its manifest
+    deleted) is checked for a readable trainer state and policy files only, without sizes or
+    hashes; when it passes, a warning naming it says so (once per folder and process).
     """
     manifest_path = folder / MANIFEST
     if manifest_path.is_file():
@@ -134,7 +135,29 @@ def verify(folder: Path) -> str | None:
         return f"{POLICY_CHECKPOINT}/ cannot be read ({type(exc).__name__}: {first[:200]})"
     if bad is not None:
         return f"{POLICY_CHECKPOINT}/ holds non-finite values (NaN or infinity in {bad})"
+    if not manifest_path.is_file():
+        _warn_unverified(folder)
     return None
+
+
+_WARNED_UNVERIFIED: set[Path] = set()
+
+
+def _warn_unverified(folder: Path) -> None:
+    """Say (once per folder) that a checkpoint without its manifest was used unverified: a
+    deleted ``manifest.json`` must not switch verification off in silence."""
+    import sys
+
+    key = folder.absolute()
+    if key in _WARNED_UNVERIFIED:
+        return
+    _WARNED_UNVERIFIED.add(key)
+    print(
+        f"warning: checkpoint {folder} has no {MANIFEST}, so its files' sizes and SHA-256 "
+        "cannot be checked (written before manifests, or the manifest was deleted); using it "
+        "unverified",
+        file=sys.stderr,
+    )
 
 
 def unsafe_torch_file(policy: Path) -> str | None:
@@ -206,12 +229,33 @@ def _symlink_in(folder: Path) -> str | None:
     return None
 
 
+MAX_TRAINER_STATE_BYTES = 4 << 20
+"""Largest ``trainer_state.json`` read (4 MiB). nrl writes about 60 KB (the step, the data
+stream's counters, the Python and torch RNG states); a larger file is not nrl's, and is
+refused before it is read."""
+TRAINER_STATE_KEYS = frozenset({"step", "data", "rng"})
+"""The keys of a trainer state (:meth:`CheckpointManager.save` and
+:meth:`~nrl_core.algorithms.session.run_folder.RunFolder.save_checkpoint` write them)."""
+_RNG_KEYS = frozenset({"python", "torch"})
+
+
 def read_state(folder: Path) -> dict[str, Any]:
-    """The trainer state of checkpoint ``folder``; a :class:`ConfigError` when it is missing
-    or not a JSON object with an integer ``step``."""
+    """The trainer state of checkpoint ``folder``; a :class:`ConfigError` when it is missing,
+    over :data:`MAX_TRAINER_STATE_BYTES`, or not a JSON object with an integer ``step`` and
+    only the :data:`TRAINER_STATE_KEYS`."""
     path = folder / TRAINER_STATE
     try:
-        state = json.loads(path.read_text())
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_TRAINER_STATE_BYTES:
+                raise ConfigError(
+                    f"{path} is {size >> 20} MiB, over the {MAX_TRAINER_STATE_BYTES >> 20} MiB "
+                    "a trainer state may be (nrl writes about 60 KB); it was not written by nrl"
+                )
+            raw = handle.read(MAX_TRAINER_STATE_BYTES + 1)  # a file still growing: bounded
+        if len(raw) > MAX_TRAINER_STATE_BYTES:
+            raise ConfigError(f"{path} is over {MAX_TRAINER_STATE_BYTES >> 20} MiB; not nrl's")
+        state = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -238,6 +282,9 @@ def _counters(value: Any) -> bool:
 def _state_problem(state: dict[str, Any]) -> str | None:
     """What is malformed in a trainer state's ``data`` and ``rng`` (the shapes
     :meth:`~nrl_core.algorithms.runtime.RunSession.save_checkpoint` writes), or ``None``."""
+    unknown = sorted(set(state) - TRAINER_STATE_KEYS)
+    if unknown:
+        return f"unknown key {unknown[0]!r} (a trainer state holds {', '.join(sorted(TRAINER_STATE_KEYS))})"
     data = state.get("data")
     if data is not None and not (isinstance(data, dict) and _counters(data)):
         return "`data` must be the data stream's position (integers >= 0)"
@@ -246,6 +293,9 @@ def _state_problem(state: dict[str, Any]) -> str | None:
         return None
     if not isinstance(rng, dict):
         return "`rng` must be an object"
+    unknown = sorted(set(rng) - _RNG_KEYS)
+    if unknown:
+        return f"unknown key 'rng.{unknown[0]}' (`rng` holds python, torch)"
     python = rng.get("python")
     if python is not None and not (
         isinstance(python, list)

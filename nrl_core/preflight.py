@@ -21,7 +21,7 @@ What is checked (each in well under a second; no model or data is loaded here):
   and options classes with a ``preflight(key)`` method check their own
   (:func:`check_component_options`: ``env.reward_fn.path``'s file and function);
 * ``logger.log_dir`` (and ``checkpointing.checkpoint_dir``, ``eval.output``) can be written;
-* a ``checkpointing.resume`` path exists (the checkpoint itself is verified when the run looks
+* a ``checkpointing.resume`` path exists, with checkpointing on (the checkpoint itself is verified when the run looks
   for its resume point, still before anything starts);
 * the policy's static memory per GPU fits the device (:func:`check_memory_plan`).
 """
@@ -274,6 +274,7 @@ def _check_model_folder(path: Path, name: str, key: str, *, weights: bool, token
                 f"{key}={name} has no weights (model.safetensors or pytorch_model.bin); give "
                 "a complete Hugging Face model folder"
             )
+        _check_weight_files(path, key, name)
     if tokenizer:
         present = [f for f in _TOKENIZER_FILES if (path / f).is_file()]
         if not present:
@@ -286,17 +287,134 @@ def _check_model_folder(path: Path, name: str, key: str, *, weights: bool, token
                 _check_json_file(path / file, key, name)
 
 
-def _check_json_file(file: Path, key: str, name: str) -> None:
+MAX_MODEL_JSON_BYTES = 64 << 20
+"""Largest JSON file of a model folder read here (a large tokenizer.json is about 20 MB)."""
+MAX_SAFETENSORS_HEADER = 100_000_000
+"""Largest header of a ``.safetensors`` file (the limit the safetensors library itself sets)."""
+
+
+def _check_json_file(file: Path, key: str, name: str) -> Any:
+    """The JSON object in ``file`` of the model folder ``name``; a damaged file (not JSON, over
+    :data:`MAX_MODEL_JSON_BYTES`, nested deeper than Python's parser goes) is one line naming
+    it."""
+    fix = "the folder is damaged, copy or download it again"
     try:
-        data = json.loads(file.read_bytes())
+        with file.open("rb") as handle:
+            raw = handle.read(MAX_MODEL_JSON_BYTES + 1)
+        if len(raw) > MAX_MODEL_JSON_BYTES:
+            raise ConfigError(
+                f"{key}={name}: {file} is over {MAX_MODEL_JSON_BYTES >> 20} MiB, too large for "
+                f"a model folder's JSON file; {fix}"
+            )
+        data = json.loads(raw)
     except (OSError, ValueError) as exc:
         reason = " ".join(str(exc).split())[:120]
         raise ConfigError(
-            f"{key}={name}: {file.name} is not valid JSON ({reason}); the folder is damaged, "
-            "copy or download it again"
+            f"{key}={name}: {file.name} is not valid JSON ({reason}); {fix}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"{key}={name}: {file} is nested too deeply to be read (not a model's JSON); {fix}"
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{key}={name}: {file.name} does not hold a JSON object")
+    return data
+
+
+def _check_weight_files(path: Path, key: str, name: str) -> None:
+    """The weight files of model folder ``path`` can be opened: each ``*.safetensors`` has a
+    readable header whose tensors lie inside the file, an index names files that exist, and
+    no ``*.bin`` file is empty. Headers only: no tensor is read (a worker would fail on these
+    after Ray started, as ``policy rank 0 failed in construct``)."""
+    fix = "the folder is damaged, copy or download it again"
+    indexes = [*path.glob("*.safetensors.index.json"), *path.glob("*.bin.index.json")]
+    for index_file in sorted(indexes):
+        index = _check_json_file(index_file, key, name)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ConfigError(
+                f"{key}={name}: {index_file.name} has no `weight_map` of tensor names to files; "
+                f"{fix}"
+            )
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or not (path / shard).is_file():
+                raise ConfigError(
+                    f"{key}={name}: {index_file.name} names {shard!r}, which is not a file in "
+                    f"the folder; {fix}"
+                )
+    for file in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(file)
+        if problem is not None:
+            raise ConfigError(f"{key}={name}: {file} {problem}; {fix}")
+    for file in sorted(path.glob("*.bin")):
+        if file.is_file() and file.stat().st_size == 0:
+            raise ConfigError(f"{key}={name}: {file} is empty; {fix}")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What makes ``file`` no safetensors file (its 8-byte header length, JSON header, and
+    every tensor's byte range against the file's size), or ``None``."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 2 or length > min(MAX_SAFETENSORS_HEADER, size - 8):
+                return "is not a safetensors file (no readable header; cut short?)"
+            header = json.loads(handle.read(length))
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    except (ValueError, RecursionError):
+        return "is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    data_size = size - 8 - length
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            return f"has no valid byte range for tensor {tensor!r} (not a safetensors file)"
+        if offsets[1] > data_size:
+            return (
+                f"is cut short: tensor {tensor!r} ends at byte {offsets[1]} of the data, which "
+                f"holds {data_size} bytes"
+            )
+    return None
+
+
+def check_model_configs(config: Any) -> None:
+    """Each local model folder's ``config.json`` loads with transformers' ``AutoConfig`` (an
+    unknown ``model_type``, a field of the wrong kind), as the policy workers will load it.
+    Imports transformers (and torch): called by the run session before the data is loaded,
+    not by the CLI's early :func:`preflight`."""
+    from nrl_core.testing.tiny import NAMED_SIZES
+
+    for key in ("policy", "teacher"):
+        model = getattr(config, key, None)
+        if model is None or model.model_name in NAMED_SIZES:
+            continue
+        path = Path(model.model_name).expanduser()
+        if not (path / "config.json").is_file():
+            continue  # a hub name: the cache's copy was written by the hub
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(str(path))
+        except Exception as exc:  # transformers' ValueError, KeyError, TypeError, OSError...
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(
+                f"{key}.model_name={model.model_name}: {path / 'config.json'} does not load "
+                f"as a model config ({type(exc).__name__}: {first[:200]}); fix the file, or "
+                "copy or download the model again"
+            ) from None
 
 
 def _check_hub_model(name: str, key: str) -> None:
@@ -555,12 +673,19 @@ def check_output_folders(config: Any) -> None:
 
 
 def check_resume_path(config: Any) -> None:
-    """A ``checkpointing.resume`` that names a path exists (``auto``/``never`` pass)."""
+    """A ``checkpointing.resume`` that names a path exists (``auto``/``never`` pass), and
+    checkpointing is on: ``checkpointing.enabled=false`` turns resuming off too (as in NeMo
+    RL), so a path given with it would be ignored in silence."""
     checkpointing = getattr(config, "checkpointing", None)
-    if checkpointing is None or not checkpointing.enabled:
+    if checkpointing is None or checkpointing.resume in ("auto", "never"):
         return
-    if checkpointing.resume in ("auto", "never"):
-        return
+    if not checkpointing.enabled:
+        raise ConfigError(
+            f"checkpointing.resume={checkpointing.resume} is ignored with "
+            "checkpointing.enabled=false (which turns off reading checkpoints as well as "
+            "writing them); set checkpointing.enabled=true to resume, or drop "
+            "checkpointing.resume"
+        )
     path = Path(checkpointing.resume).expanduser()
     if not path.exists():
         raise ConfigError(

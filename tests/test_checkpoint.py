@@ -211,3 +211,40 @@ def test_a_checkpoint_with_nan_weights_fails_verification_and_is_skipped(tmp_pat
     assert point.path == manager.root / "step_1" and point.skipped[0][0] == nan_step
     with pytest.raises(ConfigError, match=r"step_2 is damaged: policy/ holds non-finite"):
         find_step_folder(nan_step)
+
+
+def test_a_checkpoint_whose_manifest_was_deleted_is_used_with_one_warning(tmp_path, capsys):
+    """Issue 47: deleting manifest.json turned verification off in silence."""
+    manager = saved(tmp_path, 2, 4)
+    step = manager.root / "step_4"
+    (step / MANIFEST).unlink()
+    capsys.readouterr()
+    assert manager.resume_from("auto").path == step
+    assert find_step_folder(manager.root) == step  # again (nrl convert): no second warning
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"warning: checkpoint {step} has no {MANIFEST}")
+    assert "unverified" in err
+    # An intact checkpoint, with its manifest, is used without a word.
+    assert manager.resume_from(str(manager.root / "step_2")).path == manager.root / "step_2"
+    assert capsys.readouterr().err == ""
+
+
+def test_a_trainer_state_with_unknown_keys_or_over_the_limit_is_refused(tmp_path):
+    """Issue 47: a 330 MB trainer_state.json with keys nrl never writes was accepted."""
+    from nrl_core.checkpoint import MAX_TRAINER_STATE_BYTES
+
+    step = saved(tmp_path, 2).latest()
+    state = json.loads((step / TRAINER_STATE).read_text())
+    (step / TRAINER_STATE).write_text(json.dumps({**state, "extra": 1}))
+    with pytest.raises(ConfigError, match=r"unknown key 'extra' \(a trainer state holds data"):
+        read_state(step)
+    (step / TRAINER_STATE).write_text(json.dumps({**state, "rng": {"numpy": [1]}}))
+    with pytest.raises(ConfigError, match=r"unknown key 'rng\.numpy'"):
+        read_state(step)
+    (step / TRAINER_STATE).write_text(json.dumps(state))
+    with (step / TRAINER_STATE).open("r+b") as handle:
+        handle.truncate(MAX_TRAINER_STATE_BYTES + 1)  # sparse; refused by its size alone
+    with pytest.raises(ConfigError, match=r"is 4 MiB, over the 4 MiB a trainer state may be"):
+        read_state(step)
+    assert MAX_TRAINER_STATE_BYTES == 4 << 20  # the limit docs/checkpoints.md gives

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from nrl_core.chat_data import apply_template
 from nrl_core.data import Batch, Message, Sample, pad_sequences
 from nrl_core.env_failures import failure_of
 from nrl_core.interfaces import GenerationOutput, SamplingParams
@@ -70,9 +71,7 @@ class ChatCodec:
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.use_template:
-            return self.tokenizer.apply_chat_template(
-                plain, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            return apply_template(self.tokenizer, plain, add_generation_prompt)
         return "\n".join(m["content"] for m in plain) + ("\n" if add_generation_prompt else "")
 
     def _encode(self, text: str) -> list[int]:

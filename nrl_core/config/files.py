@@ -26,7 +26,8 @@ MAX_CONFIG_BYTES = 16 << 20
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read one YAML mapping; bad YAML is reported with file, line and column."""
+    """Read one YAML mapping; bad YAML is reported with file, line and column, and a file
+    holding no YAML document (empty, or comments only) is refused."""
     path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():
         # A FIFO would block the read, a device (/dev/zero) would never end it.
@@ -55,7 +56,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"bad YAML in {path}: {_one_line(str(exc))}") from None
     if data is None:
-        return {}
+        # An empty file (or one of comments only) would run on the defaults, silently: a
+        # config saved empty by mistake, or the wrong file. `{}` says "no changes" on purpose.
+        raise ConfigError(
+            f"config file {path} holds no settings (it is empty or only comments); write the "
+            "settings in it (`{}` for none), or leave out --config to run the defaults"
+        )
     if not isinstance(data, dict):
         kind = {list: "list", str: "plain string"}.get(type(data), type(data).__name__)
         raise ConfigError(

@@ -45,12 +45,80 @@ def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode) -> dict
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
+MAX_ALIAS_EXPANSION = 100_000
+"""Most values (scalars, lists, mappings) a YAML text may expand to through its aliases
+(``*name`` repeating an ``&name`` anchor) beyond the values it spells out: a config is a few
+hundred values, and nine nested aliases of nine items each (a "billion laughs") make 387
+million, which took the checks after parsing half a minute."""
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many values the node graph ``root`` stands for once every alias is expanded,
+    counted on the graph (each node once, memoised: linear in the text, however large the
+    expansion)."""
+    sizes: dict[int, int] = {}
+    busy: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in busy:  # `&a [*a]`: an alias inside its own anchor, an endless expansion
+            raise yaml.YAMLError("an alias (*name) refers to the value that holds it")
+        busy.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        busy.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _distinct_nodes(root: yaml.Node) -> int:
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(child for pair in node.value for child in pair)
+    return len(seen)
+
+
+def _load(text: str) -> Any:
+    """``yaml.load`` with the alias expansion bounded between composing the node graph and
+    constructing Python objects (which shares repeated values, so the blow-up came later)."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        extra = _expanded_size(node) - _distinct_nodes(node)
+        if extra > MAX_ALIAS_EXPANSION:
+            raise yaml.YAMLError(
+                f"its aliases (*name) repeat {extra} values, over the {MAX_ALIAS_EXPANSION} "
+                "allowed (an alias bomb?); write the values out, or use fewer aliases"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_yaml(text: str) -> Any:
     """YAML text (a SafeLoader subclass: no arbitrary objects). Errors are ``yaml.YAMLError``,
     also for what PyYAML itself reports otherwise: an integer of over 4300 digits, nesting
-    deeper than Python's recursion allows."""
+    deeper than Python's recursion allows, and aliases that expand the text to over
+    :data:`MAX_ALIAS_EXPANSION` values beyond those it spells out."""
     try:
-        return yaml.load(text, Loader=_Loader)
+        return _load(text)
     except ValueError as exc:  # int('5000 digits'): Python's int-from-text limit
         raise yaml.YAMLError(" ".join(str(exc).split())) from None
     except RecursionError:

@@ -70,3 +70,26 @@ def test_resume_auto_refuses_a_checkpoint_of_another_algorithm_before_anything_s
     assert "written by `nrl run sft`" in err and "checkpointing.resume=never" in err
     assert time.monotonic() - start < 10
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # nothing else written
+
+
+def test_a_live_runs_checkpoints_are_not_verified_by_a_second_run(tmp_path, capsys):
+    """Issue 47: a second run sharing a live run's checkpoint_dir read (and called damaged)
+    the checkpoints being written, three warnings before its lock error; the lock comes first."""
+    from nrl_core.checkpoint import TRAINER_STATE, CheckpointManager
+
+    shared = tmp_path / "shared-ckpt"
+    first = session(tmp_path, "a", checkpoint_dir=str(shared))
+    first.folder.lock()
+    for step in (1, 2, 3):  # half-written, as the live run would have them mid-save
+        folder = CheckpointManager(shared).save(step, lambda f: None, {})
+        (folder / TRAINER_STATE).write_text('{"step": ')
+    second = session(tmp_path, "b", checkpoint_dir=str(shared))
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r"shared-ckpt is in use by another run"):
+        second.folder.find_resume_point()
+    assert capsys.readouterr().err == ""  # no "damaged checkpoint" warning
+    assert not (tmp_path / "b").exists()  # nothing created for the refused run
+    first.close()
+    second.folder.find_resume_point()  # free now: the damaged ones are named, none resumed
+    assert "damaged" in capsys.readouterr().err and second.folder.resume_path is None
+    second.close()

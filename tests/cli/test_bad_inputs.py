@@ -204,7 +204,42 @@ def d(tmp_path_factory):
     _write(d / "convert_out_full" / "mine.txt", "mine\n")
     (d / "convert_out_link").symlink_to(d / "outside")
     (d / "convert_out_link_to_file").symlink_to(d / "afile")
+    _issue_47_config(d, tiny)
     return d
+
+
+def _issue_47_config(d, tiny):
+    """Issue 47 (h-config): empty and comment-only configs, an alias bomb, model folders that
+    failed only in the workers (config.json nested 100k deep or of an unknown model type,
+    weights cut short or not safetensors, a chat template jinja2's sandbox refuses), and
+    trainer states with an unknown key or of 330 MB."""
+    _write(d / "empty.yaml", "")
+    _write(d / "comments.yaml", "# settings to come\n\n   # later\n")
+    bomb = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    bomb += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    _write(d / "bomb.yaml", "\n".join(bomb) + "\ngrpo: {max_num_steps: *a8}\n")
+    _model_copy(tiny, d / "deep_config")
+    _write(d / "deep_config" / "config.json", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _model_copy(tiny, d / "unknown_type")
+    config = json.loads((d / "unknown_type" / "config.json").read_text())
+    _write(d / "unknown_type" / "config.json", json.dumps({**config, "model_type": "nosuchmodel"}))
+    _model_copy(tiny, d / "cut_weights")
+    weights = (d / "cut_weights" / "model.safetensors").read_bytes()
+    _write(d / "cut_weights" / "model.safetensors", weights[: len(weights) // 2])
+    _model_copy(tiny, d / "garbage_weights")
+    _write(d / "garbage_weights" / "model.safetensors", b"\xff" * 4096)
+    _model_copy(tiny, d / "sandbox_template")
+    refused = "{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    _write(d / "sandbox_template" / "chat_template.jinja", refused)
+    junk = d / "ckpt_state_junk" / "step_2"
+    _write(junk / "trainer_state.json", json.dumps({"step": 2, "junk": "x" * 1000}))
+    from nrl_core.checkpoint import write_manifest
+
+    write_manifest(junk)
+    huge = d / "ckpt_state_huge" / "step_2"
+    _write(huge / "trainer_state.json", json.dumps({"step": 2, "junk": 0}))
+    with (huge / "trainer_state.json").open("r+b") as handle:
+        handle.truncate(330_000_000)  # sparse: 330 MB on paper, nothing on disk
 
 
 # -- the cases -----------------------------------------------------------------------------------
@@ -454,6 +489,22 @@ CASES = [
     ("data_val_dev_zero", run("grpo", "data.val_dataset=/dev/zero"), "data.val_dataset=/dev/zero is a character device, not a regular file", {}),
     ("chat_path_fifo", run("sft", "data.chat.path={d}/fifo.jsonl"), "data.chat.path={d}/fifo.jsonl is a FIFO (named pipe), not a regular file", {}),
     ("prompts_path_dev_zero", run("grpo", "data.dataset=prompts", "data.prompts.path=/dev/zero"), "data.prompts.path=/dev/zero is a character device, not a regular file", {}),
+    # issue 47, h-config
+    ("run_name_256_bytes", run("grpo", "logger.run_name=" + "x" * 256), "logger.run_name must be a non-empty string naming one folder (at most 255 bytes", {}),
+    ("run_name_256_bytes_utf8", run("grpo", "logger.run_name=" + "\u00e9" * 128), "logger.run_name must be a non-empty string naming one folder (at most 255 bytes", {}),
+    ("model_config_nested_100k", run("grpo", "policy.model_name={d}/deep_config"), "policy.model_name={d}/deep_config: {d}/deep_config/config.json is nested too deeply", {}),
+    ("model_type_unknown", run("grpo", "policy.model_name={d}/unknown_type"), "policy.model_name={d}/unknown_type: {d}/unknown_type/config.json does not load as a model config", {}),
+    ("model_weights_cut_short", run("sft", "policy.model_name={d}/cut_weights"), "policy.model_name={d}/cut_weights: {d}/cut_weights/model.safetensors is cut short", {}),
+    ("model_weights_garbage", evaluate("policy.model_name={d}/garbage_weights"), "{d}/garbage_weights/model.safetensors is not a safetensors file", {}),
+    ("chat_template_sandbox", run("grpo", "policy.model_name={d}/sandbox_template"), "the chat template of {d}/sandbox_template was refused by jinja2's sandbox", {}),
+    ("chat_template_sandbox_sft", run("sft", "policy.model_name={d}/sandbox_template"), "the chat template of {d}/sandbox_template was refused by jinja2's sandbox", {}),
+    ("config_empty", ["run", "grpo", "--config", "{d}/empty.yaml"], "config file {d}/empty.yaml holds no settings (it is empty or only comments)", {}),
+    ("config_comments_only", ["run", "sft", "--config", "{d}/comments.yaml"], "config file {d}/comments.yaml holds no settings", {}),
+    ("config_alias_bomb", ["run", "grpo", "--config", "{d}/bomb.yaml"], "bad YAML in {d}/bomb.yaml: its aliases (*name) repeat", {}),
+    ("resume_with_checkpointing_off", run("grpo", "checkpointing.resume={d}/ckpt_state_junk/step_2"), "checkpointing.resume={d}/ckpt_state_junk/step_2 is ignored with checkpointing.enabled=false", {}),
+    ("ckpt_state_unknown_key", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_state_junk/step_2"), "trainer_state.json: unknown key 'junk'", {}),
+    ("ckpt_state_330_mb", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_state_huge/step_2"), "trainer_state.json is 314 MiB, over the 4 MiB a trainer state may be", {}),
+    ("ckpt_state_330_mb_convert", ["convert", "{d}/ckpt_state_huge/step_2", "{d}/converted"], "trainer_state.json is 314 MiB", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [
@@ -464,6 +515,7 @@ SUBPROCESS_CASES = [
     "actor_env_not_python",
     "plot_garbage_line",
     "algorithm_unknown",
+    "config_alias_bomb",
 ]
 
 

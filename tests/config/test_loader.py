@@ -306,3 +306,48 @@ def test_a_jsonl_path_as_dataset_shows_the_options_that_read_it(registry):
     config = resolve_config("grpo", None, ["data.dataset=/data/train.jsonl"], registry)
     shown = parse_yaml(dump_config(config, registry))["data"]["jsonl"]
     assert "\\boxed{}" in shown["prompt_template"] and shown["task"] == "math"
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    lines = ['a0: &a0 ["lol"' + ', "lol"' * (width - 1) + "]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines) + f"\ngrpo: {{max_num_steps: *a{levels - 1}}}\n"
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path, registry):
+    """Issue 47: nine aliases of nine (387 million values) took the checks after parsing 24-30 s
+    of CPU before their refusal; the expansion is counted on the parsed node graph instead."""
+    import time
+
+    path = write(tmp_path / "bomb.yaml", _alias_bomb())
+    started = time.process_time()
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: its aliases \(\*name\) repeat \d+ values"):
+        resolve_config("grpo", path, registry=registry)
+    assert time.process_time() - started < 1.0
+    with pytest.raises(Exception, match=r"refers to the value that holds it"):
+        parse_yaml("a: &x [1, *x]\n")
+
+
+def test_aliases_that_repeat_a_few_values_still_load():
+    from nrl_core.config.yaml_text import MAX_ALIAS_EXPANSION
+
+    assert parse_yaml("a: &x [1, 2]\nb: *x\nc: {<<: {k: 1}, j: 2}\n") == {
+        "a": [1, 2],
+        "b": [1, 2],
+        "c": {"k": 1, "j": 2},
+    }
+    # Around the bound: five levels of eight aliases repeat 80,233 values, of nine 141,148.
+    assert MAX_ALIAS_EXPANSION == 100_000
+    assert len(parse_yaml(_alias_bomb(levels=5, width=8))["grpo"]["max_num_steps"]) == 8
+    with pytest.raises(Exception, match=r"over the 100000 allowed"):
+        parse_yaml(_alias_bomb(levels=5, width=9))
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "# only a comment\n  # and another\n", "---\n"])
+def test_an_empty_config_file_is_refused(tmp_path, registry, content):
+    """Issue 47: an empty or comments-only --config trained on the defaults in silence."""
+    path = write(tmp_path / "cfg.yaml", content)
+    with pytest.raises(ConfigError, match=r"cfg\.yaml holds no settings \(it is empty or only"):
+        resolve_config("grpo", path, registry=registry)
+    assert resolve_config("grpo", write(tmp_path / "none.yaml", "{}\n"), registry=registry)

@@ -170,6 +170,16 @@ class RunData:
                 apply_chat_template=self.config.data.apply_chat_template,
                 system_prompt=self.config.data.system_prompt,
             )
+            # One message through the template now, in the driver: a template jinja2's
+            # sandbox refuses is bad input (one line), not a failure once training renders.
+            # Another error of the template (its own raise_exception on this made-up message)
+            # is left to the real samples, which say which row.
+            try:
+                self.codec.encode_prompt([{"role": "user", "content": "1+1"}])
+            except ConfigError:
+                raise
+            except Exception:
+                pass
         return self.codec
 
     def check_teacher_tokenizer(self) -> None:

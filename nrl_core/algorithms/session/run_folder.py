@@ -60,16 +60,30 @@ class RunFolder:
         """The step the run continues from (0: a fresh run)."""
         self.resume_path: Path | None = None
         """The checkpoint the run continues from, if any."""
+        self._locked: set[Path] = set()
 
-    def lock(self) -> None:
+    def lock(self, *, existing_only: bool = False) -> None:
         """Hold an exclusive lock on the run folder (and on the checkpoint folder when it lies
         outside) for the whole run: a second run on the same folder is refused in one line
-        naming the holder, so two runs never prune or overwrite each other's checkpoints."""
+        naming the holder, so two runs never prune or overwrite each other's checkpoints.
+
+        With ``existing_only``, only the folders that already hold a lock file (a run has
+        used them) are locked, creating nothing: what :meth:`find_resume_point` takes before
+        reading checkpoints another live run may be writing. Locks already held are kept."""
         folders = [self.run_dir]
         if not self.checkpoints.root.is_relative_to(self.run_dir):
             folders.append(self.checkpoints.root)
         for folder in folders:
-            self._closers.insert(0, _hold_lock(folder).close)
+            if folder in self._locked or (existing_only and not (folder / RUN_LOCK).is_file()):
+                continue
+            handle = _hold_lock(folder)
+            self._locked.add(folder)
+
+            def release(handle: Any = handle, folder: Path = folder) -> None:
+                handle.close()
+                self._locked.discard(folder)
+
+            self._closers.insert(0, release)
 
     def find_resume_point(self) -> None:
         """Pick the checkpoint to continue: the newest intact one for ``resume=auto`` (newer,
@@ -78,6 +92,9 @@ class RunFolder:
         ckpt = self.config.checkpointing
         if not ckpt.enabled:
             return
+        # Before verifying: the checkpoints of a live run are being written and pruned, and
+        # reading them would report them as damaged before the lock said whose they are.
+        self.lock(existing_only=True)
         point = self.checkpoints.resume_from(ckpt.resume)
         for folder, problem in point.skipped:
             print(

@@ -30,7 +30,7 @@ from nrl_core.config.loader import ConfigConverter, dump_config
 from nrl_core.config.schema import RunConfig
 from nrl_core.interfaces import ComponentContext
 from nrl_core.metrics import MetricsLogger
-from nrl_core.preflight import preflight
+from nrl_core.preflight import check_model_configs, preflight
 from nrl_core.registry import Registry
 from nrl_core.run_log import open_run_log
 
@@ -188,6 +188,9 @@ class RunSession:
         # Data first: a dataset the run cannot use is a config error, reported before the run
         # directory, Ray or any worker exists (it needs only the driver's tokenizer).
         with self.phase("loading the data") as done:
+            # transformers loads each model's config.json here (torch is imported by now),
+            # not in the CLI's early preflight: a broken one is bad input, not a worker failure.
+            check_model_configs(config)
             self.data.load()
             if hasattr(config, "teacher"):
                 self.data.check_teacher_tokenizer()

@@ -153,13 +153,19 @@ NON_EMPTY = Valid("a non-empty string", lambda value: isinstance(value, str) and
 """A string that must not be empty (names, paths)."""
 
 
+MAX_NAME_BYTES = 255
+"""Longest file or folder name (in UTF-8 bytes) that Linux file systems (ext4, xfs, btrfs)
+allow."""
+
 RUN_NAME = Valid(
-    "a non-empty string naming one folder (no `/`, `\\`, `.` or `..` alone, no control characters)",
+    "a non-empty string naming one folder (at most 255 bytes in UTF-8; no `/`, `\\`, `.` or "
+    "`..` alone, no control characters)",
     lambda value: (
         isinstance(value, str)
         and value not in ("", ".", "..")
         and not any(c in value for c in "/\\")
         and value.isprintable()
+        and len(value.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
     ),
 )
 """One folder name inside ``logger.log_dir``: it can never point outside it."""

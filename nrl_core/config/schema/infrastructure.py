@@ -92,7 +92,7 @@ class LoggerConfig:
     run_name: str = option(
         "default",
         (
-            "Run directory name under log_dir (one folder name: no `/`, `..` or control "
+            "Run directory name under log_dir (one folder name of at most 255 bytes: no `/`, `..` or control "
             "characters); also the W&B and MLflow run name."
         ),
         validator=RUN_NAME,
