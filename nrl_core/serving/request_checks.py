@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from fastapi import Request
@@ -56,7 +57,46 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a surrogate in a str
+        where = lone_surrogate_at(body)
+        if where is not None:
+            raise RequestError(
+                f"{where} holds a lone surrogate (a \\ud800-\\udfff escape not "
+                "paired as UTF-16), which is not text; send valid Unicode"
+            )
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate (``messages[0].content``,
+    or ``a key of messages[0]``), or None. Walked without recursion: the parser allows
+    deeper nesting than Python's stack."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                name = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    return f"a key of {path}" if path else "a key"
+                todo.append((name, child))
+        elif isinstance(item, list):
+            todo.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def vocab_size(server: Any) -> int:

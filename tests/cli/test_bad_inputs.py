@@ -437,6 +437,10 @@ CASES = [
     ("plot_binary_line", ["plot", "{d}/plot_binary"], "{d}/plot_binary/metrics.jsonl:2: not UTF-8", {}),
     ("plot_empty", ["plot", "{d}/plot_empty"], "{d}/plot_empty/metrics.jsonl holds no metrics", {}),
     ("plot_no_steps", ["plot", "{d}/plot_no_steps"], "{d}/plot_no_steps/metrics.jsonl holds no metrics", {}),
+    # issue 47, h-agents
+    ("serve_network_no_api_key", ["serve", "--host", "0.0.0.0"], "server.host=0.0.0.0 serves the network and no API key is set: give --api-key KEY", {}),
+    ("serve_network_no_api_key_override", ["serve", "server.host=::"], "server.host=:: serves the network and no API key is set", {}),
+    ("serve_api_key_and_no_api_key", ["serve", "--host", "0.0.0.0", "--api-key", "k", "--no-api-key"], "argument --no-api-key: not allowed with argument --api-key", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [
