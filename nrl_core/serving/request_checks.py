@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from nrl_core.data import token_id_problem
 from nrl_core.serving.batcher import SEED_LIMIT
 from nrl_core.serving.errors import RequestError
 
@@ -109,11 +110,9 @@ def is_int(value: Any) -> bool:
 
 
 def check_ids(ids: list[Any], what: str, vocab: int) -> None:
-    for i in ids:
-        if not is_int(i) or not 0 <= i < vocab:
-            raise RequestError(
-                f"{what} must hold token ids in 0..{vocab - 1} (the vocabulary), got {i!r:.40}"
-            )
+    problem = token_id_problem(ids, what, vocab)
+    if problem is not None:
+        raise RequestError(problem)
 
 
 def _number(body: dict[str, Any], name: str, where: str) -> float | None:
