@@ -58,14 +58,23 @@ class ChatCodec:
         tokenizer: a Hugging Face tokenizer.
         apply_chat_template: format with the tokenizer's chat template (else join contents).
         system_prompt: prepended as a system message when the sample has none.
+        vocab_size: one past the largest token id the model has (its config's ``vocab_size``,
+            often above the tokenizer's length: embeddings padded to a multiple, whose ids the
+            policy can sample); None: the tokenizer's length.
     """
 
     def __init__(
-        self, tokenizer: Any, *, apply_chat_template: bool = True, system_prompt: str | None = None
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = True,
+        system_prompt: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.system_prompt = system_prompt
+        self.vocab_size = max(vocab_size or 0, len(tokenizer))
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -357,8 +366,8 @@ def apply_trajectory(
     marks the episode ``noncontiguous``: the ids the model saw are not one sequence, so no
     training sequence is the one that was sampled; it keeps the calls before it and is masked
     out of the loss. A failed row (``failure_reason``) keeps the sample's prompt and nothing
-    else, with reward 0; so does a trajectory holding an id outside the tokenizer's vocabulary
-    (the endpoint's own check, :func:`~nrl_core.data.token_id_problem`: such an id cannot be
+    else, with reward 0; so does a trajectory holding an id outside the model's vocabulary
+    (``codec.vocab_size``; the endpoint's own check, :func:`~nrl_core.data.token_id_problem`: such an id cannot be
     decoded or trained on), its failure naming the call and the id. A sequence longer than
     ``max_total_length`` is cut there (truncated).
     """
@@ -371,7 +380,7 @@ def apply_trajectory(
         return _failed(episode, trajectory.failure_reason or "the agent made no model call")
     # An id outside the vocabulary cannot be decoded or trained on: the row fails. Only the
     # ids that enter the sequence are checked, each once (later prompts repeat the prefix).
-    vocab = len(codec.tokenizer)
+    vocab = codec.vocab_size
     first = trajectory.calls[0].prompt_token_ids
     problem = token_id_problem(first, "model call 0's prompt_token_ids", vocab)
     if problem is not None:

@@ -426,6 +426,23 @@ def test_a_trajectory_with_ids_outside_the_vocabulary_is_a_failed_row(model_and_
     assert batch["sample_mask"].tolist() == [0.0]
 
 
+def test_ids_the_model_embeds_past_the_tokenizer_are_kept(model_and_tokenizer):
+    """A model's vocab_size may exceed the tokenizer's length (padded embeddings) and the
+    policy samples those ids: they are the model's vocabulary, the next one is not."""
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    padded = len(tokenizer) + 24
+    codec = ChatCodec(tokenizer, vocab_size=padded)
+    kept = Trajectory([ModelCall([1, 2], [padded - 1], [-0.5])])
+    episode = apply_trajectory(_agent_episode(codec), kept, codec, max_total_length=64)
+    assert episode.failure is None and episode.token_ids == [1, 2, padded - 1]
+    past = Trajectory([ModelCall([1, 2], [padded], [-0.5])])
+    episode = apply_trajectory(_agent_episode(codec), past, codec, max_total_length=64)
+    assert episode.failure.endswith(f"in 0..{padded - 1} (the vocabulary), got {padded}")
+
+
 def test_the_endpoint_and_the_trajectories_refuse_ids_by_one_check(model_and_tokenizer):
     """The endpoint's 400 and a trajectory's failure are the same line."""
     from nrl_core.agents import ModelCall, Trajectory
