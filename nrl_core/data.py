@@ -225,6 +225,17 @@ class Endpoint:
         return self.base_url.removesuffix("/").removesuffix("/v1")
 
 
+def token_id_problem(ids: Sequence[Any], what: str, vocab: int) -> str | None:
+    """None when every item of ``ids`` is a token id of the vocabulary (an int in
+    ``0..vocab-1``); else one line naming ``what`` and the first item that is not. The one
+    check both the policy endpoint (a request's ids) and the core (an agent's trajectory)
+    apply: an id outside the vocabulary cannot be decoded or embedded."""
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab:
+            return f"{what} must hold token ids in 0..{vocab - 1} (the vocabulary), got {i!r:.40}"
+    return None
+
+
 @attrs.frozen
 class ModelCall:
     """One call of the policy, with the exact ids it saw and produced."""

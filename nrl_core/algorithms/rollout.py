@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from nrl_core.chat_data import apply_template
-from nrl_core.data import Batch, Message, Sample, pad_sequences
+from nrl_core.data import Batch, Message, Sample, pad_sequences, token_id_problem
 from nrl_core.env_failures import failure_of
 from nrl_core.interfaces import GenerationOutput, SamplingParams
 
@@ -59,14 +59,23 @@ class ChatCodec:
         tokenizer: a Hugging Face tokenizer.
         apply_chat_template: format with the tokenizer's chat template (else join contents).
         system_prompt: prepended as a system message when the sample has none.
+        vocab_size: one past the largest token id the model has (its config's ``vocab_size``,
+            often above the tokenizer's length: embeddings padded to a multiple, whose ids the
+            policy can sample); None: the tokenizer's length.
     """
 
     def __init__(
-        self, tokenizer: Any, *, apply_chat_template: bool = True, system_prompt: str | None = None
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = True,
+        system_prompt: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.system_prompt = system_prompt
+        self.vocab_size = max(vocab_size or 0, len(tokenizer))
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -356,7 +365,10 @@ def apply_trajectory(
     marks the episode ``noncontiguous``: the ids the model saw are not one sequence, so no
     training sequence is the one that was sampled; it keeps the calls before it and is masked
     out of the loss. A failed row (``failure_reason``) keeps the sample's prompt and nothing
-    else, with reward 0. A sequence longer than ``max_total_length`` is cut there (truncated).
+    else, with reward 0; so does a trajectory holding an id outside the model's vocabulary
+    (``codec.vocab_size``; the endpoint's own check, :func:`~nrl_core.data.token_id_problem`: such an id cannot be
+    decoded or trained on), its failure naming the call and the id. A sequence longer than
+    ``max_total_length`` is cut there (truncated).
     """
     episode.reward = float(trajectory.reward)
     episode.finish_reason = trajectory.finish_reason
@@ -364,18 +376,33 @@ def apply_trajectory(
     episode.turns = len(trajectory.calls)
     episode.agent_metrics = dict(getattr(trajectory, "metrics", None) or {})
     if trajectory.failure_reason is not None or not trajectory.calls:
-        episode.failure = trajectory.failure_reason or "the agent made no model call"
-        episode.reward = 0.0
-        return episode
+        return _failed(episode, trajectory.failure_reason or "the agent made no model call")
+    # An id outside the vocabulary cannot be decoded or trained on: the row fails. Only the
+    # ids that enter the sequence are checked, each once (later prompts repeat the prefix).
+    vocab = codec.vocab_size
     first = trajectory.calls[0].prompt_token_ids
+    problem = token_id_problem(first, "model call 0's prompt_token_ids", vocab)
+    if problem is not None:
+        return _failed(episode, problem)
+    sample = (list(episode.token_ids), episode.prompt_length, list(episode.messages))
     episode.token_ids, episode.prompt_length = list(first), len(first)
     episode.loss_mask, episode.gen_logprobs = [0.0] * len(first), [0.0] * len(first)
-    for call in trajectory.calls:
+    for index, call in enumerate(trajectory.calls):
         prompt = call.prompt_token_ids
         seen = len(episode.token_ids)
         if prompt[:seen] != episode.token_ids:
             episode.noncontiguous = True
             break
+        problem = token_id_problem(
+            prompt[seen:], f"model call {index}'s prompt_token_ids", vocab
+        ) or token_id_problem(
+            call.generation_token_ids, f"model call {index}'s generation_token_ids", vocab
+        )
+        if problem is not None:
+            episode.token_ids, episode.prompt_length, episode.messages = sample
+            episode.loss_mask = [0.0] * len(episode.token_ids)
+            episode.gen_logprobs = [0.0] * len(episode.token_ids)
+            return _failed(episode, problem)
         if len(prompt) > seen:
             new = prompt[seen:]
             episode.append(new, generated=False)
@@ -391,6 +418,12 @@ def apply_trajectory(
         del episode.loss_mask[max_total_length:]
         del episode.gen_logprobs[max_total_length:]
         episode.truncated, episode.finish_reason = True, "length"
+    return episode
+
+
+def _failed(episode: Episode, reason: str) -> Episode:
+    """``episode`` as a failed row: masked out of the loss, reward 0."""
+    episode.failure, episode.reward = reason, 0.0
     return episode
 
 

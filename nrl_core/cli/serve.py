@@ -1,5 +1,9 @@
-"""``nrl serve [--config FILE] [--host H] [--port P] [--api-key K] [KEY=VALUE...]``: a model behind
-the OpenAI-compatible endpoint (:mod:`nrl_core.serving`).
+"""``nrl serve [--config FILE] [--host H] [--port P] [--api-key K | --no-api-key] [KEY=VALUE...]``:
+a model behind the OpenAI-compatible endpoint (:mod:`nrl_core.serving`).
+
+A host other than loopback (``--host 0.0.0.0``, ``server.host``) serves the network: it is
+refused without an API key (``--api-key``, ``server.api_key``) unless ``--no-api-key`` says an
+open endpoint is meant.
 
 It starts what a training run would for generation (the cluster, the policy ranks for
 ``generation.backend=torch``, or the engines of vLLM / SGLang, loaded with ``policy.model_name``)
@@ -16,6 +20,7 @@ examples:
   nrl serve                                  the tiny CPU model on http://127.0.0.1:8000/v1
   nrl serve --port 0                         any free port (printed)
   nrl serve policy.model_name=path/to/hf_folder generation.backend=vllm --api-key secret
+  nrl serve --host 0.0.0.0 --api-key secret  on the network (a key, or --no-api-key, is needed)
 """
 
 
@@ -35,7 +40,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: embedded)")
     parser.add_argument("--host", help="address to bind (server.host; default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (server.port; 0: a free one)")
-    parser.add_argument("--api-key", help="require Authorization: Bearer KEY (server.api_key)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require Authorization: Bearer KEY (server.api_key)")
+    keys.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (anyone who reaches it may use it)",
+    )
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. server.port=9000"
     )
@@ -62,6 +73,34 @@ def resolve_serve_config(args: argparse.Namespace, registry: Any) -> Any:
     return ConfigConverter(registry).structure(data, ServeConfig)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only (``localhost``, 127.0.0.0/8, ::1).
+    A name other than ``localhost`` is not resolved: it may name any interface."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(server: Any, *, open_on_purpose: bool) -> None:
+    """Refuse to serve the network without an API key: a host other than loopback with no
+    ``server.api_key`` lets anyone who reaches the port generate with the model, so it needs
+    ``--no-api-key`` to say that is meant."""
+    from nrl_core.errors import ConfigError
+
+    if server.api_key or open_on_purpose or is_loopback(server.host):
+        return
+    raise ConfigError(
+        f"server.host={server.host} serves the network and no API key is set: give --api-key "
+        "KEY (server.api_key; clients send Authorization: Bearer KEY), or --no-api-key to "
+        "serve it open on purpose"
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -75,6 +114,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from nrl_core.preflight import check_tool_parser
 
     check_tool_parser(config, registry)  # before anything heavy starts
+    check_exposure(config.server, open_on_purpose=bool(getattr(args, "no_api_key", False)))
 
     from nrl_core.algorithms.runtime import RunSession
 

@@ -361,7 +361,13 @@ def _tool_for_template(tool: Any) -> dict[str, Any]:
 
 def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int], where: str = "") -> int:
     """``max_tokens`` (or, when it is null or absent, ``max_completion_tokens``, OpenAI's newer
-    name) clamped to what the context has left; neither: all the context has left."""
+    name) clamped to what the context has left; neither: all the context has left.
+
+    A limit over ``max_model_len`` is refused (400 naming the field), as vLLM refuses it: no
+    prompt leaves room for it, so it is a mistake, not a ceiling. A limit within
+    ``max_model_len`` that the prompt leaves no room for is clamped to what is left (vLLM's
+    ``get_max_tokens``), so an agent keeping one ``max_tokens`` over a growing conversation is
+    served until the context is full."""
     left = server.max_model_len - len(prompt)
     if left <= 0:
         raise RequestError(
@@ -374,6 +380,11 @@ def _budget(server: ServedPolicy, body: dict[str, Any], prompt: list[int], where
         return left
     if not is_int(asked) or asked < 1:
         raise RequestError(f"{where}{name} must be a positive integer, got {asked!r:.40}")
+    if asked > server.max_model_len:
+        raise RequestError(
+            f"{where}{name}={asked!r:.40} cannot be greater than max_model_len="
+            f"{server.max_model_len} (GET /v1/models); ask for fewer tokens"
+        )
     return min(asked, left)
 
 

@@ -16,6 +16,7 @@ not repeat each other's random numbers.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +87,15 @@ class RequestBatcher:
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task | None = None  # held: an unreferenced task may be collected
         self._calls = 0
+        self.in_flight = 0
+        """Requests submitted and not yet answered."""
+        self.last_answered = float("-inf")
+        """``time.monotonic()`` when a request was last answered (or failed)."""
+
+    def quiet_s(self) -> float:
+        """Seconds since a request was last answered; 0 while one is in flight (the endpoint
+        is busy). Read from other threads: how long an agent has not used the model."""
+        return 0.0 if self.in_flight else time.monotonic() - self.last_answered
 
     async def submit(
         self,
@@ -106,8 +116,13 @@ class RequestBatcher:
             self._worker = asyncio.get_running_loop().create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         stops = list(stop_strings) if stop_strings else None
-        await self._queue.put(_Pending(list(prompt), params, stops, future, reproducible))
-        return await future
+        self.in_flight += 1
+        try:
+            await self._queue.put(_Pending(list(prompt), params, stops, future, reproducible))
+            return await future
+        finally:
+            self.in_flight -= 1
+            self.last_answered = time.monotonic()
 
     async def _serve(self) -> None:
         assert self._queue is not None

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from fastapi import Request
 
+from nrl_core.data import token_id_problem
 from nrl_core.serving.batcher import SEED_LIMIT
 from nrl_core.serving.errors import RequestError
 
@@ -56,7 +58,46 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a surrogate in a str
+        where = lone_surrogate_at(body)
+        if where is not None:
+            raise RequestError(
+                f"{where} holds a lone surrogate (a \\ud800-\\udfff escape not "
+                "paired as UTF-16), which is not text; send valid Unicode"
+            )
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate (``messages[0].content``,
+    or ``a key of messages[0]``), or None. Walked without recursion: the parser allows
+    deeper nesting than Python's stack."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                name = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    return f"a key of {path}" if path else "a key"
+                todo.append((name, child))
+        elif isinstance(item, list):
+            todo.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def vocab_size(server: Any) -> int:
@@ -69,11 +110,9 @@ def is_int(value: Any) -> bool:
 
 
 def check_ids(ids: list[Any], what: str, vocab: int) -> None:
-    for i in ids:
-        if not is_int(i) or not 0 <= i < vocab:
-            raise RequestError(
-                f"{what} must hold token ids in 0..{vocab - 1} (the vocabulary), got {i!r:.40}"
-            )
+    problem = token_id_problem(ids, what, vocab)
+    if problem is not None:
+        raise RequestError(problem)
 
 
 def _number(body: dict[str, Any], name: str, where: str) -> float | None:

@@ -395,6 +395,71 @@ def test_a_failed_row_keeps_its_prompt_gets_reward_zero_and_no_loss(model_and_to
     assert sum(episode.loss_mask) == 0
 
 
+@pytest.mark.parametrize(
+    "calls, named",
+    [
+        # Issue 47: an id past the vocabulary crashed the run in the tokenizer's decode.
+        (
+            [([1, 2], [3], [-0.1]), ([1, 2, 3, 4], [10**9], [-0.2])],
+            "model call 1's generation_token_ids",
+        ),
+        ([([1, -1], [3], [-0.1])], "model call 0's prompt_token_ids"),
+        ([([1, 2], [3], [-0.1]), ([1, 2, 3, "4"], [5], [-0.2])], "model call 1's prompt_token_ids"),
+        ([([1, 2], [True], [-0.1])], "model call 0's generation_token_ids"),
+    ],
+)
+def test_a_trajectory_with_ids_outside_the_vocabulary_is_a_failed_row(model_and_tokenizer, calls, named):  # fmt: skip
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    episode = _agent_episode(codec)
+    prompt, messages = list(episode.token_ids), list(episode.messages)
+    trajectory = Trajectory([ModelCall(*call) for call in calls], reward=1.0)
+    apply_trajectory(episode, trajectory, codec, max_total_length=64)
+    vocab = len(tokenizer)
+    assert episode.failure.startswith(f"{named} must hold token ids in 0..{vocab - 1}")
+    assert (episode.reward, episode.token_ids, episode.messages) == (0.0, prompt, messages)
+    assert sum(episode.loss_mask) == 0 and len(episode.loss_mask) == len(prompt)
+    batch = episodes_to_batch([episode], torch.ones(1), tokenizer.pad_token_id)
+    assert batch["sample_mask"].tolist() == [0.0]
+
+
+def test_ids_the_model_embeds_past_the_tokenizer_are_kept(model_and_tokenizer):
+    """A model's vocab_size may exceed the tokenizer's length (padded embeddings) and the
+    policy samples those ids: they are the model's vocabulary, the next one is not."""
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+
+    _, tokenizer = model_and_tokenizer
+    padded = len(tokenizer) + 24
+    codec = ChatCodec(tokenizer, vocab_size=padded)
+    kept = Trajectory([ModelCall([1, 2], [padded - 1], [-0.5])])
+    episode = apply_trajectory(_agent_episode(codec), kept, codec, max_total_length=64)
+    assert episode.failure is None and episode.token_ids == [1, 2, padded - 1]
+    past = Trajectory([ModelCall([1, 2], [padded], [-0.5])])
+    episode = apply_trajectory(_agent_episode(codec), past, codec, max_total_length=64)
+    assert episode.failure.endswith(f"in 0..{padded - 1} (the vocabulary), got {padded}")
+
+
+def test_the_endpoint_and_the_trajectories_refuse_ids_by_one_check(model_and_tokenizer):
+    """The endpoint's 400 and a trajectory's failure are the same line."""
+    from nrl_core.agents import ModelCall, Trajectory
+    from nrl_core.algorithms.rollout import apply_trajectory
+    from nrl_core.serving.errors import RequestError
+    from nrl_core.serving.request_checks import check_ids
+
+    _, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    vocab = len(tokenizer)
+    with pytest.raises(RequestError) as refused:
+        check_ids([1, vocab], "model call 0's prompt_token_ids", vocab)
+    episode = _agent_episode(codec)
+    apply_trajectory(episode, Trajectory([ModelCall([1, vocab], [2], [-1.0])]), codec, max_total_length=64)  # fmt: skip
+    assert episode.failure == str(refused.value)
+
+
 def test_a_trajectory_longer_than_the_budget_is_cut_and_marked_truncated(model_and_tokenizer):
     from nrl_core.agents import ModelCall, Trajectory
     from nrl_core.algorithms.rollout import apply_trajectory

@@ -505,6 +505,10 @@ CASES = [
     ("ckpt_state_unknown_key", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_state_junk/step_2"), "trainer_state.json: unknown key 'junk'", {}),
     ("ckpt_state_330_mb", run("grpo", "checkpointing.enabled=true", "checkpointing.resume={d}/ckpt_state_huge/step_2"), "trainer_state.json is 314 MiB, over the 4 MiB a trainer state may be", {}),
     ("ckpt_state_330_mb_convert", ["convert", "{d}/ckpt_state_huge/step_2", "{d}/converted"], "trainer_state.json is 314 MiB", {}),
+    # issue 47, h-agents
+    ("serve_network_no_api_key", ["serve", "--host", "0.0.0.0"], "server.host=0.0.0.0 serves the network and no API key is set: give --api-key KEY", {}),
+    ("serve_network_no_api_key_override", ["serve", "server.host=::"], "server.host=:: serves the network and no API key is set", {}),
+    ("serve_api_key_and_no_api_key", ["serve", "--host", "0.0.0.0", "--api-key", "k", "--no-api-key"], "argument --no-api-key: not allowed with argument --api-key", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

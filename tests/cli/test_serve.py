@@ -63,6 +63,8 @@ def test_nrl_serve_answers_the_openai_client_and_stops_cleanly():
     [
         (["--port", "70000"], "server.port"),
         (["server.tool_parser=xml"], "server.tool_parser"),
+        # Issue 47: the network without a key served anyone, with no word.
+        (["--host", "0.0.0.0"], "server.host=0.0.0.0 serves the network and no API key"),
     ],
 )
 def test_bad_serve_settings_are_one_line_and_exit_2(args, message):
@@ -75,3 +77,32 @@ def test_bad_serve_settings_are_one_line_and_exit_2(args, message):
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "host, api_key, open_on_purpose, refused",
+    [
+        ("0.0.0.0", None, False, True),
+        ("::", None, False, True),
+        ("192.168.1.7", "", False, True),  # an empty key checks nothing
+        ("my-host.example", None, False, True),  # a name may be any interface
+        ("0.0.0.0", "secret", False, False),
+        ("0.0.0.0", None, True, False),  # --no-api-key
+        ("127.0.0.1", None, False, False),
+        ("127.0.0.2", None, False, False),
+        ("::1", None, False, False),
+        ("localhost", None, False, False),
+    ],
+)
+def test_a_network_host_needs_an_api_key_or_no_api_key(host, api_key, open_on_purpose, refused):
+    """Issue 47: `nrl serve --host 0.0.0.0` without a key served the network silently."""
+    from nrl_core.cli.serve import check_exposure
+    from nrl_core.config.schema import ServerConfig
+    from nrl_core.errors import ConfigError
+
+    server = ServerConfig(host=host, api_key=api_key)
+    if refused:
+        with pytest.raises(ConfigError, match=r"--api-key KEY .* or --no-api-key"):
+            check_exposure(server, open_on_purpose=open_on_purpose)
+    else:
+        check_exposure(server, open_on_purpose=open_on_purpose)

@@ -431,7 +431,19 @@ HOSTILE = [
     ("generate", _generate(seed="abc"), "sampling_params.seed must be an integer"),
     ("generate", _generate(temperature="hot"), "sampling_params.temperature must be"),
     ("tokenize", json.dumps({"prompt": "x" * 5_000_000}).encode(), "max_model_len=512"),
-]
+    # Issue 47: a limit no context holds was clamped (200); vLLM refuses it, naming the field.
+    ("chat", _chat(max_tokens=10**9), "max_tokens=1000000000 cannot be greater than max_model_len=512"),
+    ("chat", _chat(max_tokens=10**12), "max_tokens=1000000000000 cannot be greater than"),
+    ("chat", _chat(max_tokens=None, max_completion_tokens=10**9), "max_completion_tokens=1000000000 cannot be"),
+    ("generate", _generate(max_tokens=10**12), "sampling_params.max_tokens=1000000000000 cannot be"),
+    # Issue 47: a lone surrogate was a plain-text 500 (the tokenizer cannot encode it).
+    ("chat", _chat(messages=[{"role": "user", "content": "\ud800"}]), "messages[0].content holds a lone surrogate"),
+    ("chat", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]), "messages[0].content[0].text holds a lone surrogate"),
+    ("chat", _chat(messages=[{"role": "user", "content": "hi", "\udc00": 1}]), "a key of messages[0] holds a lone surrogate"),
+    ("chat", _chat(stop=["\ud800"]), "stop[0] holds a lone surrogate"),
+    ("tokenize", json.dumps({"prompt": "x\ud800"}).encode(), "prompt holds a lone surrogate"),
+    ("generate", _generate(request_id="\udbff"), "sampling_params.request_id holds a lone surrogate"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -466,6 +478,26 @@ def test_each_hostile_request_fails_alone_and_the_next_good_one_is_answered(plai
             assert names in message and "\n" not in message, (body[:80], message)
             good = http.post(routes["chat"], content=_chat(), headers=headers)
             assert good.status_code == 200, (body[:80], good.text[:300])
+
+
+def test_a_surrogate_pair_is_text_and_a_limit_within_max_model_len_is_clamped(plain_server):
+    """The refusals above are exact: an escaped surrogate PAIR (an emoji, as json.dumps writes
+    it) is text, and a max_tokens up to max_model_len that the prompt leaves no room for is
+    clamped to what is left (vLLM's rule), not refused."""
+    base = plain_server.base_url.removesuffix("/v1")
+    headers = {"content-type": "application/json"}
+    emoji = _chat(messages=[{"role": "user", "content": "hi \U0001f600"}])
+    assert b"\\ud83d\\ude00" in emoji
+    with httpx.Client(base_url=base, timeout=30) as http:
+        reply = http.post("/v1/chat/completions", content=emoji, headers=headers)
+        assert reply.status_code == 200, reply.text[:300]
+        full = http.post(
+            "/v1/chat/completions", content=_chat(max_tokens=512, temperature=0), headers=headers
+        )
+        assert full.status_code == 200, full.text[:300]
+        answer = full.json()
+        used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        assert used <= 512
 
 
 def test_a_request_the_backend_fails_on_fails_alone(tiny_model_path):

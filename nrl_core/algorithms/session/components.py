@@ -447,7 +447,8 @@ class Components:
             )
             group.set_call_timeout("run", agent_config.run_timeout_s, "agent.run_timeout_s")
             groups[name] = group
-        self.agent_pool = AgentPool(groups)
+        # The endpoint's activity tells a working agent from a stalled one (waiting lines).
+        self.agent_pool = AgentPool(groups, quiet_s=server.batcher.quiet_s)
         self._closers.append(self.agent_pool.shutdown)
 
     def build_loss(self):

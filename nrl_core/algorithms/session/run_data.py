@@ -165,10 +165,20 @@ class RunData:
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
             if self.tokenizer.pad_token_id is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
+            from nrl_core.memory_plan import _model_config
+
+            # The model may embed more ids than the tokenizer names (padded embeddings): an
+            # agent's trajectory may hold sampled ids up to the model's vocab_size. Preflight
+            # has read the same config.json (the memory plan).
+            try:
+                vocab_size = (_model_config(model_path) or {}).get("vocab_size")
+            except RecursionError:
+                vocab_size = None
             self.codec = ChatCodec(
                 self.tokenizer,
                 apply_chat_template=self.config.data.apply_chat_template,
                 system_prompt=self.config.data.system_prompt,
+                vocab_size=vocab_size if isinstance(vocab_size, int) else None,
             )
             # One message through the template now, in the driver: a template jinja2's
             # sandbox refuses is bad input (one line), not a failure once training renders.

@@ -122,18 +122,28 @@ class NemoGymAgent:
     ) -> tuple[Trajectory, Any]:
         """The row's trajectory, and Gym's result (None when the run failed)."""
         name = (row.get("agent_ref") or {}).get("name")
+        limit = self.options.request_timeout_s
         try:
             url = self.servers.url_of(name)
-            response = await client.post(f"{url}/run", json=row)
+            # The whole answer within the limit (httpx's read timeout restarts on every byte).
+            response = await asyncio.wait_for(client.post(f"{url}/run", json=row), limit)
+        except TimeoutError:
+            return _failed(
+                f"{name}'s /run did not answer within agent.nemo_gym.request_timeout_s={limit:g} s"
+            )
         except (KeyError, httpx.HTTPError) as exc:
-            return Trajectory(calls=[], failure_reason=f"{type(exc).__name__}: {exc}"), None
+            return _failed(f"{type(exc).__name__}: {exc}")
         if response.status_code != 200:
-            return Trajectory(
-                calls=[],
-                failure_reason=f"/run answered {response.status_code}: {response.text:.300}",
-            ), None
-        result = response.json()
-        return trajectory_of(result, row), result
+            return _failed(f"/run answered {response.status_code}: {response.text:.300}")
+        # A broken answer fails its row, as a 500 does; it never ends the run.
+        try:
+            result = response.json()
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deeply
+            return _failed(f"{name}'s /run answered 200 with a body that is not JSON: {exc}")
+        try:
+            return trajectory_of(result, row), result
+        except (ValueError, TypeError, AttributeError) as exc:
+            return _failed(f"{name}'s /run answered a result nrl cannot read: {exc}")
 
     async def _add_aggregate_metrics(
         self,
@@ -205,6 +215,11 @@ class NemoGymAgent:
         if self.servers is not None:
             self.servers.stop()
             self.servers = None
+
+
+def _failed(reason: str) -> tuple[Trajectory, None]:
+    """A failed row (no result): masked out of the loss, counted in ``agent_failures``."""
+    return Trajectory(calls=[], failure_reason=reason), None
 
 
 def task_configs(context: Any) -> dict[str, list[str]]:

@@ -57,8 +57,14 @@ class NemoGymAgentConfig:
         600.0, "Longest wait for Gym's servers to be ready, in seconds (> 0).", validator=gt(0)
     )
     request_timeout_s: float = option(
-        900.0,
-        "Longest one row's /run may take, in seconds (> 0); then the row fails.",
+        600.0,
+        (
+            "Longest one row's /run may take, in seconds (> 0); then the row fails (counted "
+            "in agent_failures). Keep it below agent.run_timeout_s (900 s), the limit on an "
+            "actor's whole share of a batch, which ends the run: at 600 s a hung row fails "
+            "alone and the rows still running keep 300 s. A stall is reported after a minute "
+            "either way (the driver's waiting line); raise both for rollouts that take longer."
+        ),
         validator=gt(0),
     )
 
