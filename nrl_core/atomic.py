@@ -61,14 +61,21 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def new_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """A temporary folder next to ``final`` to fill; on success it replaces ``final``
-    (:func:`replace_dir`), on error it is removed and ``final`` is left as it was."""
+def _empty_sibling(final: str | os.PathLike) -> tuple[Path, Path]:
+    """``final`` as a Path, and a new empty temporary folder beside it (same file system, so
+    the rename into place is atomic); ``final``'s parent is created if missing."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(final)
     tmp.mkdir()
+    return final, tmp
+
+
+@contextlib.contextmanager
+def new_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder next to ``final`` to fill; on success it replaces ``final``
+    (:func:`replace_dir`), on error it is removed and ``final`` is left as it was."""
+    final, tmp = _empty_sibling(final)
     try:
         yield tmp
         replace_dir(tmp, final)
@@ -95,10 +102,7 @@ def fill_dir(final: str | os.PathLike) -> Iterator[Path]:
     or write through a symbolic link, is :class:`EntryConflict`, raised before anything is
     moved. On any error the temporary folder is removed.
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(final)
-    tmp.mkdir()
+    final, tmp = _empty_sibling(final)
     try:
         yield tmp
         try:

@@ -158,21 +158,13 @@ def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     assert not torch.equal(model.state_dict()[name], initial.state_dict()[name])
 
 
-def _planted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
-    """A real dtensor checkpoint whose saved config names a script inside it as
-    `policy.actor_env` (and as `cluster.actor_env`), its manifest rewritten to match: what a
-    checkpoint handed over by someone else may hold. Returns (step folder, marker file the
-    script would create)."""
-    import yaml
+def _sft_checkpoint(folder: Path) -> Path:
+    """A real dtensor checkpoint of the tiny model (the sft recipe) saved as step 2 under
+    ``folder``; returns the step folder."""
     from nrl_dtensor.worker import DTensorPolicyWorker
 
     from nrl_core.algorithms.recipes import default_recipe
-    from nrl_core.checkpoint import (
-        CHECKPOINT_CONFIG,
-        POLICY_CHECKPOINT,
-        CheckpointManager,
-        write_manifest,
-    )
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, CheckpointManager
     from nrl_core.config.loader import dump_config, resolve_config
     from nrl_core.interfaces import ComponentContext
     from nrl_core.plugins import PluginHost
@@ -181,11 +173,23 @@ def _planted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
     config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
     worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
 
-    def write(folder: Path) -> None:
-        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
-        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
+    def write(step: Path) -> None:
+        worker.save_checkpoint(str(step / POLICY_CHECKPOINT))
+        (step / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
 
-    step = CheckpointManager(tmp_path / "ckpt").save(2, write, {})
+    return CheckpointManager(folder).save(2, write, {})
+
+
+def _planted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """A real dtensor checkpoint whose saved config names a script inside it as
+    `policy.actor_env` (and as `cluster.actor_env`), its manifest rewritten to match: what a
+    checkpoint handed over by someone else may hold. Returns (step folder, marker file the
+    script would create)."""
+    import yaml
+
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, write_manifest
+
+    step = _sft_checkpoint(tmp_path / "ckpt")
     marker = tmp_path / "MARKER"
     script = step / "python"
     script.write_text(f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n')
@@ -262,23 +266,7 @@ def test_a_pickle_planted_in_the_rank_state_is_one_line_exit_2(tmp_path, capsys)
 @pytest.fixture(scope="module")
 def sft_step(tmp_path_factory) -> Path:
     """A real dtensor checkpoint of the tiny model (the sft recipe), converted in-process."""
-    from nrl_dtensor.worker import DTensorPolicyWorker
-
-    from nrl_core.algorithms.recipes import default_recipe
-    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, CheckpointManager
-    from nrl_core.config.loader import dump_config, resolve_config
-    from nrl_core.interfaces import ComponentContext
-    from nrl_core.plugins import PluginHost
-
-    registry = PluginHost.discover().registry()
-    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
-    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
-
-    def write(folder: Path) -> None:
-        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
-        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
-
-    return CheckpointManager(tmp_path_factory.mktemp("ckpt") / "ckpt").save(2, write, {})
+    return _sft_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt")
 
 
 def _snapshot(root: Path) -> dict[str, object]:

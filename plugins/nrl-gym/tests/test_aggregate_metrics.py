@@ -7,14 +7,10 @@ the example runs (docs/agents.md) call Gym's own."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from nrl_gym.agent import ROW_KEY, NemoGymAgent
 
@@ -22,7 +18,7 @@ from nrl_core.agents import Trajectory
 
 
 @pytest.fixture
-def gym_like_agents():
+def gym_like_agents(served):
     asked: list[dict] = []
     app = FastAPI()
 
@@ -34,17 +30,8 @@ def gym_like_agents():
         mean = sum(rewards) / len(rewards)
         return {"agent_metrics": {"mean/reward": mean, "num_repeats": 2, "note": "text"}}
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield {"with": f"{base}/with", "without": f"{base}/without"}, asked
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(app) as base:
+        yield {"with": f"{base}/with", "without": f"{base}/without"}, asked
 
 
 def _row(agent: str, task: str, prompt: str) -> dict:

@@ -5,13 +5,10 @@ httpx client."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from nrl_gym.agent import ROW_KEY, NemoGymAgent
@@ -32,7 +29,7 @@ GOOD = {
 
 
 @pytest.fixture
-def broken_gym_agents():
+def broken_gym_agents(served):
     app = FastAPI()
 
     @app.post("/ok/run")
@@ -65,18 +62,8 @@ def broken_gym_agents():
         await asyncio.sleep(60)
         return GOOD
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield lambda name: f"{base}/{name}"
-    server.should_exit = True
-    server.force_exit = True
-    thread.join(timeout=10)
+    with served(app) as base:
+        yield lambda name: f"{base}/{name}"
 
 
 def test_a_broken_or_silent_run_fails_its_row_and_the_others_are_kept(broken_gym_agents):
