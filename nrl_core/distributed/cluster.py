@@ -151,6 +151,7 @@ def _patient_raylet_wait(temp_dir: Path, deadline: float):
 
     def get_node(*args: Any, **kwargs: Any) -> Any:
         while True:
+            _raise_pending_signal()  # a safe point: the driver has not connected yet
             try:
                 return original(*args, **kwargs)
             except RuntimeError:
@@ -169,12 +170,21 @@ def _patient_raylet_wait(temp_dir: Path, deadline: float):
 
 
 class _SignalDuringStart(BaseException):
-    """Raised by the handler :func:`_signals_stop_the_start` installs: a Ctrl-C or SIGTERM
-    within ``ray.init`` (a BaseException, so that no ``except Exception`` in Ray swallows it)."""
+    """A Ctrl-C or SIGTERM that arrived while the local head started, raised at a safe point
+    (a BaseException, so that no ``except Exception`` in Ray swallows it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+_pending_signals: list[int] = []
+
+
+def _raise_pending_signal() -> None:
+    """At a safe point of the start-up: raise the Ctrl-C / SIGTERM that arrived meanwhile."""
+    if _pending_signals:
+        raise _SignalDuringStart(_pending_signals[0])
 
 
 @contextlib.contextmanager
@@ -182,6 +192,13 @@ def _signals_stop_the_start(cluster: LocalCluster):
     """While the local head starts, a Ctrl-C or SIGTERM stops the start-up cleanly (exit 130 /
     143, one line, no process or temp folder left) through
     :meth:`LocalCluster._stopped_while_starting`.
+
+    The handler only records the signal; it is acted on at safe points
+    (:func:`_raise_pending_signal`: between steps, while Ray waits for its raylet, and once
+    ``ray.init`` returned). An exception raised by the handler wherever Python happened to
+    be could interrupt Ray's driver half-way through connecting its core worker (C++): the
+    driver then died of SIGSEGV in ``_raylet.so`` at exit, leaving the temp folder (issue 47:
+    2 of 4 Ctrl-C's; 1 of 20 in a loop of tries at 3.5-8 s into ``ray.init``).
 
     ``ray.init`` installs SIGTERM handlers of its own midway (one calls ``sys.exit(15)``, one
     kills its processes and calls ``sys.exit(1)``): exit 15 with no message and the temp
@@ -192,15 +209,17 @@ def _signals_stop_the_start(cluster: LocalCluster):
         return
     from ray._private import utils as ray_utils
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise _SignalDuringStart(signum)
+    def defer(signum: int, frame: Any) -> None:
+        _pending_signals.append(signum)
 
+    _pending_signals.clear()
     original = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda handler: None
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
+        signal.signal(signum, defer)
     try:
         yield
+        _raise_pending_signal()
     except _SignalDuringStart as stop:
         ray_utils.set_sigterm_handler = original
         # A second signal meanwhile must not cut the clean-up short.
@@ -209,6 +228,7 @@ def _signals_stop_the_start(cluster: LocalCluster):
         cluster._stopped_while_starting(stop.signum)
     finally:
         ray_utils.set_sigterm_handler = original
+        _pending_signals.clear()
 
 
 def _run_dir(context: Any) -> Path | None:
@@ -307,34 +327,40 @@ class LocalCluster:
                 f"Ray temp dir {self.temp_dir} is too long for unix sockets; "
                 "use a path under 60 characters such as /tmp/nrl-ray"
             )
-        self._temp_pending = not self.temp_dir.exists()  # never remove a folder we did not make
-        self.temp_dir.mkdir(parents=True, exist_ok=True)
-        if not self.console_output:
-            # Before ray.init: its own lines, and the workers' (which inherit the environment).
-            self._output = RayOutputToRunLog(QUIET_WORKER_ENV)
-        # address="local" ignores RAY_ADDRESS: this backend must never join someone's cluster.
-        kwargs: dict[str, Any] = {
-            "address": "local",
-            "include_dashboard": self.config.dashboard,
-            "_temp_dir": str(self.temp_dir),
-            "log_to_driver": self._output is None or self._output.forwarding,
-        }
-        if self.config.num_cpus is not None:
-            kwargs["num_cpus"] = self.config.num_cpus
-        if self.config.gpus_per_node is not None:
-            kwargs["num_gpus"] = self.config.gpus_per_node
-        self._start_reaper()
-        # Before ray.init: Ray's processes inherit this process's environment.
-        from nrl_core.weight_sync.shm import SEGMENT_PREFIX_VAR
-
-        self._previous_prefix = os.environ.get(SEGMENT_PREFIX_VAR)
-        os.environ[SEGMENT_PREFIX_VAR] = self.segment_prefix
         # Ours to restore at shutdown: ray.init installs a SIGTERM handler of its own.
         self._previous_handlers = {
             signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)
         }
-        atexit.register(self.shutdown)
+        # From before the temp folder exists: a Ctrl-C at any moment of the start-up
+        # leaves nothing behind.
         with _signals_stop_the_start(self):
+            # Never remove a folder we did not make.
+            self._temp_pending = not self.temp_dir.exists()
+            self.temp_dir.mkdir(parents=True, exist_ok=True)
+            if not self.console_output:
+                # Before ray.init: its own lines, and the workers' (which inherit the
+                # environment).
+                self._output = RayOutputToRunLog(QUIET_WORKER_ENV)
+            # address="local" ignores RAY_ADDRESS: this backend must never join someone's
+            # cluster.
+            kwargs: dict[str, Any] = {
+                "address": "local",
+                "include_dashboard": self.config.dashboard,
+                "_temp_dir": str(self.temp_dir),
+                "log_to_driver": self._output is None or self._output.forwarding,
+            }
+            if self.config.num_cpus is not None:
+                kwargs["num_cpus"] = self.config.num_cpus
+            if self.config.gpus_per_node is not None:
+                kwargs["num_gpus"] = self.config.gpus_per_node
+            self._start_reaper()
+            # Before ray.init: Ray's processes inherit this process's environment.
+            from nrl_core.weight_sync.shm import SEGMENT_PREFIX_VAR
+
+            self._previous_prefix = os.environ.get(SEGMENT_PREFIX_VAR)
+            os.environ[SEGMENT_PREFIX_VAR] = self.segment_prefix
+            atexit.register(self.shutdown)
+            _raise_pending_signal()
             self._start_with_retries(ray, kwargs)
             # After ray.init, which installs its own SIGTERM handler that skips our clean-up.
             self._install_signal_handlers()
@@ -352,6 +378,7 @@ class LocalCluster:
         deadline = started + start_timeout_s()
         attempt = 0
         while True:
+            _raise_pending_signal()
             attempt += 1
             self._started = True
             try:
@@ -397,7 +424,18 @@ class LocalCluster:
 
         self._stop_attempt(ray)
         self.failed = True
-        self._shutdown(keep_temp=self.keep_temp_on_failure, say=True)
+        keep, ours = self.keep_temp_on_failure, self._temp_pending
+        self._shutdown(keep_temp=keep, say=True)
+        if ours and not keep:
+            # A Ctrl-C from the terminal reaches Ray's processes too: an agent whose raylet
+            # died with it is nobody's child (not found to be stopped) and may still write
+            # its log into the folder just removed. Remove it again once it has had time.
+            from nrl_core.distributed.reaper import remove_temp_dir
+
+            for _ in range(15):
+                time.sleep(0.2)
+                if os.path.lexists(self.temp_dir):
+                    remove_temp_dir(str(self.temp_dir))
         name = signal.Signals(signum).name
         print(
             f"stopped by {name} while the local Ray head was starting; its processes are stopped",
@@ -436,8 +474,31 @@ class LocalCluster:
         self._shutdown(keep_temp=keep_temp, say=True)
 
     def _shutdown(self, *, keep_temp: bool, say: bool) -> None:
+        """Stop Ray and remove the temp folder; a Ctrl-C / SIGTERM meanwhile (after the run's
+        summary, say) is acted on once the clean-up is done: interrupting it half-way left an
+        empty ``session_*`` folder (issue 47)."""
+        deferred: list[int] = []
+        main = threading.current_thread() is threading.main_thread()
+        before = {}
+        if main:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                before[signum] = signal.getsignal(signum)
+                signal.signal(signum, lambda signum, frame: deferred.append(signum))
+        try:
+            self._clean_up(keep_temp=keep_temp, say=say)
+        finally:
+            for signum, handler in before.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            self._restore_handlers()
+        if deferred:
+            global _received_signal
+            _received_signal = deferred[0]
+            if deferred[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            sys.exit(128 + deferred[0])
+
+    def _clean_up(self, *, keep_temp: bool, say: bool) -> None:
         self._stop_ray()
-        self._restore_handlers()
         self._restore_prefix()
         from nrl_core.distributed.reaper import kill, remove_temp_dir
 
