@@ -133,9 +133,12 @@ def registry():
 def qwen3_folder(tmp_path_factory):
     """A model folder preflight accepts: the real config.json, placeholder weights and
     tokenizer files (the plan reads config.json only)."""
+    from safetensors.torch import save_file
+
     folder = tmp_path_factory.mktemp("qwen3-30b-a3b")
     shutil.copy(SHAPES / "qwen3-30b-a3b" / "config.json", folder / "config.json")
-    (folder / "model.safetensors").write_bytes(b"")
+    # A valid safetensors file holding no tensor: preflight reads the header (issue 47).
+    save_file({}, folder / "model.safetensors")
     (folder / "tokenizer_config.json").write_text("{}")
     return folder
 

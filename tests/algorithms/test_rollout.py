@@ -487,7 +487,7 @@ from nrl_core.data import Sample
 from nrl_core.testing.tiny import tiny_model_path
 
 codec = ChatCodec(AutoTokenizer.from_pretrained(tiny_model_path()), apply_chat_template=False)
-sample = Sample(messages=[{"role": "user", "content": "1+" * 10_000_000}])  # 20 MB
+sample = Sample(messages=[{"role": "user", "content": "1+" * 4_000_000}])  # 8 MB
 print("READY", flush=True)
 try:
     codec.prompt_lengths([sample])
@@ -523,7 +523,7 @@ def test_ctrl_c_stops_tokenising_a_huge_prompt_at_once(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert said.strip() == "interrupted", said + err[-3000:]
+    assert said.strip() == "interrupted", (proc.returncode, said + err[-3000:])
     assert proc.returncode == 130 and "tokenised" not in out, (out, err[-3000:])
-    # The old code handled it when the tokenizer returned: minutes for 20 MB.
-    assert took < 10, f"the interrupt took {took:.1f} s"
+    # The old code handled it when the tokenizer returned: ~14 s after the signal for 8 MB.
+    assert took < 5, f"the interrupt took {took:.1f} s"
