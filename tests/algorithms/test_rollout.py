@@ -480,7 +480,12 @@ def test_model_calls_refuse_unpaired_logprobs():
 
 
 _TOKENISE_HUGE_PROMPT = """
+import signal
 import sys
+
+# Python as a terminal starts it: a parent that ignores SIGINT (a shell's background job,
+# `cmd &`, runs the suite so) would pass that on, and Python then installs no Ctrl-C handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from transformers import AutoTokenizer
 from nrl_core.algorithms.rollout import ChatCodec
 from nrl_core.data import Sample
