@@ -202,7 +202,9 @@ def test_convert_exports_the_same_logits(grpo_run, pool2, start_group):
 
     # A megatron checkpoint does not reshard: a different rank count is a one-line error.
     env = {**os.environ, "NRL_ACTOR_ENV": "system", "PYTHONPATH": str(grpo_run / "site")}
-    command = [sys.executable, "-m", "nrl_core.cli", "convert", str(grpo_run / "ckpt"), str(out)]
+    # A new OUT_DIR: convert refuses a non-empty one before anything else (issue 47).
+    fresh = out.parent / f"{out.name}-resharded"
+    command = [sys.executable, "-m", "nrl_core.cli", "convert", str(grpo_run / "ckpt"), str(fresh)]
     refused = subprocess.run(
         [*command, "--num-workers", "1"],
         capture_output=True,
