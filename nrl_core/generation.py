@@ -32,6 +32,7 @@ from typing import Any
 from nrl_core.config.schema.generation import EngineOptions as EngineOptions
 from nrl_core.config.validation import nccl_colocated_message
 from nrl_core.data import split_even
+from nrl_core.distributed.errors import WorkerError
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
@@ -234,7 +235,15 @@ class GenerationEngines:
             policy.offload(["optimizer"])
             self.awake = True  # each engine wakes its weights for the refit
         self.holds_weights = False  # until every bucket arrived
-        results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
+        try:
+            results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
+        except WorkerError as exc:
+            # A dead engine shows up in the policy rank as a bare ActorDiedError: name the
+            # engine, its pid and why it died instead.
+            dead = self.group.dead_rank_error("refit")
+            if dead is not None:
+                raise dead from exc
+            raise
         stats = next((r for r in results if r is not None), None)
         if stats is None:
             raise RuntimeError("no policy rank reported refit statistics")

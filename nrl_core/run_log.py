@@ -135,7 +135,7 @@ def log_failure(summary: str, detail: str) -> Path | None:
 
 def log_output(source: str, lines: Iterable[str]) -> None:
     """Write ``lines`` another process printed (a Ray worker's stdout or stderr, the raylet's
-    warnings) to the run log, each after ``source`` (``(_WorkerActor pid=123)``), within the
+    warnings) to the run log, each after ``source`` (``(nrl-policy-0 pid=123)``), within the
     caps (:data:`MAX_LINE_BYTES`, :data:`MAX_STEP_OUTPUT_BYTES`); dropped when no run log is
     open."""
     if not _open:

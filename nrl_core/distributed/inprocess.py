@@ -373,6 +373,11 @@ class InProcessWorkerGroup:
         naming ``key``), as :meth:`WorkerGroup.set_call_timeout`."""
         self.call_timeouts[method] = (float(seconds), key)
 
+    def dead_rank_error(self, what: str, timeout_s: float = 10) -> WorkerError | None:
+        """Always None: an in-process worker cannot die without the driver (see
+        :meth:`WorkerGroup.dead_rank_error`)."""
+        return None
+
     def shutdown(self, timeout_s: float = 30) -> None:
         """``worker.shutdown()`` where defined (not after a timed-out call: ``timeout_s=0``),
         and the torch.distributed group a worker formed."""

@@ -14,7 +14,7 @@ class RayOutputToRunLog:
     (:mod:`nrl_core.run_log`) instead of the console: the records of its ``ray`` logger below
     ERROR ("Started a local Ray instance", the token-auth notice; errors are printed too) and
     every line it forwards from the cluster (the workers' stdout and stderr, with their
-    ``(_WorkerActor pid=...)`` prefix, the raylet's and GCS's warnings, its error messages).
+    ``(nrl-policy-0 pid=...)`` prefix, the raylet's and GCS's warnings, its error messages).
 
     Ray prints all forwarded lines through one function, ``print_worker_logs`` (the worker
     output and the error messages alike, deduplicated before); it is replaced while this is in

@@ -26,6 +26,7 @@ re-exported here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import time
@@ -139,7 +140,14 @@ class ParallelLayout:
         return last_stage + dp_rank * self.tp * self.cp
 
 
-_RemoteWorker = ray.remote(max_restarts=0, max_task_retries=0)(_WorkerActor)
+@functools.cache
+def _remote_worker(group: str, rank: int) -> Any:
+    """The Ray actor class of ``group``'s rank ``rank``: :class:`_WorkerActor` under the name
+    ``nrl-<group>-<rank>``, which Ray makes the process title (``ray::nrl-policy-0``, and
+    ``ray::nrl-policy-0.call`` while it runs a call) and the prefix of its forwarded output, so
+    ``ps``, ``top`` and the run log say which rank of which component a process is."""
+    named = type(f"nrl-{group}-{rank}", (_WorkerActor,), {"__module__": _WorkerActor.__module__})
+    return ray.remote(max_restarts=0, max_task_retries=0)(named)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +285,8 @@ class WorkerGroup:
             runtime_env["py_executable"] = python
         tag = uuid.uuid4().hex[:6]
         actors = [
-            _RemoteWorker.options(
+            _remote_worker(name, rank)
+            .options(
                 name=f"nrl-{name}-{rank}-{tag}",
                 num_cpus=num_cpus_per_worker,
                 num_gpus=num_gpus_per_worker,
@@ -285,7 +294,8 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote()
+            )
+            .remote()
             for rank in range(num_workers)
         ]
         infos = [_WorkerInfo(rank) for rank in range(num_workers)]
@@ -384,6 +394,22 @@ class WorkerGroup:
         ref = self.actors[rank].call.remote(method, args, kwargs)
         return self._gather([ref], _method_name(method), ranks=[rank])[0]
 
+    def dead_rank_error(self, what: str, timeout_s: float = 10) -> WorkerError | None:
+        """The one-line error of the first rank whose actor is dead (``died in {what}``, its
+        pid and cause), or None when every rank answers. For a failure seen by another group
+        first: a policy rank whose refit could not reach an engine reports only that the
+        engine's actor died, not which one, nor why."""
+        refs = [actor.describe.remote() for actor in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                return self._worker_error(rank, what, exc)
+            except Exception:  # alive but busy (a timeout) or failing otherwise: not dead
+                continue
+        return None
+
     def shutdown(self, timeout_s: float = 30) -> None:
         """Let workers clean up (``worker.shutdown()`` if defined), then kill the actors.
 
@@ -470,7 +496,8 @@ class WorkerGroup:
             detail = f"could not start its runtime environment (python/env_vars): {last}"
             trace = str(exc)
         elif isinstance(exc, ray.exceptions.RayActorError):
-            detail = f"died in {what}: its process exited or was killed (out of memory, os._exit)"
+            pid = self.infos[rank].pid or "?"
+            detail = f"died in {what} (pid {pid}): {_death_cause(exc, self._log_tail(rank))}"
             trace = ""
         else:
             detail = f"failed in {what}: {type(exc).__name__}: {_first_line(exc)}"
@@ -537,6 +564,28 @@ class WorkerGroup:
         if has_trace:
             where = f"{where}; -v prints the traceback" if where else "-v prints the traceback"
         return f" ({where})" if where else ""
+
+
+_FATAL = re.compile(r"Fatal Python error: (.+)")
+
+
+def _death_cause(exc: BaseException, log_tail: str) -> str:
+    """Why an actor's process died, as far as anyone can tell: Ray names ``ray.kill`` and a
+    SIGTERM; a crash (SIGSEGV, SIGABRT, SIGBUS...) leaves Python's fatal-error line in the
+    worker's log; a SIGKILL, the out-of-memory killer or ``os._exit`` leave nothing (the raylet
+    sees the connection close, never the exit status)."""
+    text = str(exc)
+    if "ray.kill" in text:
+        return "it was stopped by ray.kill"
+    if "receives a SIGTERM" in text:
+        return "its process was terminated (SIGTERM)"
+    crash = _FATAL.findall(log_tail)
+    if crash:
+        return f"its process crashed ({crash[-1].strip()})"
+    return (
+        "its process was killed or exited without a word (SIGKILL, the out-of-memory killer "
+        "or os._exit: no exit status reaches Ray)"
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -126,7 +126,7 @@ def test_rays_own_lines_and_the_workers_output_go_to_the_run_log_until_removed(t
             {
                 "lines": ["Loading weights: 100%", "a warning"],
                 "pid": 4242,
-                "actor_name": "_WorkerActor",
+                "actor_name": "nrl-policy-0",
                 "ip": "10.0.0.1",
                 "localhost": "10.0.0.1",
                 "is_err": True,
@@ -142,8 +142,8 @@ def test_rays_own_lines_and_the_workers_output_go_to_the_run_log_until_removed(t
     assert "NRL_TEST_QUIET_VAR" not in os.environ
     assert ray_worker.print_worker_logs is printer
     logged = (tmp_path / RUN_LOG_FILE).read_text()
-    assert "(_WorkerActor pid=4242) Loading weights: 100%" in logged
-    assert "(_WorkerActor pid=4242) a warning" in logged
+    assert "(nrl-policy-0 pid=4242) Loading weights: 100%" in logged
+    assert "(nrl-policy-0 pid=4242) a warning" in logged
     assert "(raylet) worker died" in logged
     assert "ray._private.worker: Started a local Ray instance." in logged
     assert "Autoscaler status" not in logged

@@ -98,6 +98,59 @@ def test_without_a_run_log_the_error_names_the_ray_worker_log(failing_group):
     assert "second line of the message" in err.remote_traceback
 
 
+@pytest.mark.parametrize(
+    ("signal_name", "cause"),
+    [
+        ("SIGKILL", "was killed or exited without a word (SIGKILL"),
+        ("SIGSEGV", "crashed (Segmentation fault)"),
+        ("SIGTERM", "was terminated (SIGTERM)"),
+    ],
+)
+def test_a_killed_worker_is_named_with_its_process_title_pid_and_cause(
+    ray_cluster, worker_env, signal_name, cause
+):
+    """Each rank's process says what it is (``ps`` showed ``ray::_WorkerActor`` for every
+    rank of every group), and a rank killed from outside is named with its pid and, as far as
+    anyone can tell, the signal (it was "its process exited or was killed")."""
+    import signal
+
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    group = WorkerGroup.start(
+        "nrl_error_workers:FailingWorker",
+        2,
+        name="generation-torch",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.25,
+        timeout_s=60,
+    )
+    try:
+        pids = group.run_all("pid")
+        for rank, pid in enumerate(pids):
+            title = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0].strip()
+            assert title == f"ray::nrl-generation-torch-{rank}", title
+        os.kill(pids[1], getattr(signal, signal_name))
+        # Ray learns how a process ended a moment after it is gone (a call made at once may
+        # only see the connection drop): as a run does, call after the death, not during it.
+        deadline = time.monotonic() + 30
+        while alive([pids[1]]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        with pytest.raises(WorkerError) as info:
+            group.run_one(1, "pid")
+        message = str(info.value)
+        assert message.startswith(
+            f"generation-torch rank 1 died in pid (pid {pids[1]}): its process {cause}"
+        ), message
+        assert "\n" not in message
+        dead = group.dead_rank_error("refit")
+        assert dead is not None and str(dead).startswith(
+            f"generation-torch rank 1 died in refit (pid {pids[1]})"
+        ), dead
+    finally:
+        group.shutdown(timeout_s=5)
+
+
 def test_a_hung_environment_step_fails_after_its_own_timeout_and_is_stopped(
     ray_cluster, worker_env, tmp_path
 ):

@@ -99,6 +99,32 @@ def test_killing_an_engine_mid_run_is_a_named_error(setup):
     assert "rank 1 died in generate" in str(info.value)
 
 
+def test_an_engine_killed_between_steps_is_named_at_the_refit(setup):
+    """An asynchronous run refits engines between steps: a kill -9 of an engine then showed
+    as ``policy rank 0 failed in push_weights: ActorDiedError`` (the policy rank's call into
+    the engine failed), naming neither the engine, nor its pid, nor the signal."""
+    import os
+    import signal
+    import time
+
+    from nrl_core.distributed.errors import WorkerError
+
+    _, policy, _, engines = setup
+    pid = engines.group.infos[1].pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(WorkerError) as info:
+        engines.refit(policy)
+    message = str(info.value)
+    assert message.startswith(
+        f"generation-torch rank 1 died in refit (pid {pid}): its process was killed or exited "
+        "without a word (SIGKILL"
+    ), message
+    assert "push_weights" not in message
+
+
 @pytest.mark.gpu_sim
 def test_the_engine_keeps_the_memory_contract(tiny_path, monkeypatch):
     """Under ``NRL_MEMORY_CONTRACT=1`` a torch engine's sleep is a GPU engine's deep sleep:
