@@ -27,6 +27,12 @@ import uuid
 
 import pytest
 
+# Ray's settings as nrl makes them (its `uv run` hook off, no auto-connect), before any test
+# module imports Ray, which reads them then: a test that starts actors itself (`ray.remote`)
+# must start them as a run does. Otherwise, under `uv run --no-sync pytest`, Ray launched
+# those workers through `uv run` in a copy of the working folder, without Ray in their venv.
+import nrl_core.distributed  # noqa: F401  (cheap: sets two environment variables)
+
 # Before any test module imports it, so its asserts show the compared values.
 pytest.register_assert_rewrite("nrl_core.testing.conformance")
 

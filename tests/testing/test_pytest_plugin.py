@@ -32,3 +32,34 @@ def test_plugin_host_adds_a_test_plugin(plugin_host):
 def test_plugin_host_is_fresh_for_each_test(plugin_host):
     # The previous test's plugin was removed (and this host is a new one anyway).
     assert plugin_host.registry().find("environment", "fixture_probe") is None
+
+
+def test_a_test_module_importing_ray_first_gets_nrl_s_ray_settings(tmp_path):
+    """A plugin's test that imports Ray before anything of nrl's, then starts actors itself
+    (``ray.remote``), must get Ray configured as a run configures it: with Ray's ``uv run``
+    hook on, ``uv run --no-sync pytest plugins/nrl-math-env`` started those workers through
+    ``uv run`` in a copy of the folder, where no Ray was installed (issue 53)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_first.py").write_text(
+        "import ray\n"
+        "from ray._private import ray_constants\n\n"
+        "def test_settings():\n"
+        "    assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is False\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "RAY_ENABLE_AUTO_CONNECT")
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
