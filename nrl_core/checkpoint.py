@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -233,7 +234,7 @@ MAX_TRAINER_STATE_BYTES = 4 << 20
 """Largest ``trainer_state.json`` read (4 MiB). nrl writes about 60 KB (the step, the data
 stream's counters, the Python and torch RNG states); a larger file is not nrl's, and is
 refused before it is read."""
-TRAINER_STATE_KEYS = frozenset({"step", "data", "rng"})
+TRAINER_STATE_KEYS = frozenset({"step", "data", "rng", "val"})
 """The keys of a trainer state (:meth:`CheckpointManager.save` and
 :meth:`~nrl_core.algorithms.session.run_folder.RunFolder.save_checkpoint` write them)."""
 _RNG_KEYS = frozenset({"python", "torch"})
@@ -288,6 +289,18 @@ def _state_problem(state: dict[str, Any]) -> str | None:
     data = state.get("data")
     if data is not None and not (isinstance(data, dict) and _counters(data)):
         return "`data` must be the data stream's position (integers >= 0)"
+    val = state.get("val")
+    if val is not None and not (
+        isinstance(val, dict)
+        and all(
+            isinstance(k, str)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in val.items()
+        )
+    ):
+        return "`val` must map validation metric names to finite numbers"
     rng = state.get("rng")
     if rng is None:
         return None
@@ -329,16 +342,29 @@ class ResumePoint:
 
 
 class CheckpointManager:
-    """Writes, finds, verifies and prunes the step checkpoints of one run.
+    """Writes, finds, verifies, ranks and prunes the step checkpoints of one run.
 
     Args:
         root: the checkpoint folder (``checkpointing.checkpoint_dir``).
-        keep_last: keep only the newest N complete checkpoints (None keeps all; >= 1).
+        keep_last: keep only the newest N complete checkpoints (None keeps all; >= 1), and
+            besides them the :meth:`best`.
+        metric: the validation metric that ranks checkpoints (``checkpointing.metric_name``,
+            recorded in the trainer state of a checkpoint saved at a validation step); None
+            ranks by age only.
+        higher_is_better: the direction of ``metric``.
     """
 
-    def __init__(self, root: str | Path, keep_last: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        keep_last: int | None = None,
+        metric: str | None = None,
+        higher_is_better: bool = True,
+    ) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self.metric = metric
+        self.higher_is_better = higher_is_better
 
     def complete(self) -> list[Path]:
         """Checkpoints that were renamed into place (not yet verified), oldest first."""
@@ -351,6 +377,32 @@ class CheckpointManager:
         """The newest complete checkpoint, unverified (cheap: for summaries)."""
         complete = self.complete()
         return complete[-1] if complete else None
+
+    def scores(self) -> list[tuple[Path, float]]:
+        """``(checkpoint, its metric)`` of the complete checkpoints that recorded
+        :attr:`metric`, oldest first (none without a metric; an unreadable trainer state
+        counts as unscored: :func:`verify` reports it where it matters)."""
+        if self.metric is None:
+            return []
+        scored = []
+        for folder in self.complete():
+            try:
+                value = (read_state(folder).get("val") or {}).get(self.metric)
+            except ConfigError:
+                continue
+            if value is not None:
+                scored.append((folder, float(value)))
+        return scored
+
+    def best(self) -> tuple[Path, float] | None:
+        """The checkpoint with the best :attr:`metric` and its value (the newest of equals),
+        or None when none recorded it."""
+        scored = self.scores()
+        if not scored:
+            return None
+        sign = 1.0 if self.higher_is_better else -1.0
+        # max() keeps the first of equals: scan newest first so the newest of equals wins.
+        return max(reversed(scored), key=lambda item: sign * item[1])
 
     def newest_good(self) -> ResumePoint:
         """The newest checkpoint that passes :func:`verify`, and the newer ones that failed."""
@@ -402,20 +454,35 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last is None:
             return
+        best = self.best()
         for old in self.complete()[: -self.keep_last]:
+            if best is not None and old == best[0]:
+                continue  # the best by metric survives however old
             shutil.rmtree(old, ignore_errors=True)
 
 
 # -- reading a checkpoint (resume, convert, eval) -------------------------------------------
 
 
-def find_step_folder(path: str | Path) -> Path:
+def find_step_folder(
+    path: str | Path, metric: str | None = None, higher_is_better: bool = True
+) -> Path:
     """The checkpoint at ``path``: ``path`` itself (refused when damaged), its parent when
-    ``path`` is the ``policy/`` folder inside one, or the newest intact ``step_N`` of a
-    checkpoint folder (naming, on stderr, newer ones skipped as damaged)."""
+    ``path`` is the ``policy/`` folder inside one, or, in a checkpoint folder, the intact
+    ``step_N`` with the best ``metric`` (saying so on stderr) or, without one that recorded
+    it, the newest intact one (naming, on stderr, newer ones skipped as damaged)."""
     import sys
 
     path = Path(path)
+    if metric is not None and not is_step_folder(path):
+        best = CheckpointManager(path, metric=metric, higher_is_better=higher_is_better).best()
+        if best is not None and verify(best[0]) is None:
+            print(
+                f"{best[0].name}: the best {metric} ({best[1]:.4g}) of the checkpoints in "
+                f"{path} (checkpointing.metric_name; pass a step_N folder for another)",
+                file=sys.stderr,
+            )
+            return best[0]
     if path.name == POLICY_CHECKPOINT and is_step_folder(path.parent):
         path = path.parent
     if is_step_folder(path):

@@ -248,3 +248,40 @@ def test_a_trainer_state_with_unknown_keys_or_over_the_limit_is_refused(tmp_path
     with pytest.raises(ConfigError, match=r"is 4 MiB, over the 4 MiB a trainer state may be"):
         read_state(step)
     assert MAX_TRAINER_STATE_BYTES == 4 << 20  # the limit docs/checkpoints.md gives
+
+
+def test_the_best_checkpoint_by_metric_survives_pruning_and_is_what_eval_takes(tmp_path, capsys):
+    """Issue 53: a run whose validation peaked before its end kept only its newest
+    checkpoints, and `nrl eval` of the folder took the newest. The best by
+    ``checkpointing.metric_name`` now survives ``keep_last`` and is what a checkpoint folder
+    means to `nrl eval`; a damaged best falls back to the newest intact one."""
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2, metric="val/accuracy")
+    accuracy = {1: 0.5, 2: 0.9, 3: None, 4: 0.6, 5: 0.65, 6: 0.9, 7: 0.7}
+    for step, value in accuracy.items():
+        state = {"data": None} | ({"val": {"val/accuracy": value}} if value else {})
+        manager.save(step, writer(bytes([step]) * 64), state)
+        if step == 5:
+            # step_2 is the best so far, older than the newest two, and kept.
+            assert [p.name for p in manager.complete()] == ["step_2", "step_4", "step_5"]
+    # The newest of equals (0.9 at steps 2 and 6) is the best; step_2 now goes.
+    assert [p.name for p in manager.complete()] == ["step_6", "step_7"]
+    assert manager.best() == (manager.root / "step_6", 0.9)
+    assert find_step_folder(manager.root, "val/accuracy") == manager.root / "step_6"
+    assert "step_6: the best val/accuracy (0.9)" in capsys.readouterr().err
+    assert find_step_folder(manager.root) == manager.root / "step_7"  # no metric: the newest
+    lower = CheckpointManager(manager.root, metric="val/accuracy", higher_is_better=False)
+    assert lower.best() == (manager.root / "step_7", 0.7)
+    flip_byte(manager.root / "step_6" / "policy" / "shard.bin")
+    assert find_step_folder(manager.root, "val/accuracy") == manager.root / "step_7"
+
+
+def test_a_trainer_state_whose_val_is_not_finite_numbers_is_refused(tmp_path):
+    manager = saved(tmp_path, 1)
+    path = manager.latest() / TRAINER_STATE
+    for val in ({"val/accuracy": "0.9"}, {"val/accuracy": True}, ["val/accuracy"]):
+        path.write_text(json.dumps({"step": 1, "val": val}))
+        with pytest.raises(ConfigError, match="`val` must map validation metric names"):
+            read_state(manager.latest())
+    path.write_text('{"step": 1, "val": {"val/accuracy": NaN}}')
+    with pytest.raises(ConfigError, match="`val` must map"):
+        read_state(manager.latest())

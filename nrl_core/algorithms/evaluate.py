@@ -116,15 +116,17 @@ def pass_ks(config: EvalConfig) -> list[int]:
 
 def checkpoint_step(config: EvalConfig) -> Path | None:
     """The ``step_N`` folder to load: ``eval.checkpoint``, or ``policy.model_name`` when that
-    is an nrl checkpoint (a ``step_N`` folder or a checkpoint directory) rather than a
-    Hugging Face model folder; ``None`` for a Hugging Face model."""
+    is an nrl checkpoint (a ``step_N`` folder or a checkpoint directory: its best checkpoint by
+    ``checkpointing.metric_name``, else its newest) rather than a Hugging Face model folder;
+    ``None`` for a Hugging Face model."""
     from nrl_core.checkpoint import CheckpointManager, find_step_folder, is_step_folder
 
+    ranking = config.checkpointing.metric_name, config.checkpointing.higher_is_better
     if config.eval.checkpoint:
-        return find_step_folder(config.eval.checkpoint)
+        return find_step_folder(config.eval.checkpoint, *ranking)
     path = Path(config.policy.model_name)
     if path.is_dir() and (is_step_folder(path) or CheckpointManager(path).latest() is not None):
-        return find_step_folder(path)
+        return find_step_folder(path, *ranking)
     return None
 
 

@@ -391,6 +391,8 @@ def _line_chart(runs: Sequence[Run], chart: Chart, smooth: float) -> Figure:
                 continue
             if len(runs) == 1:
                 colour, style, label = f"C{key_index}", "-", key
+                if key.startswith("val/") and len(values) > 1:
+                    _mark_best_and_last(ax, steps, values, colour)
             else:
                 style = _STYLES[key_index % len(_STYLES)]
                 label = f"_{run.label}: {key}" if keyed else run.label
@@ -402,6 +404,24 @@ def _line_chart(runs: Sequence[Run], chart: Chart, smooth: float) -> Figure:
             handles.append(Line2D([], [], color="gray", linestyle=style, marker=marker, label=key))
     _legend(fig, [h for h in handles if not h.get_label().startswith("_")])
     return fig
+
+
+def _mark_best_and_last(ax, steps, values, colour) -> None:
+    """Label a validation series' best point and its last one (a run that ends below its
+    peak shows both; the summary and `nrl eval` name the best checkpoint)."""
+    # The latest of equal bests, as the checkpoint ranking picks.
+    best = max(reversed(range(len(values))), key=lambda i: values[i])
+    points = [(best, "best")] if best == len(values) - 1 else [(best, "best"), (-1, "last")]
+    for index, word in points:
+        ax.annotate(
+            f"{word} {values[index]:.3f} (step {steps[index]})",
+            (steps[index], values[index]),
+            textcoords="offset points",
+            xytext=(0, 8 if word == "best" else -14),
+            ha="center",
+            fontsize=8,
+            color=colour,
+        )
 
 
 def _draw_series(ax, steps, values, key, smooth, colour, style, label) -> list:

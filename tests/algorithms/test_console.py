@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from nrl_core.algorithms.runtime import STEP_LINES, RunSession, StepLines
 from nrl_core.config.schema import GRPOConfig, LoggerConfig
+from nrl_core.metrics import MetricsLogger
 from nrl_core.run_log import RUN_LOG_FILE, open_run_log
 
 
@@ -154,3 +156,46 @@ def test_rays_own_lines_and_the_workers_output_go_to_the_run_log_until_removed(t
     logging.getLogger("ray._private.worker").info("after removal")
     close()
     assert "after removal" not in (tmp_path / RUN_LOG_FILE).read_text()
+
+
+def test_the_summary_shows_the_best_validation_and_the_checkpoint_eval_takes(tmp_path):
+    """Issue 53: a curve that ends lower than it peaked showed only first -> last. The
+    summary names the best validation and which checkpoint `nrl eval` of the folder takes;
+    a checkpoint saved at a validation step records that step's validation metrics."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=250)
+    config = GRPOConfig(logger=LoggerConfig(log_dir=str(tmp_path), run_name="run"))
+    session = RunSession(config, None, algorithm="grpo", console=console)
+    session.policy = _FilePolicy()
+    session.train_stream = None
+    session.metrics = MetricsLogger(session.run_dir, config.logger, resume_step=None)
+    for step, accuracy in ((0, 0.2), (10, 0.9), (20, 0.7)):
+        metrics = {"val/accuracy": accuracy, "val/reward_mean": accuracy}
+        if step:
+            metrics |= {"train/reward_mean": accuracy, "timing/step_s": 1.0}
+        session.log(step, metrics)
+        if step:
+            session.save_checkpoint(step)
+    session.log(25, {"train/reward_mean": 0.8, "timing/step_s": 1.0})
+    session.save_checkpoint(25)  # no validation at this step: records none
+    session.summary()
+    session.metrics.close()
+    text = " ".join(out.getvalue().replace("│", " ").split())  # the table's rows, one line each
+    assert "val accuracy (first -> last) 0.200 (step 0) -> 0.700 (step 20)" in text, text
+    assert "val accuracy best 0.900 (step 10)" in text, text
+    assert "nrl eval picks step_10 (best val/accuracy 0.900; checkpointing.metric_name)" in text
+    states = {
+        p.name: json.loads((p / "trainer_state.json").read_text())
+        for p in session.folder.checkpoints.complete()
+    }
+    assert states["step_20"]["val"] == {"val/accuracy": 0.7, "val/reward_mean": 0.7}
+    assert "val" not in states["step_25"]
+
+
+class _FilePolicy:
+    """Writes a one-file checkpoint: what the checkpoint folder, not the model, is tested on."""
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(path)
+        with open(os.path.join(path, "weights.bin"), "wb") as handle:
+            handle.write(b"w")

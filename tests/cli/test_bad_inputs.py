@@ -303,6 +303,7 @@ CASES = [
     ("worker_timeout", run("grpo", "cluster.worker_timeout_s=-5"), "cluster.worker_timeout_s must be > 0", {}),
     ("save_period", run("grpo", "checkpointing.save_period=0"), "checkpointing.save_period must be >= 1", {}),
     ("keep_last", run("grpo", "checkpointing.keep_last=0"), "checkpointing.keep_last must be >= 1 or null", {}),
+    ("metric_name", run("grpo", "checkpointing.metric_name=accuracy"), "checkpointing.metric_name must be a `val/...` metric name", {}),
     ("sample_period", run("grpo", "logger.sample_period=-1"), "logger.sample_period must be >= 0", {}),
     ("run_name_empty", run("grpo", "logger.run_name="), "logger.run_name must be a non-empty string", {}),
     ("grpo_steps", run("grpo", "grpo.max_num_steps=-1"), "grpo.max_num_steps must be >= 0, got -1", {}),

@@ -123,6 +123,22 @@ def _fake_checkpoint(root: Path, step: int, registry, *overrides: str) -> Path:
     return folder
 
 
+def test_a_checkpoint_folder_means_its_best_checkpoint_by_validation(nrl_registry, tmp_path):
+    """Issue 53: `nrl eval` of a run's checkpoint folder took the newest step even where an
+    older one validated better; now the best by checkpointing.metric_name (null: the newest)."""
+    ckpt = tmp_path / "ckpt"
+    for step, accuracy in ((1, 0.6), (2, 0.9), (3, 0.7)):
+        folder = _fake_checkpoint(ckpt, step, nrl_registry)
+        state = {"step": step, "val": {"val/accuracy": accuracy}}
+        (folder / TRAINER_STATE).write_text(json.dumps(state))
+    config = resolve_eval_config(None, [f"eval.checkpoint={ckpt}"], nrl_registry)
+    assert checkpoint_step(config) == ckpt / "step_2"
+    config = resolve_eval_config(None, [f"policy.model_name={ckpt}"], nrl_registry)
+    assert checkpoint_step(config) == ckpt / "step_2"
+    overrides = [f"eval.checkpoint={ckpt}", "checkpointing.metric_name=null"]
+    assert checkpoint_step(resolve_eval_config(None, overrides, nrl_registry)) == ckpt / "step_3"
+
+
 def test_a_checkpoint_brings_its_model_and_keeps_the_eval_run_settings(
     nrl_registry, tmp_path, tiny_model_path
 ):

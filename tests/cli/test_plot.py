@@ -131,6 +131,20 @@ def test_validation_points_short_series_and_smooth_zero_are_drawn_raw(tmp_path):
     assert list(line.get_ydata()) == REWARDS
 
 
+def test_the_validation_chart_labels_its_best_and_its_last_point(tmp_path):
+    """Issue 53: a curve that ends below its peak names both, not only what the eye finds."""
+    run = write_run(tmp_path / "a", rewards=[0.1] * 6)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row, value in zip(rows[2::2], (0.8, 0.5, 0.6), strict=True):
+        row["val/accuracy"] = value
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = [t.get_text() for t in charts(run)["val_accuracy"].axes[0].texts]
+    assert texts == ["best 0.800 (step 2)", "last 0.600 (step 6)"]
+    # A run that ends at its best: one label.
+    rising = charts(write_run(tmp_path / "b"))["val_accuracy"].axes[0]
+    assert [t.get_text() for t in rising.texts] == ["best 0.400 (step 6)"]
+
+
 def test_a_single_series_has_no_legend_and_a_legend_never_covers_the_axes(tmp_path):
     run = write_run(tmp_path / "a")
     figures = charts(run)

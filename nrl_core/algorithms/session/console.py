@@ -132,6 +132,13 @@ class RunConsole:
         latest = self.folder.checkpoints.latest()
         if latest is not None:
             table.add_row("latest checkpoint", str(latest))
+            best = self.folder.checkpoints.best()
+            metric = self.folder.checkpoints.metric
+            if best is not None:
+                picked = f"{best[0].name} (best {metric} {best[1]:.3f}; checkpointing.metric_name)"
+            else:
+                picked = f"{latest.name} (the newest: no checkpoint recorded {metric})"
+            table.add_row("nrl eval picks", picked)
         if not self.verbose and run_log_path() is not None:
             table.add_row("Ray and worker output", f"{RUN_LOG_FILE} (-v prints it here)")
         self.console.print(table)
@@ -158,6 +165,13 @@ class RunConsole:
                     f"val {'accuracy' if key == 'val/accuracy' else 'reward'} (first -> last)",
                     f"{vals[0][key]:.3f} (step {vals[0]['step']}) -> "
                     f"{vals[-1][key]:.3f} (step {vals[-1]['step']})",
+                )
+            )
+            best = max(reversed(vals), key=lambda h: h[key])  # the latest of equals
+            rows.append(
+                (
+                    f"val {'accuracy' if key == 'val/accuracy' else 'reward'} best",
+                    f"{best[key]:.3f} (step {best['step']})",
                 )
             )
         return rows

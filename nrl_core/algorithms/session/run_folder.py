@@ -54,7 +54,10 @@ class RunFolder:
         self.run_dir = Path(config.logger.log_dir).absolute() / config.logger.run_name
         checkpoint_dir = config.checkpointing.checkpoint_dir or self.run_dir / "checkpoints"
         self.checkpoints = CheckpointManager(
-            Path(checkpoint_dir).absolute(), config.checkpointing.keep_last
+            Path(checkpoint_dir).absolute(),
+            config.checkpointing.keep_last,
+            metric=config.checkpointing.metric_name,
+            higher_is_better=config.checkpointing.higher_is_better,
         )
         self.start_step = 0
         """The step the run continues from (0: a fresh run)."""
@@ -122,13 +125,19 @@ class RunFolder:
         ckpt = self.config.checkpointing
         return ckpt.enabled and (last or (ckpt.save_period > 0 and step % ckpt.save_period == 0))
 
-    def save_checkpoint(self, step: int, policy: Any, train_stream: Any) -> Path:
+    def save_checkpoint(
+        self, step: int, policy: Any, train_stream: Any, val: dict[str, float] | None = None
+    ) -> Path:
         """Save step ``step``: the policy's checkpoint, the data stream's position, the random
-        generators' states and the resolved config, as ``step_N`` of the checkpoint folder."""
-        state = {
+        generators' states, the resolved config and ``val`` (the validation metrics of this
+        step, which rank the checkpoints: ``checkpointing.metric_name``), as ``step_N`` of the
+        checkpoint folder."""
+        state: dict[str, Any] = {
             "data": train_stream.state() if train_stream else None,
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state().tolist()},
         }
+        if val:
+            state["val"] = val
 
         def write(folder: Path) -> None:
             policy.save_checkpoint(str(folder / POLICY_CHECKPOINT))

@@ -11,6 +11,7 @@ loop on top of it, reading the parts through the session's attributes (``session
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -130,6 +131,8 @@ class RunSession:
             closers=self._closers,
         )
         self.display = RunConsole(console, algorithm=algorithm, folder=self.folder)
+        self._val_at_step: tuple[int, dict[str, float]] | tuple[None, None] = (None, None)
+        """The last step that logged validation metrics, and those metrics."""
 
     @property
     def verbose(self) -> bool:
@@ -234,6 +237,9 @@ class RunSession:
         self.display.summary(rows)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        val = {k: float(v) for k, v in metrics.items() if k.startswith("val/") and _finite(v)}
+        if val:  # a checkpoint of this step records them (see save_checkpoint)
+            self._val_at_step = (step, val)
         self.display.record(step, metrics)
         self.metrics.log(step, metrics)
         run_log.step_done(step)  # captured output is capped per step
@@ -267,8 +273,12 @@ class RunSession:
         return self.folder.should_checkpoint(step, last)
 
     def save_checkpoint(self, step: int) -> Path:
-        """See :meth:`.run_folder.RunFolder.save_checkpoint` (the policy's and the data's)."""
-        return self.folder.save_checkpoint(step, self.policy, self.train_stream)
+        """See :meth:`.run_folder.RunFolder.save_checkpoint` (the policy's and the data's, and
+        the validation metrics logged at this step, if any)."""
+        logged_step, val = self._val_at_step
+        return self.folder.save_checkpoint(
+            step, self.policy, self.train_stream, val if logged_step == step else None
+        )
 
     # -- tear-down ----------------------------------------------------------------------------
 
@@ -292,3 +302,8 @@ class RunSession:
                 interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
+
+
+def _finite(value: Any) -> bool:
+    """A real number that is neither NaN nor infinite (a metric a checkpoint can record)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

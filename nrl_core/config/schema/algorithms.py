@@ -182,7 +182,7 @@ class EvalSection:
         None,
         (
             "An nrl checkpoint to evaluate: a `step_N` folder, or a checkpoint directory (its "
-            "newest step). The policy's model keys (backend, model_name, tokenizer_name, "
+            "best step by `checkpointing.metric_name`, else its newest). The policy's model keys (backend, model_name, tokenizer_name, "
             "precision, backend options) come from the config saved in it; unset: evaluate "
             "`policy.model_name` (a Hugging Face name or folder, or a checkpoint folder)."
         ),

@@ -79,8 +79,26 @@ class CheckpointingConfig:
         validator=Valid("`auto`, `never` or a path", lambda value: bool(value)),
     )
     keep_last: int | None = option(
-        3, "Keep only the newest N checkpoints (None keeps all).", validator=optional(ge(1))
+        3,
+        (
+            "Keep only the newest N checkpoints (None keeps all), and besides them the best by "
+            "`metric_name`."
+        ),
+        validator=optional(ge(1)),
     )
+    metric_name: str | None = option(
+        "val/accuracy",
+        (
+            "The validation metric that ranks checkpoints (recorded in each checkpoint saved "
+            "at a validation step): the best one is kept besides the newest `keep_last`, the "
+            "summary names it, and `nrl eval` of a checkpoint folder evaluates it. A `val/` "
+            "metric of the run (e.g. `val/reward_mean`); None: rank by age only (newest)."
+        ),
+        validator=optional(
+            Valid("a `val/...` metric name", lambda value: str(value).startswith("val/"))
+        ),
+    )
+    higher_is_better: bool = option(True, "Whether a higher `metric_name` is better.")
 
 
 @attrs.define
