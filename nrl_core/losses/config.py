@@ -313,3 +313,22 @@ class DistillationLossConfig:
         "`seq_mean_token_mean` or `seq_mean_token_sum_norm` (see `clipped_pg.aggregation`).",
         validator=one_of(*AGGREGATIONS),
     )
+
+
+@attrs.define
+class ValueLossConfig:
+    """Options of the clipped value (critic) loss (:mod:`nrl_core.losses.value`)."""
+
+    clip_eps: float | None = option(
+        0.2,
+        "Value clip range eps_v (>= 0): the clipped prediction is V_old +- eps_v. None "
+        "disables the clipped branch (plain 0.5 * squared error).",
+        validator=optional(ge(0)),
+    )
+    aggregation: Aggregation = option(
+        "token_mean",
+        "Normaliser of the summed per-token loss: `token_mean`, `seq_mean_token_mean` or "
+        "`seq_mean_token_sum_norm` (see `clipped_pg.aggregation`).",
+        validator=one_of(*AGGREGATIONS),
+    )
+    coef: float = option(1.0, "Multiplier of the loss (0 to 1e6).", validator=between(0, 1e6))
