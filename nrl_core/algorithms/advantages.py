@@ -14,6 +14,18 @@ like ``torch.std``) of the whole group, ``r_i`` included, and ``eps = 1e-6`` by 
 A group whose rewards are all equal, and a group of a single sample, carries no signal: its
 advantages are exactly 0 (never NaN or inf), decided by an exact ``max == min`` test rather
 than by a floating-point mean that may not reproduce the rewards exactly.
+
+REINFORCE++ (:func:`reinforce_plus_plus_advantages`) is token-level: with the outcome score
+``s_i`` (``r_i``, or ``r_i - mean_g(r)`` for the ``-baseline`` variant), per valid token ``t``
+(the generated tokens, in order; other positions are skipped and get 0)::
+
+    r_it = -beta * KL_it + (s_i if t is the sample's last valid token else 0)
+    G_it = sum_{u >= t, u valid} gamma^(number of valid tokens from t to u, exclusive) * r_iu
+    A_it = (G_it - mean(G)) / (std(G) + 1e-8)
+
+where mean and std (population, divisor N) run over every valid token of the WHOLE batch
+passed in (the driver passes a step's full rollout batch, before it is split over ranks and
+micro batches). A batch whose valid returns are all equal gets 0 exactly.
 """
 
 from __future__ import annotations
@@ -23,11 +35,20 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "discounted_returns",
+    "gae_advantages",
+    "group_mean_baseline",
     "group_relative_advantages",
     "has_reward_variance",
+    "outcome_token_rewards",
     "overlong_sample_mask",
+    "reinforce_plus_plus_advantages",
     "soft_overlong_penalty",
+    "whiten",
 ]
+
+REINFORCE_PP_EPS = 1e-8
+"""Added to the global std of the REINFORCE++ returns before dividing (OpenRLHF's value)."""
 
 
 def _group_index(
@@ -163,3 +184,153 @@ def soft_overlong_penalty(
     out = torch.where(lengths <= start, torch.zeros_like(ramp), ramp)
     out = torch.where(lengths > max_length, torch.full_like(ramp, -1.0), out)
     return (penalty * out).to(torch.float32)
+
+
+def group_mean_baseline(
+    rewards: torch.Tensor, group_ids: torch.Tensor | Sequence[int] | None = None
+) -> torch.Tensor:
+    """``r_i - mean_g(r)`` per sample (float64, flattened to ``[N]``); exactly 0 for a group
+    whose rewards are all equal and for a single-sample group."""
+    index, num_groups = _group_index(rewards, group_ids)
+    flat = rewards.reshape(-1).to(torch.float64)
+    count = _group_sum(torch.ones_like(flat), index, num_groups)[index]
+    centred = flat - _group_sum(flat, index, num_groups)[index] / count
+    return torch.where(_zero_variance(flat, index, num_groups), torch.zeros_like(flat), centred)
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """``G_t = sum_{u >= t} gamma^k r_u`` over the valid tokens (``mask != 0``) of each row.
+
+    ``k`` counts the valid tokens between ``t`` and ``u``: positions with mask 0 (prompt,
+    environment observations, padding) are not time steps of the policy, so they neither
+    carry a reward nor discount one; their returns are 0. ``[B, T]`` in, ``[B, T]`` out.
+    """
+    valid = mask != 0
+    rewards = torch.where(valid, token_rewards, torch.zeros_like(token_rewards))
+    if gamma == 1.0:
+        # Undiscounted: a reversed cumulative sum, no loop over the sequence.
+        returns = rewards.flip(1).cumsum(1).flip(1)
+        return torch.where(valid, returns, torch.zeros_like(returns))
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    return returns
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[int] | None = None,
+    *,
+    baseline: bool = False,
+    gamma: float = 1.0,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """REINFORCE++ (``baseline=False``) and REINFORCE++-baseline token advantages ``[N, T]``
+    (see the module docstring).
+
+    Args:
+        rewards: ``[N]`` outcome reward per sample.
+        mask: ``[N, T]`` token weights; the valid tokens are where it is non-zero (the
+            driver passes ``loss_mask * sample_mask``, so dropped samples count nowhere).
+        group_ids: ``[N]`` group of each sample (needed for ``baseline=True``).
+        baseline: subtract each group's mean reward first (REINFORCE++-baseline).
+        gamma: discount per valid token, in [0, 1].
+        kl: ``[N, T]`` per-token KL to the reference (``logp_old - logp_ref`` for k1);
+            required when ``kl_coef > 0``.
+        kl_coef: coefficient of the KL penalty in the token rewards.
+
+    Returns:
+        float32 advantages, 0 on invalid positions; mean 0 and (population) std 1 over the
+        valid tokens unless they all share one return (then all 0).
+    """
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"rewards must be [N] and mask [N, T]; got {tuple(rewards.shape)} and "
+            f"{tuple(mask.shape)}"
+        )
+    if baseline and group_ids is None:
+        raise ValueError("REINFORCE++-baseline needs the group of each sample (group_ids)")
+    scores = group_mean_baseline(rewards, group_ids) if baseline else rewards.to(torch.float64)
+    token_rewards = outcome_token_rewards(scores, mask, kl=kl, kl_coef=kl_coef)
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return whiten(returns, mask).to(torch.float32)
+
+
+def outcome_token_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Token rewards ``[N, T]`` (float64) of an outcome-scored batch, as in classic RLHF:
+    ``-kl_coef * kl_t`` on every valid token (``mask != 0``) plus the sample's ``scores[i]``
+    on its LAST valid token; 0 elsewhere (and everywhere in a row with no valid token)."""
+    valid = mask != 0
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    if kl_coef > 0:
+        if kl is None:
+            raise ValueError("kl_coef > 0 needs the per-token kl")
+        penalty = -kl_coef * kl.to(device=mask.device, dtype=torch.float64)
+        token_rewards = torch.where(valid, penalty, token_rewards)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=1)
+    rows = (last >= 0).nonzero().squeeze(1)
+    token_rewards[rows, last[rows]] += scores.to(torch.float64)[rows]
+    return token_rewards
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = REINFORCE_PP_EPS) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` with the mean and population std over the valid tokens
+    (``mask != 0``) of the whole tensor; 0 on invalid positions, and 0 everywhere when the valid
+    values are all equal (or there is none). Call it on the WHOLE global batch: whitening each
+    rank's or micro batch's part on its own gives other numbers."""
+    valid = mask != 0
+    picked = values[valid]
+    if picked.numel() == 0 or bool(picked.max() == picked.min()):
+        return torch.zeros_like(values)
+    out = (values - picked.mean()) / (picked.std(unbiased=False) + eps)
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over the valid tokens (``mask != 0``) of each row.
+
+    With ``t+1`` the NEXT valid token of the row (positions with mask 0 are not time steps, as
+    in :func:`discounted_returns`) and ``V = 0`` after the last one (the episode ends)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = sum_{l >= 0} (gamma * lambda)^l * delta_{t+l}
+        R_t     = A_t + V_t                       (the critic's regression target)
+
+    Returns ``(advantages, returns)``, both ``[B, T]`` and 0 on invalid positions. Not
+    whitened: whiten the advantages over the global batch with :func:`whiten` if wanted.
+    """
+    valid = mask != 0
+    zeros = torch.zeros_like(token_rewards)
+    rewards = torch.where(valid, token_rewards, zeros)
+    values = torch.where(valid, values.to(rewards.dtype), zeros)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        here = valid[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        # Masked positions carry the next valid token's value and advantage through unchanged.
+        running = torch.where(here, delta + gamma * lam * running, running)
+        next_value = torch.where(here, values[:, t], next_value)
+        advantages[:, t] = torch.where(here, running, zeros[:, t])
+    returns = torch.where(valid, advantages + values, zeros)
+    return advantages, returns

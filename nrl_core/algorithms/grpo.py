@@ -21,9 +21,11 @@ import torch
 from nrl_core import env_failures
 from nrl_core.agents import BUILTIN_AGENT
 from nrl_core.algorithms.advantages import (
+    group_mean_baseline,
     group_relative_advantages,
     has_reward_variance,
     overlong_sample_mask,
+    reinforce_plus_plus_advantages,
 )
 from nrl_core.algorithms.async_grpo import RolloutProducer, WeightGate
 from nrl_core.algorithms.rollout import (
@@ -37,8 +39,10 @@ from nrl_core.algorithms.runtime import PROGRESS_FIELDS, RunSession, train_in_se
 from nrl_core.algorithms.samples import sample_records
 from nrl_core.algorithms.warmup import answer_warmup
 from nrl_core.config.schema import GRPOConfig
+from nrl_core.data import Batch
 from nrl_core.errors import NonFiniteError, NrlError
 from nrl_core.interfaces import SamplingParams
+from nrl_core.losses.clipped_pg import kl_penalty
 from nrl_core.metrics import samples_console_table, samples_due
 from nrl_core.registry import Registry
 
@@ -158,12 +162,19 @@ class GRPOTrainer:
             raise _NoSignal()
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
         groups = [e.group for e in episodes]
-        advantages = group_relative_advantages(
-            rewards,
-            groups,
-            use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
-            normalize_rewards=grpo.normalize_rewards,
-        )
+        if grpo.advantage_estimator == "grpo":
+            advantages = group_relative_advantages(
+                rewards,
+                groups,
+                use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                normalize_rewards=grpo.normalize_rewards,
+            )
+        elif grpo.advantage_estimator == "reinforce_plus_plus_baseline":
+            # Per-sample scores for the logs and the finiteness check; the token advantages
+            # need the whole batch's logprobs and are computed in train_on.
+            advantages = group_mean_baseline(rewards, groups).float()
+        else:
+            advantages = rewards.clone()
         sample_mask = torch.tensor([float(e.trainable) for e in episodes])
         if grpo.overlong_filtering:
             sample_mask *= overlong_sample_mask([e.finish_reason for e in episodes]).float()
@@ -246,11 +257,18 @@ class GRPOTrainer:
         batch["sample_mask"] = data.sample_mask
 
         start = time.perf_counter()
+        reward_kl = self.token_level_estimator and self.grpo.reward_kl_coef > 0
+        old = None
+        if s.loss_fn.needs_prev_logprobs or reward_kl:
+            old = s.policy.get_logprobs(batch)
         if s.loss_fn.needs_prev_logprobs:
-            batch["prev_logprobs"] = s.policy.get_logprobs(batch)
-        if s.loss_fn.needs_reference:
+            batch["prev_logprobs"] = old
+        if self.needs_reference:
             batch["ref_logprobs"] = s.policy.get_logprobs(batch, reference=True)
         logprobs_s = time.perf_counter() - start
+        estimator_metrics = (
+            self.token_advantages(batch, data, old) if self.token_level_estimator else {}
+        )
 
         start = time.perf_counter()
         train = s.policy.train(batch, s.loss_fn)
@@ -266,6 +284,7 @@ class GRPOTrainer:
 
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
         train.setdefault("kl", float("nan"))
+        train.update(estimator_metrics)
         return self.end_step(
             step,
             data,
@@ -274,6 +293,51 @@ class GRPOTrainer:
             generation_s=generation_s,
             timings={"logprobs_s": logprobs_s, "train_s": train_s, "refit_s": refit_s},
         )
+
+    @property
+    def token_level_estimator(self) -> bool:
+        """Whether ``grpo.advantage_estimator`` is REINFORCE++ (token advantages, computed on
+        the whole step's batch in :meth:`token_advantages`)."""
+        # getattr: subclasses (distillation) drive this loop with sections that have no
+        # advantage estimator.
+        estimator = getattr(self.grpo, "advantage_estimator", "grpo")
+        return estimator.startswith("reinforce_plus_plus")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the step needs reference logprobs: for the loss's KL term, or for the KL
+        penalty in the REINFORCE++ rewards (``grpo.reward_kl_coef > 0``)."""
+        reward_kl = getattr(self.grpo, "reward_kl_coef", 0) > 0 and self.token_level_estimator
+        return bool(self.session.loss_fn.needs_reference or reward_kl)
+
+    def token_advantages(
+        self, batch: Batch, data: StepData, old: torch.Tensor | None
+    ) -> dict[str, float]:
+        """Replace ``batch["advantages"]`` by the REINFORCE++ token advantages of the step's
+        WHOLE batch (normalised over all of its valid tokens here, before the policy splits it
+        over ranks and micro batches); return the estimator's metrics."""
+        grpo = self.grpo
+        mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+        kl = None
+        metrics: dict[str, float] = {}
+        if grpo.reward_kl_coef > 0:
+            assert old is not None
+            kl = kl_penalty(old, batch["ref_logprobs"], "k1")
+            valid = mask != 0
+            tokens = max(int(valid.sum()), 1)
+            metrics["reward_kl"] = float(
+                torch.where(valid, kl, torch.zeros_like(kl)).sum() / tokens
+            )
+        batch["advantages"] = reinforce_plus_plus_advantages(
+            data.rewards,
+            mask,
+            [e.group for e in data.episodes],
+            baseline=grpo.advantage_estimator == "reinforce_plus_plus_baseline",
+            gamma=grpo.gamma,
+            kl=kl,
+            kl_coef=grpo.reward_kl_coef,
+        )
+        return metrics
 
     def end_step(
         self,
@@ -404,7 +468,7 @@ class GRPOTrainer:
             shuffle_answers=grpo.sft_warmup_shuffle_answers,
             batch_size=self.config.policy.train_global_batch_size,
         )
-        if s.loss_fn.needs_reference:
+        if self.needs_reference:
             # The KL penalty keeps GRPO near the model it starts from: the warmed-up one.
             s.policy.snapshot_reference(str(self.warmup_reference_path))
         return {
@@ -420,7 +484,7 @@ class GRPOTrainer:
         return self.session.checkpoints.root / "reference_after_warmup"
 
     def _restore_warmup_reference(self) -> None:
-        if self.grpo.sft_warmup_steps <= 0 or not self.session.loss_fn.needs_reference:
+        if self.grpo.sft_warmup_steps <= 0 or not self.needs_reference:
             return
         path = self.warmup_reference_path
         if not (path / "config.json").is_file():

@@ -22,6 +22,7 @@ def validate_run_config(config: Any) -> None:
     _check_response_room(config)
     _check_batch_layout(config)
     _check_on_policy_shortcut(config)
+    _check_reward_kl(config)
     _check_async(config)
     _check_colocated_nccl(config)
 
@@ -164,6 +165,22 @@ def optimizer_steps_per_rollout(config: Any) -> int:
     sampling never gives more) into chunks of ``policy.train_global_batch_size``."""
     samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
     return max(1, math.ceil(samples / max(1, config.policy.train_global_batch_size)))
+
+
+def _check_reward_kl(config: Any) -> None:
+    # REINFORCE++ puts the KL to the reference into the rewards; a KL term in the loss as well
+    # would penalise the same divergence twice, with two coefficients that each look like the
+    # whole penalty (OpenRLHF turns the reward KL off when its KL loss is on, for this reason).
+    grpo, loss = getattr(config, "grpo", None), getattr(config, "loss", None)
+    if grpo is None or loss is None or getattr(grpo, "reward_kl_coef", 0) <= 0:
+        return
+    loss_kl = getattr(loss.options_for(), "kl_coef", 0) or 0
+    if loss_kl > 0:
+        raise ConfigError(
+            f"grpo.reward_kl_coef={grpo.reward_kl_coef} and loss.{loss.selected}.kl_coef="
+            f"{loss_kl} both penalise the KL to the reference (in the rewards and in the loss); "
+            f"set one of them to 0"
+        )
 
 
 def _check_on_policy_shortcut(config: Any) -> None:

@@ -4,6 +4,8 @@
   (GRPO, DAPO, Dr. GRPO, GSPO), KL penalty and train/inference importance-sampling correction.
 * :mod:`nrl_core.losses.nll` — ``nll``: supervised token-mean negative log-likelihood.
 * :mod:`nrl_core.losses.preference` — ``dpo``: DPO, plus the Bradley-Terry reward-model loss.
+* :mod:`nrl_core.losses.value` — the clipped PPO value (critic) loss; not a ``loss.name``
+  component (it trains a critic's values, not the policy's logprobs).
 
 Their option classes live in the torch-free :mod:`nrl_core.losses.config` (the driver structures
 them from the run config without importing torch); this package imports nothing heavy either.

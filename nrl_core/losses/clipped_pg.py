@@ -3,6 +3,7 @@
 Per valid token (``m_it > 0``), with ``rho_it = exp(logp_it - old_it)``::
 
     L_it = max(-A_i * rho_it, -A_i * clip(rho_it, 1 - eps_low, 1 + eps_high))
+    L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) * A_i * logp_it     if use_cispo (CISPO)
     L_it = min(L_it, -A_i * c)                  if dual clip and A_i < 0
     L_it = w_it * L_it                          if an importance-sampling correction is on
     L_it = L_it + kl_coef * KL_it               if kl_coef > 0 (never weighted by w_it)
@@ -14,6 +15,11 @@ the exact policy gradient). GSPO (``ratio_level="sequence"``) replaces ``rho_it`
 sequence ratio ``s_i = exp(mean_t(logp_it - old_it))`` and ``A_i`` by the sequence's mean
 advantage, so ``L_it`` is the same for every token of a sequence; its default aggregation
 (``auto``) is then the per-sequence ``seq_mean_token_mean``.
+
+CISPO (``use_cispo``, MiniMax-M1) keeps the REINFORCE form: the clipped ratio is a detached
+per-token weight, so the gradient is ``-w_it * A_i * grad(logp_it)`` for EVERY valid token,
+clipped or not (the PPO surrogate gives a clipped token no gradient). Its loss value is a
+surrogate of the gradient only (``-A * logp``, not ``-A * rho``).
 
 Metrics are additive contributions (already divided by the global normaliser), except the ones
 :attr:`ClippedPGLoss.metric_reductions` declares as max / min over micro batches and ranks. See
@@ -64,7 +70,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 class ClippedPGLoss:
-    """PPO-style clipped policy-gradient loss with the GRPO/DAPO/Dr. GRPO/GSPO options.
+    """PPO-style clipped policy-gradient loss with the GRPO/DAPO/Dr. GRPO/GSPO/CISPO options.
 
     Built as ``ClippedPGLoss(options, context)``; see :class:`ClippedPGConfig` for the options
     and the module docstring for the formula.
@@ -85,7 +91,8 @@ class ClippedPGLoss:
 
     * ``loss``: the loss value.
     * ``clip_fraction``: fraction of valid tokens whose ratio was clipped (the clipped branch
-      was active, so the token had no gradient from the PG term).
+      was active, so the token had no gradient from the PG term; with CISPO: whose weight was
+      clipped, the token keeping its gradient).
     * ``dual_clip_fraction`` (dual clip only): fraction of valid tokens capped by the dual clip.
     * ``kl`` (when ``ref_logprobs`` are present): token mean of the configured KL estimator.
     * ``entropy``: token mean of ``-logp`` (a one-sample entropy estimate).
@@ -137,11 +144,18 @@ class ClippedPGLoss:
             ratio = torch.exp(log_ratio)
 
         clipped_ratio = ratio.clamp(1.0 - opts.clip_eps_low, 1.0 + opts.clip_eps_high)
-        unclipped_loss = -advantages * ratio
-        clipped_loss = -advantages * clipped_ratio
-        per_token = torch.maximum(unclipped_loss, clipped_loss)
+        if opts.use_cispo:
+            # The weight is detached: the gradient flows only through logp, on every token.
+            weight = clipped_ratio.detach()
+            per_token = -weight * advantages * torch.where(valid, logprobs, zeros)
+            clipped = (weight != ratio.detach()) & valid
+        else:
+            unclipped_loss = -advantages * ratio
+            clipped_loss = -advantages * clipped_ratio
+            per_token = torch.maximum(unclipped_loss, clipped_loss)
+            clipped = clipped_loss > unclipped_loss
         dual_capped = None
-        if opts.dual_clip_c is not None:
+        if opts.dual_clip_c is not None and not opts.use_cispo:
             cap = -advantages * opts.dual_clip_c
             dual_capped = (advantages < 0) & (cap < per_token)
             per_token = torch.where(dual_capped, cap, per_token)
@@ -174,9 +188,7 @@ class ClippedPGLoss:
         with torch.no_grad():
             metrics: dict[str, float] = {
                 "loss": float(loss.detach()),
-                "clip_fraction": token_mean_metric(
-                    (clipped_loss > unclipped_loss).to(mask.dtype), mask, stats
-                ),
+                "clip_fraction": token_mean_metric(clipped.to(mask.dtype), mask, stats),
                 "entropy": token_mean_metric(-logprobs, mask, stats),
             }
             if dual_capped is not None:

@@ -68,12 +68,16 @@ class ClippedPGConfig:
     * Dr. GRPO: ``aggregation=seq_mean_token_sum_norm`` (and ``normalize_rewards=False``).
     * GSPO: ``ratio_level=sequence``, ``clip_eps_low=3e-4``, ``clip_eps_high=4e-4``
       (``aggregation=auto`` then resolves to ``seq_mean_token_mean``).
+    * CISPO (MiniMax-M1): ``use_cispo=true``, ``clip_eps_low=1`` (no lower bound on the IS
+      weight, as the paper does) and a tuned ``clip_eps_high`` (the paper publishes no value;
+      Tinker's default, after ScaleRL, caps the weight at 4: ``clip_eps_high=3``).
     """
 
     clip_eps_low: float = option(
         0.2,
-        "Lower clip range: the ratio is clipped below at `1 - clip_eps_low` (so below 1).",
-        validator=between(0, 1, high_open=True),
+        "Lower clip range, in [0, 1]: the ratio is clipped below at `1 - clip_eps_low` (so "
+        "below 1; 1 means no lower bound, since a ratio is never negative).",
+        validator=between(0, 1),
     )
     clip_eps_high: float = option(
         0.2,
@@ -141,6 +145,15 @@ class ClippedPGConfig:
         "= exp(mean_t(old - gen)) (length independent) or `product` = exp(sum_t(old - gen)).",
         validator=one_of(*SEQUENCE_IS_WEIGHTS),
     )
+    use_cispo: bool = option(
+        False,
+        "CISPO (MiniMax-M1): per-token loss `-sg(clip(rho, 1 - clip_eps_low, 1 + clip_eps_high)) "
+        "* A * logp` instead of the PPO surrogate: the importance weight is clipped and "
+        "detached, and every token keeps its gradient through `logp` (PPO drops the gradient "
+        "of a clipped token). Token ratios only (no `ratio_level=sequence`), no dual clip; "
+        "`aggregation=auto` is `token_mean`. The paper sets no lower bound (`clip_eps_low=1`) "
+        "and tunes only `clip_eps_high`.",
+    )
     on_policy_shortcut: OnPolicyShortcut = option(
         "auto",
         "Skip recomputing `prev_logprobs` (the trainer's logprobs under the rollout's weights) "
@@ -155,6 +168,19 @@ class ClippedPGConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        # CISPO clips a per-token importance weight; a sequence ratio or a cap on the PPO
+        # surrogate (dual clip) has no meaning in its loss, and silently ignoring them would
+        # train something other than what the config says.
+        if self.use_cispo and self.ratio_level == "sequence":
+            raise ValueError(
+                "use_cispo=true clips per-token importance weights and cannot be used with "
+                "ratio_level=sequence (GSPO); set one of them back"
+            )
+        if self.use_cispo and self.dual_clip_c is not None:
+            raise ValueError(
+                "dual_clip_c caps the PPO surrogate, which use_cispo=true replaces; set "
+                "dual_clip_c=null (CISPO bounds the weight with clip_eps_high instead)"
+            )
         if self.is_mask_low > self.is_mask_high:
             raise ValueError(
                 f"is_mask_low ({self.is_mask_low}) must not exceed is_mask_high "
@@ -287,3 +313,22 @@ class DistillationLossConfig:
         "`seq_mean_token_mean` or `seq_mean_token_sum_norm` (see `clipped_pg.aggregation`).",
         validator=one_of(*AGGREGATIONS),
     )
+
+
+@attrs.define
+class ValueLossConfig:
+    """Options of the clipped value (critic) loss (:mod:`nrl_core.losses.value`)."""
+
+    clip_eps: float | None = option(
+        0.2,
+        "Value clip range eps_v (>= 0): the clipped prediction is V_old +- eps_v. None "
+        "disables the clipped branch (plain 0.5 * squared error).",
+        validator=optional(ge(0)),
+    )
+    aggregation: Aggregation = option(
+        "token_mean",
+        "Normaliser of the summed per-token loss: `token_mean`, `seq_mean_token_mean` or "
+        "`seq_mean_token_sum_norm` (see `clipped_pg.aggregation`).",
+        validator=one_of(*AGGREGATIONS),
+    )
+    coef: float = option(1.0, "Multiplier of the loss (0 to 1e6).", validator=between(0, 1e6))

@@ -324,7 +324,7 @@ CASES = [
     ("eval_turns", evaluate("eval.max_rollout_turns=0"), "eval.max_rollout_turns must be >= 1", {}),
     ("eval_pass_k", evaluate("eval.pass_k=[0]"), "eval.pass_k must be a list of items >= 1", {}),
     # Component options.
-    ("clip_low_above_max", run("grpo", "loss.clipped_pg.clip_eps_low=1.5"), "loss.clipped_pg.clip_eps_low must be in [0, 1), got 1.5", {}),
+    ("clip_low_above_max", run("grpo", "loss.clipped_pg.clip_eps_low=1.5"), "loss.clipped_pg.clip_eps_low must be in [0, 1], got 1.5", {}),
     ("kl_coef", run("grpo", "loss.clipped_pg.kl_coef=-1"), "loss.clipped_pg.kl_coef must be >= 0", {}),
     ("dual_clip", run("grpo", "loss.clipped_pg.dual_clip_c=0.5"), "loss.clipped_pg.dual_clip_c must be > 1 (commonly 3) or null, got 0.5", {}),
     ("kl_estimator", run("grpo", "loss.clipped_pg.kl_estimator=k9"), "loss.clipped_pg.kl_estimator must be one of k1, k2, k3, got 'k9'", {}),
@@ -510,6 +510,17 @@ CASES = [
     ("serve_network_no_api_key", ["serve", "--host", "0.0.0.0"], "server.host=0.0.0.0 serves the network and no API key is set: give --api-key KEY", {}),
     ("serve_network_no_api_key_override", ["serve", "server.host=::"], "server.host=:: serves the network and no API key is set", {}),
     ("serve_api_key_and_no_api_key", ["serve", "--host", "0.0.0.0", "--api-key", "k", "--no-api-key"], "argument --no-api-key: not allowed with argument --api-key", {}),
+    # issue 49, h-algos
+    ("cispo_not_bool", run("grpo", "loss.clipped_pg.use_cispo=maybe"), "loss.clipped_pg.use_cispo: expected bool, got str 'maybe'", {}),
+    ("cispo_with_dual_clip", run("grpo", "loss.clipped_pg.use_cispo=true", "loss.clipped_pg.dual_clip_c=3"), "loss.clipped_pg: dual_clip_c caps the PPO surrogate, which use_cispo=true replaces", {}),
+    ("cispo_with_sequence_ratio", run("grpo", "loss.clipped_pg.use_cispo=true", "loss.clipped_pg.ratio_level=sequence"), "loss.clipped_pg: use_cispo=true clips per-token importance weights and cannot be used with ratio_level=sequence", {}),
+    ("estimator_unknown", run("grpo", "grpo.advantage_estimator=ppo"), "grpo.advantage_estimator must be one of grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, got 'ppo'", {}),
+    ("reinforce_gamma_above_1", run("grpo", "grpo.advantage_estimator=reinforce_plus_plus", "grpo.gamma=1.5"), "grpo.gamma must be in [0, 1], got 1.5", {}),
+    ("reinforce_gamma_negative", run("grpo", "grpo.advantage_estimator=reinforce_plus_plus_baseline", "grpo.gamma=-0.1"), "grpo.gamma must be in [0, 1], got -0.1", {}),
+    ("reward_kl_negative", run("grpo", "grpo.advantage_estimator=reinforce_plus_plus", "grpo.reward_kl_coef=-1"), "grpo.reward_kl_coef must be >= 0, got -1", {}),
+    ("reward_kl_without_reinforce", run("grpo", "grpo.reward_kl_coef=0.1"), "grpo: reward_kl_coef=0.1 is the KL penalty in the rewards of the reinforce_plus_plus estimators, and advantage_estimator=grpo does not use it", {}),
+    ("reward_kl_and_loss_kl", run("grpo", "grpo.advantage_estimator=reinforce_plus_plus", "grpo.reward_kl_coef=0.1", "loss.clipped_pg.kl_coef=0.01"), "grpo.reward_kl_coef=0.1 and loss.clipped_pg.kl_coef=0.01 both penalise the KL to the reference", {}),
+    ("cispo_clip_high_negative", run("grpo", "loss.clipped_pg.use_cispo=true", "loss.clipped_pg.clip_eps_high=-0.5"), "loss.clipped_pg.clip_eps_high must be >= 0, got -0.5", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

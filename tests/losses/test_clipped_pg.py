@@ -119,6 +119,80 @@ def test_dual_clip_must_exceed_one():
 
 
 # --------------------------------------------------------------------------------------------
+# CISPO: -sg(clip(rho)) * A * logp
+
+
+CISPO = ClippedPGConfig(use_cispo=True, is_correction="none")
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_cispo_clips_a_detached_weight_and_keeps_every_gradient(advantage):
+    # rho = 1.5, 0.5, 1.1 with eps 0.2/0.2: weights sg(clip(rho)) = 1.2, 0.8, 1.1. The loss is
+    # -w * A * logp per token and its gradient -w * A on EVERY token (the PPO surrogate gives
+    # the clipped 1.5 token with A > 0 no gradient at all, see above).
+    logprobs, batch, stats = one_row([1.5, 0.5, 1.1], advantage=advantage)
+    weights = [1.2, 0.8, 1.1]
+    logp = logprobs.detach()[0, 1:].tolist()
+    loss, grad, metrics = run(CISPO, logprobs, batch, stats)
+    assert loss == pytest.approx(
+        -advantage * sum(w * lp for w, lp in zip(weights, logp, strict=True)) / 3
+    )
+    assert grad.tolist()[0] == pytest.approx(
+        [0.0] + [-advantage * w / 3 for w in weights], abs=1e-12
+    )
+    assert metrics["clip_fraction"] == pytest.approx(2 / 3)
+    assert metrics["ratio_max"] == pytest.approx(1.5)
+
+
+def test_cispo_without_a_lower_bound():
+    # MiniMax-M1's setting: clip_eps_low = 1 puts the lower bound at 0, so a small ratio keeps
+    # its own (small) weight; the upper bound still caps the large one.
+    options = ClippedPGConfig(use_cispo=True, clip_eps_low=1.0, clip_eps_high=2.0)
+    options = attrs.evolve(options, is_correction="none")
+    _, grad, metrics = run(options, *one_row([0.05, 4.0, 1.0], advantage=2.0))
+    assert grad.tolist()[0] == pytest.approx([0.0, -2 * 0.05 / 3, -2 * 3.0 / 3, -2 / 3])
+    assert metrics["clip_fraction"] == pytest.approx(1 / 3)
+
+
+def test_cispo_on_policy_is_the_plain_policy_gradient():
+    # Fully on-policy (no prev_logprobs) the weight is 1: gradient -A / N like PPO's.
+    logprobs = leaf([[0.0, -0.7, -1.3]])
+    batch = make_batch(loss_mask=[[0, 1, 1]], advantages=[[0.0, 2.0, -1.0]])
+    stats = GlobalBatchStats(valid_tokens=2, valid_sequences=1, max_sequence_length=8)
+    loss, grad, metrics = run(CISPO, logprobs, batch, stats)
+    assert loss == pytest.approx((2.0 * 0.7 - 1.0 * 1.3) / 2, abs=1e-12)
+    assert grad.tolist()[0] == pytest.approx([0.0, -1.0, 0.5], abs=1e-12)
+    assert metrics["clip_fraction"] == 0.0
+
+
+def test_cispo_gradient_matches_the_formula_on_a_random_batch():
+    # d/dlogp of -sg(clip(rho)) * A * logp, token mean over the global batch, by hand.
+    logprobs, batch = random_policy_batch(seed=3)
+    stats = global_stats(batch)
+    options = attrs.evolve(CISPO, clip_eps_low=0.1, clip_eps_high=0.3)
+    _, grad, _ = run(options, logprobs.clone().requires_grad_(True), batch, stats)
+    mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+    valid = mask != 0
+    rho = torch.exp(torch.where(valid, logprobs.detach() - batch["prev_logprobs"], 0.0))
+    advantages = batch["advantages"][:, None].expand_as(rho)
+    want = torch.where(valid, -rho.clamp(0.9, 1.3) * advantages * mask, 0.0)
+    torch.testing.assert_close(grad, want / stats.valid_tokens, rtol=1e-12, atol=1e-14)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(ratio_level="sequence"), "ratio_level=sequence"),
+        (dict(dual_clip_c=3.0), "dual_clip_c=null"),
+    ],
+)
+def test_cispo_refuses_what_it_does_not_use(options, match):
+    with pytest.raises(ValueError, match=match):
+        ClippedPGConfig(use_cispo=True, **options)
+
+
+# --------------------------------------------------------------------------------------------
 # On-policy shortcut
 
 
@@ -567,6 +641,14 @@ CONTRACT_OPTIONS = [
             kl_estimator="k2",
         ),
         id="drgrpo-dual-icepop-k2",
+    ),
+    pytest.param(
+        dict(use_cispo=True, clip_eps_high=0.1, is_correction="token_truncate", kl_coef=0.05),
+        id="cispo-tis-k3",
+    ),
+    pytest.param(
+        dict(use_cispo=True, clip_eps_low=1.0, aggregation="seq_mean_token_mean"),
+        id="cispo-nolow-seqmean",
     ),
     pytest.param(
         dict(

@@ -54,8 +54,46 @@ class GRPOSection:
     val_period: int = option(
         10, "Validate every N steps (0 disables); step 0 is validated too.", validator=ge(0)
     )
-    normalize_rewards: bool = option(True, "Divide advantages by the group's std.")
-    use_leave_one_out_baseline: bool = option(True, "Baseline = mean of the other samples.")
+    advantage_estimator: str = option(
+        "grpo",
+        (
+            "How rewards become advantages, one of `grpo`, `reinforce_plus_plus`, "
+            "`reinforce_plus_plus_baseline`. `grpo`: group-relative, one advantage per sample "
+            "(GRPO / RLOO / Dr. GRPO, see `normalize_rewards` and `use_leave_one_out_baseline`). "
+            "`reinforce_plus_plus` (REINFORCE++): per-token returns of the outcome reward on the "
+            "last generated token minus `reward_kl_coef` x the per-token KL to the reference, "
+            "discounted by `gamma`, then normalised to mean 0 and std 1 over the valid tokens of "
+            "the whole step's batch. `reinforce_plus_plus_baseline`: the same after subtracting "
+            "each group's mean reward from its rewards."
+        ),
+        validator=one_of("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    )
+    gamma: float = option(
+        1.0,
+        (
+            "Discount in [0, 1] of the REINFORCE++ token returns, per generated token (1: every "
+            "token's return is the sum of the rewards from it to the end). Only the "
+            "`reinforce_plus_plus*` estimators use it."
+        ),
+        validator=between(0, 1),
+    )
+    reward_kl_coef: float = option(
+        0.0,
+        (
+            "Coefficient (>= 0) of the per-token KL penalty subtracted from the REINFORCE++ token "
+            "rewards, KL = logp_old - logp_ref (k1, as REINFORCE++ and OpenRLHF). > 0 loads the "
+            "reference model; 0 means no KL and no reference. Only the `reinforce_plus_plus*` "
+            "estimators use it (a KL term in the loss is `loss.clipped_pg.kl_coef`; set one of "
+            "the two)."
+        ),
+        validator=ge(0),
+    )
+    normalize_rewards: bool = option(
+        True, "Divide advantages by the group's std (`advantage_estimator=grpo` only)."
+    )
+    use_leave_one_out_baseline: bool = option(
+        True, "Baseline = mean of the other samples (`advantage_estimator=grpo` only)."
+    )
     dynamic_sampling: bool = option(False, "DAPO: drop zero-variance groups and sample more.")
     dynamic_sampling_max_batches: int = option(
         4, "Most extra generation rounds per step.", validator=ge(0)
@@ -98,6 +136,20 @@ class GRPOSection:
             "key": "async",  # a Python keyword: the attribute is `async_`, the key `async`
         },
     )
+
+    def __attrs_post_init__(self) -> None:
+        # A KL coefficient the estimator ignores would train without the penalty the config asks
+        # for, silently.
+        if self.reward_kl_coef > 0 and not self.advantage_estimator.startswith(
+            "reinforce_plus_plus"
+        ):
+            raise ValueError(
+                f"reward_kl_coef={self.reward_kl_coef} is the KL penalty in the rewards of the "
+                "reinforce_plus_plus estimators, and advantage_estimator="
+                f"{self.advantage_estimator} does not use it; set advantage_estimator="
+                "reinforce_plus_plus (or _baseline), or put the KL in the loss with "
+                "loss.clipped_pg.kl_coef"
+            )
 
 
 @attrs.define
