@@ -19,7 +19,17 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["Call", "Signature", "calls_on", "functions", "methods", "module_source", "package_dir"]
+__all__ = [
+    "Call",
+    "Signature",
+    "calls_on",
+    "definition",
+    "functions",
+    "methods",
+    "module_source",
+    "package_dir",
+    "self_attributes",
+]
 
 _FIND = (
     "import importlib.util, sys\n"
@@ -63,6 +73,8 @@ class Signature:
     varargs: bool
     varkw: bool
     line: int
+    required: tuple[str, ...] = ()
+    """The parameters without a default (``self`` included for methods)."""
 
     def accepts(self, positional: int, keywords: tuple[str, ...], bound: bool) -> list[str]:
         """What is wrong with a call of ``positional`` positional arguments and ``keywords``
@@ -72,13 +84,22 @@ class Signature:
         if positional > len(params) and not self.varargs:
             wrong.append(f"{positional} positional arguments, it takes {len(params)}")
         wrong += [f"no parameter {k!r}" for k in keywords if k not in params and not self.varkw]
+        filled = set(params[:positional]) | set(keywords)
+        required = (
+            self.required[1:] if bound and self.required[:1] == self.params[:1] else self.required
+        )
+        wrong += [f"parameter {r!r} is required now" for r in required if r not in filled]
         return wrong
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> Signature:
     a = node.args
-    names = tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
-    return Signature(names, a.vararg is not None, a.kwarg is not None, node.lineno)
+    positional = (*a.posonlyargs, *a.args)
+    names = tuple(x.arg for x in (*positional, *a.kwonlyargs))
+    # Defaults belong to the last positional parameters; a keyword-only one's may be None.
+    required = [x.arg for x in positional[: len(positional) - len(a.defaults)]]
+    required += [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None]
+    return Signature(names, a.vararg is not None, a.kwarg is not None, node.lineno, tuple(required))
 
 
 def functions(source: str) -> dict[str, Signature]:
@@ -129,3 +150,54 @@ def calls_on(source: str, receiver: str) -> list[Call]:
         elif isinstance(func, ast.Attribute) and ast.unparse(func.value) == receiver:
             out.append(Call(func.attr, len(node.args), keywords, node.lineno))
     return sorted(out, key=lambda c: c.line)
+
+
+def definition(root: Path, module: str, name: str, hops: int = 4) -> tuple[str, Signature | None]:
+    """Where ``from <module> import <name>`` really gets ``name`` inside the package at
+    ``root``: ``(defining module, its signature)`` (None for a class or an assigned name),
+    following up to ``hops`` re-exports (``from .layerwise import name`` in an
+    ``__init__.py``). Raises ``AssertionError`` naming the module when ``name`` is gone."""
+    _, source = module_source(root, module)
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return module, _signature(node)
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return module, None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, ast.Assign | ast.AnnAssign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in targets
+        ):
+            return module, None
+    for node in ast.walk(tree):  # re-exports, possibly inside `if TYPE_CHECKING` or `try`
+        if isinstance(node, ast.ImportFrom) and any(
+            (a.asname or a.name) == name for a in node.names
+        ):
+            original = next(a.name for a in node.names if (a.asname or a.name) == name)
+            package = module if module_source(root, module)[0].name == "__init__.py" else None
+            base = (package or module.rsplit(".", 1)[0]).split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if hops == 0 or not target.startswith(root.name):
+                return target, None
+            return definition(root, target, original, hops - 1)
+    raise AssertionError(f"{module} no longer defines {name}")
+
+
+def self_attributes(source: str) -> set[str]:
+    """The attributes ``source`` assigns on ``self`` (``self.x = ...``, ``self.x: T = ...``)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets if isinstance(node, ast.Assign | ast.AnnAssign) else []:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                ):
+                    out.add(t.attr)
+    return out

@@ -11,6 +11,7 @@ from nrl_core.testing.upstream import calls_on, functions, methods, module_sourc
 ENGINE = """
 def load(model, config=None, *, strict=True): ...
 def anything(*args, **kwargs): ...
+def needs(model, config, *, mode): ...
 class Engine:
     def update(self, named, flush_cache=True): ...
 """
@@ -39,6 +40,11 @@ def test_signatures_and_calls_say_what_no_longer_fits():
         "no parameter 'mode'"
     ]
     assert functions(ENGINE)["anything"].accepts(9, ("x",), bound=False) == []
+    assert functions(ENGINE)["needs"].accepts(1, (), bound=False) == [
+        "parameter 'config' is required now",
+        "parameter 'mode' is required now",
+    ]
+    assert functions(ENGINE)["needs"].accepts(1, ("config", "mode"), bound=False) == []
     with pytest.raises(AssertionError, match="class Worker is gone"):
         methods(ENGINE, "Worker")
 
