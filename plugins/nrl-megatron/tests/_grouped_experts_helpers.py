@@ -24,6 +24,7 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
     from nrl_megatron.grouped_experts import GroupedMatmulExperts
+    from nrl_megatron.model import experts_submodules, moe_submodules
 
     experts = len(counts)
     settings = dict(
@@ -42,12 +43,12 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
         perform_initialization=False,
     )
     config = TransformerConfig(**{**settings, **overrides})
-    submodules = get_gpt_layer_local_spec(num_experts=experts).submodules.mlp.submodules
+    moe = moe_submodules(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp)
     cls = {"sequential": SequentialMLP, "grouped": GroupedMatmulExperts}[cls_name]
     module = cls(
         experts,
         config,
-        submodules.experts.submodules,
+        experts_submodules(moe),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     generator = torch.Generator().manual_seed(seed)
@@ -143,7 +144,12 @@ def gpu_config_moe_model(_probe, hf_config_kwargs: dict) -> dict:
     constructor creates a CUDA stream; the allgather one routes the same tokens on one rank):
     its experts' classes, their parameter names, and a bfloat16 forward and backward."""
     from nrl_megatron.convert import ModelShape
-    from nrl_megatron.model import build_gpt_model, local_layer_spec, transformer_config
+    from nrl_megatron.model import (
+        build_gpt_model,
+        local_layer_spec,
+        moe_submodules,
+        transformer_config,
+    )
     from transformers import Qwen3MoeConfig
 
     hf_config = Qwen3MoeConfig(**hf_config_kwargs)
@@ -165,7 +171,7 @@ def gpu_config_moe_model(_probe, hf_config_kwargs: dict) -> dict:
     return {
         "use_cpu_initialization": config.use_cpu_initialization,
         "dispatcher": config.moe_token_dispatcher_type,
-        "spec_experts": spec.submodules.mlp.submodules.experts.module.__name__,
+        "spec_experts": _builder_name(moe_submodules(spec.submodules.mlp).experts),
         "expert_types": sorted({type(m).__name__ for m in experts}),
         "expert_params": sorted(
             name for name, _ in model.named_parameters() if ".mlp.experts." in name
@@ -175,3 +181,13 @@ def gpu_config_moe_model(_probe, hf_config_kwargs: dict) -> dict:
             float(p.grad.abs().sum()) for m in experts for p in m.parameters() if p.grad is not None
         ],
     }
+
+
+def _builder_name(builder) -> str:
+    """The class a spec builds: a ``ModuleSpec``'s module (megatron-core 0.16), a
+    ``functools.partial``'s function (0.17+)."""
+    return (
+        getattr(builder, "module", None).__name__
+        if hasattr(builder, "module")
+        else builder.func.__name__
+    )

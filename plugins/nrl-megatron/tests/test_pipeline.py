@@ -12,6 +12,7 @@ whole `plugin-megatron` session, slow tests included).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -271,11 +272,71 @@ def test_cpu_adapter_changes_only_megatrons_schedule_modules_and_only_inside():
 
 
 def test_cpu_adapter_refuses_another_megatron_release(monkeypatch):
+    """One line naming the installed release, before any module is patched; releases of a
+    checked series pass."""
     import importlib.metadata
 
-    from nrl_megatron.pipeline import megatron_pipeline_on_cpu
+    from nrl_megatron.pipeline import check_megatron_core_version, megatron_pipeline_on_cpu
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.0")
-    refused = pytest.raises(RuntimeError, match=r"written for megatron-core 0\.16\.x, found 0\.17")
-    with refused, megatron_pipeline_on_cpu():
+    refused = pytest.raises(
+        RuntimeError, match=r"checked against megatron-core 0\.16\.1, 0\.19\.2, found 0\.17\.0"
+    )
+    with refused as error, megatron_pipeline_on_cpu():
         pass
+    assert "\n" not in str(error.value)
+    for accepted in ("0.16.1", "0.16.4", "0.19.0", "0.19.2", "0.19.3rc1"):
+        check_megatron_core_version(accepted)
+    for other in ("0.15.3", "0.18.0", "0.20.0", "1.19.2"):
+        with pytest.raises(RuntimeError, match=f"found {re.escape(other)}:"):
+            check_megatron_core_version(other)
+
+
+# What megatron_pipeline_on_cpu maps, as the installed megatron-core's source must spell it
+# (comments left out): an upgrade that moves, adds or drops one of these fails here by name.
+_TOKEN_COUNTER = 'total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")'
+_CUDA = re.compile(
+    r'torch\.cuda\.(\w+)|device\s*=\s*"cuda"|from torch(?:\.cuda)? import|torch\.cuda\b'
+)
+
+
+def _cuda_lines(module) -> list[tuple[int, str]]:
+    """(line number, stripped line) of each source line of ``module`` that reaches CUDA through
+    ``torch.cuda`` or a ``device="cuda"`` keyword (comments removed)."""
+    import inspect
+
+    out = []
+    for number, line in enumerate(inspect.getsource(module).splitlines(), start=1):
+        code = line.split("#", 1)[0].strip()
+        if _CUDA.search(code):
+            out.append((number, code))
+    return out
+
+
+def test_megatron_source_has_what_the_cpu_adapter_maps():
+    """The installed megatron-core's ``schedules.py`` allocates on CUDA only through its token
+    counter (one per schedule, three schedules) and ``p2p_communication.py`` reaches CUDA only
+    through ``torch.cuda.current_device()`` and ``torch.cuda.synchronize()``, both through the
+    module-level name ``torch`` the adapter swaps: exactly what ``_CpuTorch`` maps. Any other
+    line is listed with its number, so an upgrade shows what moved."""
+    from importlib.metadata import version
+
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    found = version("megatron-core")
+    assert schedules.torch is torch and p2p.torch is torch, found
+
+    sched = _cuda_lines(schedules)
+    unmapped = [(n, line) for n, line in sched if line != _TOKEN_COUNTER]
+    assert unmapped == [], f"megatron-core {found} schedules.py: CUDA the adapter does not map"
+    assert len(sched) == 3, f"megatron-core {found} schedules.py token counters: {sched}"
+
+    p2p_lines = _cuda_lines(p2p)
+    names = {m[1] for _, line in p2p_lines for m in [_CUDA.search(line)]}
+    unmapped = [(n, line) for n, line in p2p_lines if _CUDA.search(line)[1] is None]
+    assert unmapped == [], f"megatron-core {found} p2p_communication.py: unmapped CUDA use"
+    assert names == {"current_device", "synchronize"}, (
+        f"megatron-core {found} p2p_communication.py reaches torch.cuda.{sorted(names)}; the "
+        f"adapter maps current_device and synchronize: {p2p_lines}"
+    )

@@ -214,6 +214,7 @@ def sglang(monkeypatch):
     """``import sglang`` gives the stand-in for this test."""
     module = types.ModuleType("sglang")
     module.Engine = StandInEngine
+    module.__version__ = "0.5.23"  # the release the stand-in's rules were read from
     monkeypatch.setitem(sys.modules, "sglang", module)
     IPC_MEMORY.clear()
     return module

@@ -87,8 +87,13 @@ class GroupedMatmulExperts(SequentialMLP):
     expected). The GPU path of this plugin trains in bfloat16.
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection: Any = None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(
+        self, num_local_experts, config, submodules, pg_collection: Any = None, **kwargs: Any
+    ):
+        # kwargs: what newer megatron-core passes on (0.19's MoELayer adds ``name``).
+        super().__init__(
+            num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs
+        )
         tp_size = self.tp_group.size() if self.tp_group is not None else 1
         if tp_size != 1:
             raise GroupedExpertsError(

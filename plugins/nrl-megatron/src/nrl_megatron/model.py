@@ -20,6 +20,7 @@ Importing this module imports megatron-core (the plugin's ``engine`` extra).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -361,6 +362,10 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        # Qwen3's q/k RMSNorm. The local spec carries the norm modules; megatron-core 0.16 built
+        # them whatever the config said, 0.19 refuses a spec with them unless the config asks
+        # ("spec sets q_layernorm=... but qk_layernorm/qk_l2_norm are disabled").
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=getattr(hf_config, "attention_dropout", 0.0) or 0.0,
         tensor_model_parallel_size=tp,
@@ -452,12 +457,37 @@ def local_layer_spec(shape: ModelShape) -> ModuleSpec:
     attention: ModuleSpec = spec.submodules.self_attention
     attention.submodules.core_attention = SDPAttention
     if shape.is_moe:
+        moe = moe_submodules(spec.submodules.mlp)
         # On GPU too: without Transformer Engine Megatron's own gate raises NameError.
-        spec.submodules.mlp.submodules.router = DeviceTopKRouter
+        moe.router = DeviceTopKRouter
         # Same modules and parameter names as SequentialMLP, one grouped GEMM per projection
         # instead of a Python loop over the experts (GPU review 3, M3).
-        spec.submodules.mlp.submodules.experts.module = GroupedMatmulExperts
+        if isinstance(moe.experts, functools.partial):
+            moe.experts = functools.partial(
+                GroupedMatmulExperts, *moe.experts.args, **moe.experts.keywords
+            )
+        else:
+            moe.experts.module = GroupedMatmulExperts
     return spec
+
+
+def moe_submodules(mlp: Any) -> Any:
+    """The ``MoESubmodules`` (router, experts, shared experts) of a layer spec's MoE ``mlp``:
+    a ``ModuleSpec``'s ``submodules`` in megatron-core 0.16, the ``submodules`` keyword of a
+    ``functools.partial(MoELayer, ...)`` builder since 0.17 (``get_moe_module_spec_for_backend``
+    in models/gpt/moe_module_specs.py, 0.19.2)."""
+    if isinstance(mlp, functools.partial):
+        return mlp.keywords["submodules"]
+    return mlp.submodules
+
+
+def experts_submodules(moe: Any) -> Any:
+    """The ``MLPSubmodules`` of each expert in ``moe`` (:func:`moe_submodules`'s result):
+    a ``ModuleSpec``'s in 0.16, the experts builder's ``submodules`` keyword since 0.17."""
+    experts = moe.experts
+    if isinstance(experts, functools.partial):
+        return experts.keywords["submodules"]
+    return experts.submodules
 
 
 def build_gpt_model(

@@ -1,17 +1,19 @@
 """Pipeline parallelism helpers: which layers a stage holds, and Megatron-Core's pipeline
 schedule on CPU.
 
-Megatron-Core 0.16.1's pipeline schedule (``get_forward_backward_func()``) runs on gloo once
+Megatron-Core's pipeline schedule (``get_forward_backward_func()``) runs on gloo once
 three hard-coded CUDA device choices are mapped to the CPU; nothing else in it needs a GPU
 (``benchmarks/megatron_pp_probe.py --cpu-devices`` first showed PP=2 equals PP=1 that way).
-None of them can be chosen through an argument in 0.16.1: ``forward_backward_*`` accept a
-``p2p_communicator`` and a ``pg_collection`` (process groups only), but
+None of them can be chosen through an argument (0.16.1 and 0.19.2 alike):
+``forward_backward_*`` accept a ``p2p_communicator`` and a ``pg_collection`` (process groups
+only), but
 
 - ``schedules.py`` allocates its token counter with ``torch.zeros([], ..., device="cuda")``
-  (lines 596, 983 and 2138, one per schedule);
+  (0.16.1: lines 596, 983 and 2138, one per schedule; 0.19.2: lines 749, 1121, 2292);
 - ``p2p_communication.P2PCommunicator`` allocates every receive buffer and every shape
-  message on ``torch.cuda.current_device()`` (lines 190-202, 313, 321) and calls
-  ``torch.cuda.synchronize()`` after batched sends (lines 242, 398).
+  message on ``torch.cuda.current_device()`` (0.16.1: lines 190-202, 313, 321; 0.19.2:
+  211-223, 334, 342) and calls ``torch.cuda.synchronize()`` after batched sends (0.16.1:
+  lines 242, 398; 0.19.2: 263, 419).
 
 :func:`megatron_pipeline_on_cpu` is the adapter for exactly these: for the duration of one
 schedule call, the name ``torch`` *inside those two Megatron modules only* refers to a proxy
@@ -19,8 +21,10 @@ of ``torch`` whose ``zeros(device="cuda")`` allocates on the CPU, whose
 ``cuda.current_device()`` is ``"cpu"`` and whose ``cuda.synchronize()`` does nothing (there is
 no stream to wait for on the CPU; gloo's requests have been waited on). Everything else,
 including ``torch`` itself, is untouched, and the originals are restored on exit. It is used
-on CPU only: on a GPU the worker calls the schedule unchanged. It asserts the megatron-core
-version it was written against, so that an upgrade re-checks those lines.
+on CPU only: on a GPU the worker calls the schedule unchanged. It refuses a megatron-core
+outside :data:`CHECKED_VERSIONS`, so that an upgrade re-checks those lines; the test
+``test_megatron_source_has_what_the_cpu_adapter_maps`` (tests/test_pipeline.py) reads the
+installed modules' source and names what moved.
 """
 
 from __future__ import annotations
@@ -32,9 +36,29 @@ from types import SimpleNamespace
 
 import torch
 
-ADAPTED_VERSION = "0.16."
-"""The megatron-core release line whose schedule and p2p modules the CPU adapter was read
-against (0.16.1)."""
+CHECKED_VERSIONS = ("0.16.1", "0.19.2")
+"""The megatron-core releases whose ``schedules.py`` and ``p2p_communication.py`` the CPU
+adapter was read against; any release of their ``major.minor`` series is accepted
+(:func:`check_megatron_core_version`). 0.16.1 is the lock's on Python 3.11, 0.19.2 on 3.12+
+(megatron-core 0.17 and newer require Python 3.12: docs/compatibility.md)."""
+
+
+def _series(version: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(version).release[:2]
+
+
+def check_megatron_core_version(found: str) -> None:
+    """Raise ``RuntimeError`` (one line, naming ``found``) unless megatron-core ``found``
+    belongs to a series of :data:`CHECKED_VERSIONS`."""
+    if _series(found) not in {_series(v) for v in CHECKED_VERSIONS}:
+        checked = ", ".join(CHECKED_VERSIONS)
+        raise RuntimeError(
+            f"nrl_megatron.pipeline's CPU adapter was checked against megatron-core {checked}, "
+            f"found {found}: re-read schedules.py and p2p_communication.py for hard-coded CUDA "
+            "devices (tests/test_pipeline.py names what moved) and update CHECKED_VERSIONS"
+        )
 
 
 class _CpuTorch:
@@ -59,20 +83,14 @@ class _CpuTorch:
 @contextlib.contextmanager
 def megatron_pipeline_on_cpu() -> Iterator[None]:
     """Run Megatron-Core's pipeline schedule on CPU tensors (gloo) inside this context; see the
-    module docstring for exactly what changes. Raises ``RuntimeError`` on another
-    megatron-core release line than :data:`ADAPTED_VERSION`."""
+    module docstring for exactly what changes. Raises ``RuntimeError`` on a megatron-core
+    release outside :data:`CHECKED_VERSIONS`' series."""
     from importlib.metadata import version
 
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    found = version("megatron-core")
-    if not found.startswith(ADAPTED_VERSION):
-        raise RuntimeError(
-            f"nrl_megatron.pipeline's CPU adapter was written for megatron-core "
-            f"{ADAPTED_VERSION}x, found {found}: re-read schedules.py and p2p_communication.py "
-            "for hard-coded CUDA devices and update it"
-        )
+    check_megatron_core_version(version("megatron-core"))
     modules = (schedules, p2p)
     saved = [module.torch for module in modules]
     proxy = _CpuTorch()

@@ -25,6 +25,7 @@ from nrl_core.weight_sync import (
     WeightSyncError,
     unpack_bucket,
 )
+from nrl_sglang.compat import check_sglang_version
 from nrl_sglang.config import SglangConfig
 from nrl_sglang.translate import (
     FLATTENED_BUCKET,
@@ -56,6 +57,8 @@ class SglangGenerationWorker:
                 "SGLang is not installed in this actor's environment; build it with `nrl venvs "
                 f"build sglang` (or install nrl-sglang[engine]): {exc}"
             ) from None
+        # One line for a release whose Engine calls were not checked (nrl_sglang.compat).
+        check_sglang_version(getattr(sglang, "__version__", "unknown"))
         from nrl_core.testing.tiny import resolve_model_name
 
         model = resolve_model_name(context.config.policy.model_name)
