@@ -111,6 +111,41 @@ def test_script_outside_an_allocation_is_one_line_exit_2():
     ]
 
 
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"SLURM_GPUS_ON_NODE": "2"},
+            ["cluster.gpus_per_node=4"],
+            "cluster.gpus_per_node=4 but Slurm gave each node 2 GPU(s); submit with "
+            "--gpus-per-node=4 or lower cluster.gpus_per_node",
+        ),
+        ({"NRL_RAY_PORT": "70000"}, [], "NRL_RAY_PORT=70000 is not a port (1 to 65535)"),
+        ({"NRL_RAY_WAIT_S": "0"}, [], "NRL_RAY_WAIT_S=0 is not a whole number of seconds"),
+        ({}, ["polcy.lr=1"], "unknown key polcy; did you mean policy?"),
+    ],
+)
+def test_script_bad_input_is_one_line_exit_2_before_any_ray(env, args, message, tmp_path):
+    # The variables Slurm sets in an allocation; each case stops before scontrol or srun.
+    slurm_env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_CPUS_ON_NODE": "2"}
+    result = subprocess.run(
+        ["bash", str(script_path()), "run", "grpo", f"logger.log_dir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            **slurm_env,
+            **env,
+        },
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not any(tmp_path.iterdir())  # no run folder, no Ray log folder
+
+
 # -- a real Slurm -----------------------------------------------------------------------------
 
 
@@ -359,7 +394,7 @@ def test_sbatch_runs_grpo_on_a_ray_cluster_inside_the_allocation(slurm):
 def test_scancel_mid_run_leaves_no_ray_behind(slurm):
     # Many steps: it is cancelled long before the end.
     job_id, run_dir, tmp_root, work = _submit(slurm, "grpo.max_num_steps=1000")
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 480  # Ray's start alone took 3 min on a loaded machine
     # Cancelled once the run is under way on the cluster: the run's log says it joined Ray.
     while time.monotonic() < deadline:
         log = run_dir / "nrl.log"
