@@ -20,6 +20,9 @@
   wheels unpacked, without dependencies, for the source checks of the vLLM and SGLang
   adapters). Runs on Python 3.12 (newest megatron-core needs it; put a python3.12 on PATH).
   docs/compatibility.md records its result with the date.
+- `slurm`: the tests marked `slurm` (tests/cli/test_slurm.py): munged, slurmctld and two slurmd
+  started on this machine, the shipped batch script submitted for real. Needs root and
+  Debian's `slurm-wlm` and `munge`; `.ci/run` calls it where `apt-get` can install them.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same tiny CPU workload; trl is installed into the session only, never into the project.
 """
@@ -64,6 +67,20 @@ def _sync(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     _sync(session)
     session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """A real Slurm on this machine: the tests marked `slurm` (root, slurm-wlm and munge)."""
+    _sync(session)
+    session.run(
+        "pytest",
+        "tests/cli/test_slurm.py",
+        "-m",
+        "slurm",
+        *session.posargs,
+        env={"NRL_SLURM_TESTS": "1"},
+    )
 
 
 @nox.session

@@ -133,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_cmd_config_show)
 
     doctor = sub.add_parser("doctor", help="check versions, GPUs and each plugin's engine")
+    doctor.add_argument(
+        "--cluster",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="instead: every node of the running Ray cluster at ADDRESS (default $RAY_ADDRESS): "
+        "its Python, nrl, torch and Ray versions, GPUs and free disk, in one table",
+    )
+    doctor.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="with --cluster: the folder whose free disk each node reports (default: here)",
+    )
     _plugin_option(doctor)
     doctor.set_defaults(handler=_cmd_doctor)
 
@@ -150,6 +164,7 @@ _EXTRA_COMMAND_MODULES = (
     "nrl_core.cli.convert",
     "nrl_core.cli.eval",
     "nrl_core.cli.serve",
+    "nrl_core.cli.slurm",
 )
 
 
@@ -256,6 +271,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.cluster is not None:
+        from nrl_core.cli.doctor import cluster_doctor
+
+        return cluster_doctor(args.cluster or None, disk_path=args.disk)
+    if args.disk is not None:
+        raise _UsageError("nrl doctor: --disk goes with --cluster; see `nrl doctor --help`")
     from nrl_core.cli.doctor import doctor
 
     return doctor(_host(args), verbose=args.verbose)

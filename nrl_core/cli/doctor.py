@@ -322,3 +322,162 @@ def doctor(host: PluginHost, *, verbose: bool = False, console: Console | None =
             plugins.add_row(f"  {spec.kind} {spec.name}", check.needs, check.detail)
     console.print(plugins)
     return 1 if failed else 0
+
+
+def _node_probe(disk_path: str) -> dict:
+    """What ``nrl doctor --cluster`` asks of one node, run there as a Ray task. Defined inside
+    no module-level import of nrl: it is shipped by value and must answer even where nrl is
+    missing (that is one of the things it reports)."""
+    import os
+    import platform
+    import shutil
+    import socket
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        gpus = len(list(proc.iterdir()))
+    else:
+        smi = shutil.which("nvidia-smi")
+        gpus = 0
+        if smi:
+            import subprocess
+
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+            gpus = sum(1 for ln in out.stdout.splitlines() if ln.startswith("GPU "))
+    try:
+        free, disk_ok = f"{shutil.disk_usage(disk_path).free / 2**30:.1f} GiB", True
+    except OSError as exc:
+        free, disk_ok = f"{disk_path}: {exc.strerror or exc}", False
+    return {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "nrl": version("nrl-core"),
+        "torch": version("torch"),
+        "ray": version("ray"),
+        "gpus": gpus,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "free": free,
+        "disk_ok": disk_ok,
+    }
+
+
+# Shipped to the nodes by value (cloudpickle pickles a module's functions by reference, and a
+# node without nrl could not load this module to answer).
+_node_probe.__module__ = "__main__"
+
+
+def cluster_doctor(
+    address: str | None,
+    *,
+    disk_path: str | None = None,
+    timeout_s: float = 120.0,
+    console: Console | None = None,
+) -> int:
+    """``nrl doctor --cluster``: one table, a row per alive node of the Ray cluster at
+    ``address`` (else ``$RAY_ADDRESS``): its Python, nrl, torch and Ray versions, its GPUs (the
+    driver's list, as :func:`~nrl_core.distributed.devices.nvidia_gpus`) and the free disk at
+    ``disk_path`` (default: this directory; a run writes its run folder under it).
+
+    Each row comes from a Ray task pinned to that node (node affinity, not soft, no CPU asked:
+    it runs on a busy node too). Returns 0 when every node answered with the versions of the
+    first (the head) and has ``disk_path``, else 1 (the differing cells in red); a cluster that cannot be joined is
+    a :class:`~nrl_core.errors.ConfigError` (one line, exit 2).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from nrl_core.distributed.ray_cluster import _enable_token_auth_if_available
+    from nrl_core.errors import ConfigError
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigError(
+            "nrl doctor --cluster needs the Ray address: --cluster HOST:PORT or $RAY_ADDRESS"
+        )
+    console = console or Console()
+    disk_path = disk_path or os.getcwd()
+    _enable_token_auth_if_available()
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}; check that "
+            "`ray status --address ADDRESS` works from this node"
+        ) from None
+    try:
+        nodes = sorted(
+            (n for n in ray.nodes() if n.get("Alive")),
+            key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]),
+        )
+        probe = ray.remote(num_cpus=0, max_retries=0)(_node_probe)
+        refs = [
+            probe.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(disk_path)
+            for n in nodes
+        ]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        answers = []
+        for ref in refs:
+            if ref not in ready:
+                answers.append(None)
+                continue
+            try:
+                answers.append(ray.get(ref))
+            except Exception as exc:  # a node that cannot run the task: shown in its row
+                answers.append({"error": str(exc).splitlines()[0]})
+    finally:
+        ray.shutdown()
+
+    table = Table(
+        title=f"cluster {address}: {len(nodes)} node(s)",
+        caption=f"free disk: at {disk_path} on each node",
+        header_style="bold",
+    )
+    columns = ("node", "host", "python", "nrl", "torch", "ray", "GPUs", "free disk")
+    for column in columns:
+        table.add_column(column)
+    reference = next((a for a in answers if a and "error" not in a), None)
+    ok = bool(nodes)
+    for node, answer in zip(nodes, answers, strict=True):
+        where = f"{node['NodeID'][:8]} {node.get('NodeManagerAddress', '?')}" + (
+            " (head)" if node.get("Resources", {}).get("node:__internal_head__") else ""
+        )
+        if answer is None or "error" in answer:
+            ok = False
+            why = f"no answer within {timeout_s:g} s" if answer is None else answer["error"]
+            table.add_row(escape(where), "", f"[red]{escape(why)}[/red]", "", "", "", "", "")
+            continue
+        cells = []
+        for key in ("python", "nrl", "torch", "ray"):
+            value = escape(answer[key])
+            if reference and answer[key].split(" ")[0] != reference[key].split(" ")[0]:
+                ok = False
+                value = f"[red]{value}[/red]"
+            cells.append(value)
+        gpus = str(answer["gpus"])
+        if answer["visible"] is not None:
+            gpus += f" (CUDA_VISIBLE_DEVICES={escape(answer['visible'])})"
+        free = escape(answer["free"])
+        if not answer["disk_ok"]:
+            ok = False
+            free = f"[red]{free}[/red]"
+        table.add_row(escape(where), escape(answer["host"]), *cells, gpus, free)
+    console.print(table)
+    if not ok:
+        console.print(
+            "[red]the nodes differ, miss the folder or did not all answer[/red]: every node "
+            "needs the same Python, nrl, torch and Ray (the same image, or the checkout on a "
+            "shared filesystem) and the run's folders"
+        )
+    return 0 if ok else 1

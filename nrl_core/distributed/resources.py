@@ -91,3 +91,17 @@ def ray_resources() -> ClusterResources:
         cpus_per_node=[float(n["Resources"].get("CPU", 0)) for n in nodes],
         gpus_per_node=[float(n["Resources"].get("GPU", 0)) for n in nodes],
     )
+
+
+def config_gpus(config) -> int:
+    """The GPUs a run of ``config`` holds on a GPU cluster, for launchers that size one ahead
+    (the KubeRay example's pods, the Slurm script's wait): one per policy rank
+    (``policy.num_workers``), plus ``num_engines x tensor_parallel_size`` for generation
+    engines that are not colocated (colocated engines share the policy's GPUs). A teacher or
+    reward model of its own is not counted. 0 or more."""
+    gpus = config.policy.num_workers
+    generation = getattr(config, "generation", None)
+    options = generation.options_for() if generation is not None else None
+    if options is not None and not getattr(options, "colocated", True):
+        gpus += getattr(options, "num_engines", 1) * getattr(options, "tensor_parallel_size", 1)
+    return gpus

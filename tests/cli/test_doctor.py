@@ -3,8 +3,19 @@ it runs, and its target imports."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -134,3 +145,119 @@ def test_extras_of_a_distribution_that_is_not_installed_are_a_failure():
     check = check_component(_spec(host, "dataset", "fake_hub"))
     assert check.broken
     assert "distribution nrl-not-installed-anywhere is not installed" in check.detail
+
+
+# -- `nrl doctor --cluster` against a real 2-node Ray cluster on this host ---------------------
+
+
+def _pids_naming(text: str) -> list[int]:
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+                )
+            except OSError:
+                continue
+            if text in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def two_node_ray(tmp_path):
+    """A Ray head and one worker node started here with `ray start` (one CPU each, token
+    authentication off for all three processes), stopped by PID (never `ray stop`: it would
+    stop every Ray on the machine); yields (address, env)."""
+
+    ray = str(Path(sys.executable).parent / "ray")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tag = f"/tmp/nrl-dr-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats"]
+    try:
+        for args in (
+            ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={tag}-h"],
+            [f"--address=127.0.0.1:{port}", f"--temp-dir={tag}-w"],
+        ):
+            started = subprocess.run(
+                [ray, "start", "--node-ip-address=127.0.0.1", *args, *common],
+                capture_output=True, text=True, timeout=240, env=env,
+            )  # fmt: skip
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield f"127.0.0.1:{port}", env
+    finally:
+        pids = _pids_naming(tag)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _pids_naming(tag) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        for pid in _pids_naming(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for suffix in ("-h", "-w"):
+            shutil.rmtree(tag + suffix, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_doctor_cluster_reports_every_node(two_node_ray, tmp_path):
+
+    address, env = two_node_ray
+    result = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", "doctor", "--cluster", address, "--disk",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**env, "COLUMNS": "220"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 node(s)" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if metadata.version("ray") in line]
+    assert len(rows) == 2, result.stdout
+    assert sum("(head)" in row for row in rows) == 1
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│ ").split("│")]
+        assert cells[2:7] == [
+            sys.version.split()[0],
+            metadata.version("nrl-core"),
+            metadata.version("torch"),
+            metadata.version("ray"),
+            "0",  # no GPU on this machine (the driver's list, as `nrl doctor`)
+        ], row
+        assert abs(float(cells[7].split()[0]) - free) < 2, row  # same disk, seconds apart
+    # A folder missing on the nodes is named in their rows, and fails the check.
+    missing = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", "doctor", "--cluster", address, "--disk",
+         str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=300, env={**env, "COLUMNS": "220"},
+    )  # fmt: skip
+    assert missing.returncode == 1
+    assert missing.stdout.count("No such file or directory") == 2, missing.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--cluster"],
+            "nrl doctor --cluster needs the Ray address: --cluster HOST:PORT or $RAY_ADDRESS",
+        ),
+        (["--disk", "/tmp"], "nrl doctor: --disk goes with --cluster"),
+    ],
+)
+def test_doctor_cluster_bad_input_is_one_line_exit_2(args, message):
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "nrl_core.cli", "doctor", *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
