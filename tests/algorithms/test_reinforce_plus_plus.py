@@ -15,7 +15,7 @@ from nrl_core.algorithms.advantages import (
 )
 from nrl_core.data import Batch
 from nrl_core.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss
-from tests.losses.helpers import global_stats, loss_and_grad
+from tests.losses.helpers import global_stats, loss_and_grad, random_loss_mask
 
 T = torch.float64
 
@@ -142,11 +142,7 @@ def test_bad_arguments():
 def random_step(seed=0, rows=8, width=10):
     """A step's rollout batch: loss_mask, sample_mask (row 1 dropped), rewards, groups of 4."""
     gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.zeros(rows, width, dtype=T)
-    for i in range(rows):
-        start = int(torch.randint(1, 4, (1,), generator=gen))
-        stop = int(torch.randint(start + 1, width + 1, (1,), generator=gen))
-        loss_mask[i, start:stop] = 1.0
+    loss_mask = random_loss_mask(gen, rows, width)
     sample_mask = torch.ones(rows, dtype=T)
     sample_mask[1] = 0.0
     rewards = torch.randint(0, 2, (rows,), generator=gen).to(T)

@@ -64,6 +64,17 @@ def loss_and_grad(
     return total, torch.cat(grads), reduce_metrics(metrics)
 
 
+def random_loss_mask(gen: torch.Generator, rows: int, width: int) -> torch.Tensor:
+    """A right-padded ``rows x width`` loss mask: each row skips a prompt of 1-3 tokens, then
+    has at least one generated token, then padding."""
+    loss_mask = torch.zeros(rows, width, dtype=T)
+    for i in range(rows):
+        start = int(torch.randint(1, 4, (1,), generator=gen))
+        stop = int(torch.randint(start + 1, width + 1, (1,), generator=gen))
+        loss_mask[i, start:stop] = 1.0
+    return loss_mask
+
+
 def random_policy_batch(
     seed: int = 0, rows: int = 8, width: int = 12
 ) -> tuple[torch.Tensor, Batch]:
@@ -73,11 +84,7 @@ def random_policy_batch(
     padding; one row has ``sample_mask`` 0 and one row is all prompt (no valid token).
     """
     gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.zeros(rows, width, dtype=T)
-    for i in range(rows):
-        prompt = int(torch.randint(1, 4, (1,), generator=gen))
-        length = int(torch.randint(prompt + 1, width + 1, (1,), generator=gen))
-        loss_mask[i, prompt:length] = 1.0
+    loss_mask = random_loss_mask(gen, rows, width)
     loss_mask[rows - 1] = 0.0
 
     def logp() -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from nrl_core.data import Batch
 from nrl_core.interfaces import GlobalBatchStats
 from nrl_core.losses.value import ClippedValueLoss, ValueLossConfig, explained_variance
-from tests.losses.helpers import global_stats, leaf, loss_and_grad, make_batch
+from tests.losses.helpers import global_stats, leaf, loss_and_grad, make_batch, random_loss_mask
 
 T = torch.float64
 
@@ -52,11 +52,7 @@ def test_without_clip_range_it_is_half_the_squared_error():
 
 def random_value_batch(seed=0, rows=8, width=10):
     gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.zeros(rows, width, dtype=T)
-    for i in range(rows):
-        start = int(torch.randint(1, 4, (1,), generator=gen))
-        stop = int(torch.randint(start + 1, width + 1, (1,), generator=gen))
-        loss_mask[i, start:stop] = 1.0
+    loss_mask = random_loss_mask(gen, rows, width)
     sample_mask = torch.ones(rows, dtype=T)
     sample_mask[3] = 0.0
     values = torch.randn(rows, width, generator=gen, dtype=T)
