@@ -137,7 +137,8 @@ class RunConsole:
             if best is not None:
                 picked = f"{best[0].name} (best {metric} {best[1]:.3f}; checkpointing.metric_name)"
             else:
-                picked = f"{latest.name} (the newest: no checkpoint recorded {metric})"
+                # Not naming the metric: a run without accuracy never says "accuracy".
+                picked = f"{latest.name} (the newest; none recorded checkpointing.metric_name)"
             table.add_row("nrl eval picks", picked)
         if not self.verbose and run_log_path() is not None:
             table.add_row("Ray and worker output", f"{RUN_LOG_FILE} (-v prints it here)")

@@ -26,6 +26,7 @@ ranks are done; ranks agree through an all-reduce of a "done" flag.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -230,15 +231,16 @@ class TorchGenerator:
         window = max((len(s) for row in stops for s in row), default=0) + 2
 
         cache = preallocated_cache(self.model.config, width + max_new)
+        cache_kw = cache_keyword(self.model)
         out = forward(
             input_ids=ids,
             attention_mask=mask[:, :width] if padded else None,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_kw: cache},
         )
-        cache = out.past_key_values
+        cache = out[cache_kw]
         steps = 0
         for step in range(max_new):
             logits = out.logits[:, -1, :]
@@ -268,11 +270,11 @@ class TorchGenerator:
                 input_ids=token[:, None],
                 attention_mask=mask[:, : width + step + 1] if padded else None,
                 position_ids=next_position,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_kw: cache},
             )
-            cache = out.past_key_values
+            cache = out[cache_kw]
             next_position = next_position + 1
 
         final_len = final_len.clamp(max=steps).tolist()
@@ -342,3 +344,11 @@ def preallocated_cache(config, capacity: int):
         return None
     cache.layers = [PreallocatedLayer() for _ in cache.layers]
     return cache
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of the KV cache in ``model.forward`` and its output: ``cache`` since
+    transformers 5.24, ``past_key_values`` before. The old name still works in 5.24 but prints
+    a deprecation line on each process's first call (on the console of an in-process run) and
+    goes in 5.40."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
