@@ -272,6 +272,11 @@ def read_state(folder: Path) -> dict[str, Any]:
     return state
 
 
+def finite(value: Any) -> bool:
+    """A real number that is neither NaN nor infinite (a metric a checkpoint can record)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _counters(value: Any) -> bool:
     """A data-stream position: integers >= 0, in objects keyed by names (nested for several
     tasks)."""
@@ -291,14 +296,7 @@ def _state_problem(state: dict[str, Any]) -> str | None:
         return "`data` must be the data stream's position (integers >= 0)"
     val = state.get("val")
     if val is not None and not (
-        isinstance(val, dict)
-        and all(
-            isinstance(k, str)
-            and isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            for k, v in val.items()
-        )
+        isinstance(val, dict) and all(isinstance(k, str) and finite(v) for k, v in val.items())
     ):
         return "`val` must map validation metric names to finite numbers"
     rng = state.get("rng")

@@ -11,7 +11,6 @@ loop on top of it, reading the parts through the session's attributes (``session
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from nrl_core.algorithms.session.components import Components
 from nrl_core.algorithms.session.console import RunConsole
 from nrl_core.algorithms.session.run_data import RunData
 from nrl_core.algorithms.session.run_folder import RunFolder
+from nrl_core.checkpoint import finite
 from nrl_core.config.loader import ConfigConverter, dump_config
 from nrl_core.config.schema import RunConfig
 from nrl_core.interfaces import ComponentContext
@@ -237,7 +237,7 @@ class RunSession:
         self.display.summary(rows)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        val = {k: float(v) for k, v in metrics.items() if k.startswith("val/") and _finite(v)}
+        val = {k: float(v) for k, v in metrics.items() if k.startswith("val/") and finite(v)}
         if val:  # a checkpoint of this step records them (see save_checkpoint)
             self._val_at_step = (step, val)
         self.display.record(step, metrics)
@@ -302,8 +302,3 @@ class RunSession:
                 interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
-
-
-def _finite(value: Any) -> bool:
-    """A real number that is neither NaN nor infinite (a metric a checkpoint can record)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
