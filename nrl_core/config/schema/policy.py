@@ -17,6 +17,7 @@ from nrl_core.config.schema.fields import (
     option,
     optional,
 )
+from nrl_core.lr_schedule import LR_DECAYS
 from nrl_core.registry import ComponentKind
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -44,8 +45,38 @@ class OptimizerConfig:
     )
     eps: float = option(1e-8, "Adam epsilon.", validator=gt(0))
     warmup_steps: int = option(
-        0, "Linear warm-up steps from 0 to `lr`; constant afterwards.", validator=ge(0)
+        0,
+        "Linear warm-up over this many optimizer steps, from `lr / warmup_steps` up to `lr`.",
+        validator=ge(0),
     )
+    decay: str = option(
+        "constant",
+        (
+            "Learning rate after the warm-up: `constant`, or `linear` / `cosine` decay from `lr` "
+            "to `lr * min_lr_ratio` over `decay_steps` optimizer steps (then held there). Every "
+            "optimizer step counts, a supervised warm-up's (`grpo.sft_warmup_steps`) too."
+        ),
+        validator=one_of(*LR_DECAYS),
+    )
+    decay_steps: int | None = option(
+        None,
+        "Optimizer steps the decay lasts (>= 1; needed when `decay` is not `constant`).",
+        validator=optional(ge(1)),
+    )
+    min_lr_ratio: float = option(
+        0.0,
+        "The rate at the end of the decay, as a fraction of `lr` (0 to 1).",
+        validator=between(0, 1),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # A decay without a length has no schedule to follow; guessing the run's step count
+        # would differ between algorithms (a supervised warm-up's steps count too).
+        if self.decay != "constant" and self.decay_steps is None:
+            raise ValueError(
+                f"decay={self.decay} needs decay_steps (the optimizer steps it lasts, e.g. "
+                "the run's max_num_steps plus its warm-up steps); or set decay=constant"
+            )
 
 
 @attrs.define

@@ -96,6 +96,24 @@ LAYOUTS = {
 }
 
 
+def test_learning_rate_follows_the_configured_decay(tiny_path):
+    """The rate each step reports and applies is the shared schedule's (nrl_core.lr_schedule):
+    a linear warm-up of 2 steps, then a cosine decay to a tenth over 4 steps."""
+    config = make_config(tiny_path, lr=1e-3)
+    config.policy.optimizer = OptimizerConfig(
+        lr=1e-3, warmup_steps=2, decay="cosine", decay_steps=4, min_lr_ratio=0.1
+    )
+    policy = local_policy(config)
+    batch = make_batch(8, seed=1)
+    got = [policy.train(batch, TokenMeanNLL())["lr"] for _ in range(7)]
+    half = 0.1 + 0.9 * 0.5
+    expected = [5e-4, 1e-3, 1e-3, None, half * 1e-3, None, 1e-4]
+    for step, (lr, want) in enumerate(zip(got, expected, strict=True)):
+        if want is not None:
+            assert lr == pytest.approx(want, rel=1e-9), step
+    assert got[3] > got[4] > got[5] > got[6]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_ranks_match_one_rank(tiny_path, start_group, layout):
     config = make_config(tiny_path)

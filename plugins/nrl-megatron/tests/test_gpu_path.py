@@ -450,15 +450,30 @@ class _StubDDP:
             buffer.grad_data.zero_()
 
 
+def test_megatron_rate_follows_the_shared_schedule():
+    """Megatron sets the rate itself each step: from the same schedule as dtensor's."""
+    from types import SimpleNamespace
+
+    from nrl_core.config.schema.policy import OptimizerConfig
+
+    optimizer = OptimizerConfig(lr=1e-3, warmup_steps=1, decay="linear", decay_steps=4)
+    worker = _stub_worker(policy=SimpleNamespace(optimizer=optimizer))
+    assert [worker._lr(step) for step in range(6)] == pytest.approx(
+        [1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0]
+    )
+
+
 def _gpu_path_worker(grads: torch.Tensor, grad_norm: float):
     from types import SimpleNamespace
+
+    from nrl_core.config.schema.policy import OptimizerConfig
 
     worker = _stub_worker(
         step=0,
         world_size=1,
         device=torch.device("cpu"),
         router_stats=None,
-        policy=SimpleNamespace(optimizer=SimpleNamespace(lr=1e-3, warmup_steps=0)),
+        policy=SimpleNamespace(optimizer=OptimizerConfig(lr=1e-3)),
         model=_StubDDP(grads),
     )
     worker.optimizer = worker.megatron_optimizer = _StubMegatronOptimizer(grad_norm)

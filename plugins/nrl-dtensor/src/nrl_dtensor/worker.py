@@ -33,6 +33,7 @@ import torch.distributed as dist
 from nrl_core.data import Batch
 from nrl_core.errors import NrlError
 from nrl_core.interfaces import ComponentContext, GenerationOutput, SamplingParams
+from nrl_core.lr_schedule import lr_scale
 from nrl_core.packing import PackedSequences
 from nrl_core.policy_setup import (
     LazyReference,
@@ -89,9 +90,9 @@ class DTensorPolicyWorker(ModelBuilding):
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._build_optimizer(params)
-        warmup = self.policy.optimizer.warmup_steps
+        schedule = self.policy.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+            self.optimizer, lambda step: lr_scale(step, schedule)
         )
 
         self.logprob_temperature = logprob_temperature(context.config)

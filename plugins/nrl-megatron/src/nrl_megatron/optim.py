@@ -10,6 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from nrl_core.lr_schedule import lr_scale
 from nrl_megatron.convert import expert_index
 
 
@@ -18,9 +19,7 @@ class OptimizerMixin:
     :class:`~nrl_megatron.worker.MegatronPolicyWorker`."""
 
     def _lr(self, step: int) -> float:
-        warmup = self.policy.optimizer.warmup_steps
-        scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        return self.policy.optimizer.lr * scale
+        return self.policy.optimizer.lr * lr_scale(step, self.policy.optimizer)
 
     def optimizer_step(self) -> dict[str, float]:
         """Average gradients over data-parallel ranks (CPU path; Megatron DDP does it on GPU),
