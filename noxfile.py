@@ -24,7 +24,8 @@
   started on this machine, the shipped batch script submitted for real. Needs root and
   Debian's `slurm-wlm` and `munge`; `.ci/run` calls it where `apt-get` can install them.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
-  the same tiny CPU workload; trl is installed into the session only, never into the project.
+  the same tiny CPU workload (seconds per step; `-- --learning`: learning curves over 3 seeds);
+  trl is installed into the session only, never into the project.
 """
 
 import contextlib
@@ -99,7 +100,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(name="bench-trl")
 def bench_trl(session: nox.Session) -> None:
-    """nrl vs TRL's GRPOTrainer, seconds per step (`-- --steps 20 KEY=VALUE ...`)."""
+    """nrl vs TRL's GRPOTrainer: seconds per step (`-- --steps 20 KEY=VALUE ...`), or learning
+    curves (`-- --learning`)."""
     _sync(session)
     # trl on top of the locked environment, keeping its torch and transformers.
     versions = session.run(

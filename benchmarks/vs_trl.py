@@ -69,7 +69,12 @@ def prompt_text(expression: str) -> str:
 # -- TRL side (a subprocess: `--side trl --model DIR`) ---------------------------------------
 
 
-def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
+def run_trl(
+    model_dir: str, steps: int, out_dir: str, seed: int = SEED, val_period: int = 0
+) -> dict:
+    """TRL's trainer on the workload; with ``val_period`` (``--learning``) on the problems of
+    :func:`vs_trl_learning.problems`, validated greedily at step 0 and every ``val_period``
+    steps (``val_accuracy``: step -> accuracy)."""
     import datasets
     import torch
     import trl
@@ -78,11 +83,15 @@ def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    rng = random.Random(SEED)
-    rows = []
-    for _ in range(2048):
-        expression, value = make_problem(rng, 1, ["+"], 2)
-        rows.append({"prompt": prompt_text(expression), "answer": value})
+    if val_period:
+        from vs_trl_learning import greedy_accuracy, problems
+
+        train = problems("train")
+        validation = problems("validation")
+    else:
+        rng = random.Random(SEED)
+        train = [make_problem(rng, 1, ["+"], 2) for _ in range(2048)]
+    rows = [{"prompt": prompt_text(expression), "answer": value} for expression, value in train]
     dataset = datasets.Dataset.from_list(rows)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -108,6 +117,21 @@ def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
             self.end: list[float] = []
             self.optimizer_steps: list[int] = []
             self._optimizer_steps = 0
+            self.val_accuracy: dict[int, float] = {}
+
+        def _validate(self, step: int, model) -> None:
+            # Off the clock: the next step's time starts from its own on_step_begin.
+            if val_period and step % val_period == 0:
+                self.val_accuracy[step] = greedy_accuracy(
+                    model,
+                    AutoTokenizer.from_pretrained(model_dir),
+                    validation,
+                    prompt_text,
+                    MAX_NEW_TOKENS,
+                )
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self._validate(0, model)
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin.append(time.perf_counter())
@@ -115,10 +139,11 @@ def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
         def on_optimizer_step(self, args, state, control, **kwargs):
             self._optimizer_steps += 1
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
             self.end.append(time.perf_counter())
             self.optimizer_steps.append(self._optimizer_steps)
             self._optimizer_steps = 0
+            self._validate(state.global_step, model)
 
     config = GRPOConfig(
         output_dir=out_dir,
@@ -133,7 +158,7 @@ def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
         gradient_checkpointing=False,  # TRL defaults to True; nrl recomputes nothing
         use_cpu=True,
         max_steps=steps,
-        seed=SEED,
+        seed=seed,
         report_to="none",
         save_strategy="no",
         logging_steps=10**9,
@@ -160,11 +185,15 @@ def run_trl(model_dir: str, steps: int, out_dir: str) -> dict:
     assert timer.optimizer_steps == [1] * steps, timer.optimizer_steps
     assert [c["global_step"] for c in calls] == list(range(steps)), calls
     assert all(c["completions"] == BATCH for c in calls), calls
-    step_s = [timer.end[0] - timer.begin[0]]
-    step_s += [b - a for a, b in zip(timer.end, timer.end[1:], strict=False)]
+    if val_period:  # steps timed from their own begin: validation stays off the clock
+        step_s = [b - a for a, b in zip(timer.begin, timer.end, strict=True)]
+    else:
+        step_s = [timer.end[0] - timer.begin[0]]
+        step_s += [b - a for a, b in zip(timer.end, timer.end[1:], strict=False)]
     return {
         "step_s": step_s,
         "begin_to_end_s": [b - a for a, b in zip(timer.begin, timer.end, strict=True)],
+        "val_accuracy": timer.val_accuracy,
         "reward_mean": [c["reward_mean"] for c in calls],
         "tokens": [c["tokens"] for c in calls],
         "completions_per_step": [c["completions"] for c in calls],
@@ -229,8 +258,9 @@ def run_trl_side(model_dir: Path, steps: int, tmp: Path) -> dict:
     return json.loads(lines[-1])
 
 
-def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -> list[dict]:
-    workload = [
+def nrl_workload(model_dir: Path) -> list[str]:
+    """The nrl side's overrides for the workload (TRL's settings, in nrl's config)."""
+    return [
         f"policy.model_name={model_dir}",
         "data.apply_chat_template=false",
         "data.dataset=arithmetic",
@@ -242,7 +272,10 @@ def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -
         f"policy.train_micro_batch_size={BATCH}",
         f"policy.optimizer.lr={LR}",
     ]
-    return run_grpo(steps, [*workload, *overrides], tmp)
+
+
+def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -> list[dict]:
+    return run_grpo(steps, [*nrl_workload(model_dir), *overrides], tmp)
 
 
 def main() -> None:
@@ -252,11 +285,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
     parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="--learning: folder for learning.png and curves.json")
+    parser.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
+    learning = parser.add_argument_group("learning curves (vs_trl_learning.py)")
+    learning.add_argument("--learning", action="store_true", help="compare learning curves")
+    learning.add_argument("--seeds", default="42,1,2", help="comma-separated run seeds")
+    learning.add_argument("--ranks", default="1,2", help="nrl policy.num_workers values")
+    learning.add_argument("--val-period", type=int, default=10, help="steps between validations")
+    learning.add_argument("--warm-start", type=int, default=40, help="shared supervised steps")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (nrl side)")
     args = parser.parse_args()
     if args.side == "trl":
-        print(json.dumps(run_trl(args.model, args.steps, args.out)), flush=True)
+        val_period = args.val_period if args.learning else 0
+        record = run_trl(args.model, args.steps, args.out, args.seed, val_period)
+        print(json.dumps(record), flush=True)
+        return
+    if args.learning:
+        import vs_trl_learning
+
+        if args.steps == parser.get_default("steps"):
+            args.steps = 100
+        vs_trl_learning.main(
+            args, MODEL, lambda model: [*nrl_workload(model), *args.overrides], prompt_text
+        )
         return
     if args.steps <= args.warmup:
         sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
