@@ -12,6 +12,10 @@ from test_dtensor import local_policy, local_worker, make_config
 from nrl_core.testing.batches import TokenMeanNLL, make_batch
 from nrl_core.training import valid_token_mask
 
+# Every test here loads a family's model at least once (Qwen3.5's Gated DeltaNet runs
+# transformers' reference torch kernels on CPU): about 10 s each on 2 shared cores.
+pytestmark = pytest.mark.slow
+
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"]
 MODEL_TYPES = {
     "qwen3_5": "qwen3_5_text",
@@ -126,7 +130,6 @@ def test_refit_stream_is_in_the_layout_the_engine_loads(family_path, engine):
         assert torch.equal(tensor, want[name].to(tensor.dtype)), name
 
 
-@pytest.mark.slow  # Ray engine actors
 def test_a_separate_torch_engine_follows_a_refit_bit_for_bit(family_path, ray_cluster):
     """After a training step and a refit, a separate torch engine holds the trainer's weights
     bit for bit and samples what the trainer samples."""
