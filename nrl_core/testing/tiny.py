@@ -109,16 +109,31 @@ def build_tiny_model(
     num_experts_per_tok: int = 2,
     seed: int = 0,
 ) -> Path:
-    """Build a randomly initialised ``arch`` (``llama``, ``qwen2`` or ``qwen3_moe``) model and
-    its tokenizer into ``path`` with ``save_pretrained``; return the folder.
+    """Build a randomly initialised ``arch`` (one of :data:`ARCHS`) model and its tokenizer into
+    ``path`` with ``save_pretrained``; return the folder.
 
     ``qwen3_moe``: every decoder layer's MLP is a mixture of ``num_experts`` experts (each of
     ``intermediate_size`` / ``num_experts_per_tok`` width, so that the active parameters per
     token match a dense MLP of ``intermediate_size``), of which a learned router picks the top
     ``num_experts_per_tok`` per token (1 <= ``num_experts_per_tok`` <= ``num_experts``).
-    ``num_experts`` and ``num_experts_per_tok`` are ignored by the dense architectures."""
+    ``num_experts`` and ``num_experts_per_tok`` are ignored by the dense architectures.
+
+    The newer families (issue 48), each at its published layer pattern, tiny:
+
+    - ``qwen3_5``: Qwen3.5's text model (``model_type`` ``qwen3_5_text``): every
+      ``num_layers // 4``-th layer is full attention (gated, partial rotary), the others Gated
+      DeltaNet linear attention; a dense MLP.
+    - ``qwen3_5_moe``: the same attention pattern, every MLP a mixture of ``num_experts`` with a
+      gated shared expert (``qwen3_5_moe_text``).
+    - ``gpt_oss``: attention with learned sinks, alternating sliding-window (8 tokens) and full
+      layers, a biased MoE with the clamped SwiGLU.
+    - ``llama4``: Llama 4's text model (``llama4_text``): a MoE with a shared expert in every
+      layer, chunked attention (16 tokens) with every fourth layer full and without RoPE
+      (NoPE), L2 norm of q and k.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     # A vocabulary rounded up to a multiple of 64 keeps matmuls aligned; extra rows are unused.
@@ -137,22 +152,76 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
-    if arch not in configs:
-        raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    moe = arch in ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "llama4")
+    if moe and not 1 <= num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok={num_experts_per_tok} must be in [1, {num_experts}]")
+    head_dim = hidden_size // num_heads  # the families' defaults (64 to 256) are no tiny size
+    expert_size = common["intermediate_size"] // num_experts_per_tok
     if arch == "qwen3_moe":
-        if not 1 <= num_experts_per_tok <= num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={num_experts_per_tok} must be in [1, {num_experts}]"
-            )
         common.update(
-            head_dim=hidden_size // num_heads,  # Qwen3's default (128) is no tiny size
+            head_dim=head_dim,
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=common["intermediate_size"] // num_experts_per_tok,
+            moe_intermediate_size=expert_size,
             norm_topk_prob=True,
         )
-    config = configs[arch](**common)
+    elif arch in ("qwen3_5", "qwen3_5_moe"):
+        common.update(
+            head_dim=head_dim,
+            # Gated DeltaNet heads: 2 key heads shared by 4 value heads, as the published 2:1.
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                for i in range(num_layers)
+            ],
+        )
+        if arch == "qwen3_5_moe":
+            common.update(
+                num_experts=num_experts,
+                num_experts_per_tok=num_experts_per_tok,
+                moe_intermediate_size=expert_size,
+                shared_expert_intermediate_size=expert_size,
+            )
+            del common["intermediate_size"]
+    elif arch == "gpt_oss":
+        common.update(
+            head_dim=head_dim,
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            intermediate_size=expert_size,
+            sliding_window=8,
+            # The published YaRN, its original context shrunk with the tiny one (transformers
+            # warns when the factor does not match the two lengths).
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": max_position_embeddings // 32,
+            },
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ],
+        )
+    elif arch == "llama4":
+        common.update(
+            head_dim=head_dim,
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            intermediate_size=expert_size,
+            intermediate_size_mlp=common["intermediate_size"],
+            attention_chunk_size=16,
+            # The published 10**13 floor would leave the temperature tuning inert at tiny lengths.
+            floor_scale=8,
+        )
+    config = getattr(transformers, ARCHS[arch])(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     path = Path(path)
@@ -161,6 +230,18 @@ def build_tiny_model(
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+ARCHS: dict[str, str] = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+    "gpt_oss": "GptOssConfig",
+    "llama4": "Llama4TextConfig",
+}
+"""The architectures :func:`build_tiny_model` builds, with their transformers config class."""
 
 
 @contextlib.contextmanager
@@ -214,6 +295,11 @@ NAMED_SIZES: dict[str, dict[str, int | str]] = {
     "tiny-small": {"hidden_size": 64, "num_layers": 2},
     # A Qwen3-MoE mixture of experts (4 experts, top-2), the same tokenizer; ~1.4M parameters.
     "tiny-moe": {"arch": "qwen3_moe"},
+    # The newer families (issue 48; build_tiny_model says what each holds), the same tokenizer.
+    "tiny-qwen3_5": {"arch": "qwen3_5"},
+    "tiny-qwen3_5_moe": {"arch": "qwen3_5_moe"},
+    "tiny-gpt_oss": {"arch": "gpt_oss"},
+    "tiny-llama4": {"arch": "llama4"},
 }
 """The locally built models a ``model_name`` may name, with their sizes."""
 

@@ -27,3 +27,27 @@ def test_building_the_tiny_model_prints_no_progress_bar(tmp_path):
     assert (tmp_path / "tiny" / "config.json").is_file()
     # Only for the build: transformers' own setting is as it was.
     assert "bars still on: True" in done.stdout
+
+
+def test_every_named_family_builds_its_published_model_type(tmp_path):
+    """Each ``tiny-<arch>`` name of the newer families (issue 48) builds the architecture it
+    names, saved and loaded through ``from_pretrained``'s config; an unknown arch is refused
+    naming the ones there are."""
+    import pytest
+    from transformers import AutoConfig
+
+    from nrl_core.testing.tiny import ARCHS, NAMED_SIZES, build_tiny_model
+
+    expected = {
+        "tiny-qwen3_5": "qwen3_5_text",
+        "tiny-qwen3_5_moe": "qwen3_5_moe_text",
+        "tiny-gpt_oss": "gpt_oss",
+        "tiny-llama4": "llama4_text",
+    }
+    for name, model_type in expected.items():
+        arch = NAMED_SIZES[name]["arch"]
+        assert arch in ARCHS
+        path = build_tiny_model(tmp_path / name, arch=arch, hidden_size=32, num_layers=4)
+        assert AutoConfig.from_pretrained(path).model_type == model_type
+    with pytest.raises(ValueError, match="gpt_oss"):
+        build_tiny_model(tmp_path / "x", arch="gpt2")

@@ -85,3 +85,26 @@ def test_unsupported_architecture_is_a_user_error():
 
     with pytest.raises(ConversionError, match="not supported"):
         ModelShape.from_hf_config(Config())
+
+
+@pytest.mark.parametrize(
+    ("arch", "layer"),
+    [
+        ("qwen3_5", "Gated DeltaNet"),
+        ("qwen3_5_moe", "Gated DeltaNet"),
+        ("gpt_oss", "attention sinks"),
+        ("llama4", "chunked attention"),
+    ],
+)
+def test_new_families_are_refused_in_one_line_naming_the_layer(arch, layer, tmp_path):
+    """The tiny models of the families issue 48 names, as ``from_pretrained`` configs: refused
+    by the layer that the converter cannot map, pointing at the dtensor backend."""
+    from transformers import AutoConfig
+
+    from nrl_core.testing.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path, arch=arch, hidden_size=32, num_layers=4)
+    with pytest.raises(ConversionError, match=layer) as caught:
+        ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
+    message = str(caught.value)
+    assert "\n" not in message and "policy.backend=dtensor" in message

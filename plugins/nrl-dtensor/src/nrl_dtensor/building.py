@@ -177,10 +177,12 @@ class ModelBuilding:
         # inherits `LlamaForCausalLM` from its base otherwise).
         model.config.architectures = [type(model).__name__]
         if not self.scalar_head:
-            from nrl_dtensor.packing import install
+            from nrl_dtensor.packing import install, packing_refusal
 
-            # Packed micro batches attend within each sample; other calls are unchanged.
-            install(model)
+            # Packed micro batches attend within each sample; other calls are unchanged. A
+            # model that cannot pack (a Gated DeltaNet, sinks, chunks) keeps its attention.
+            if packing_refusal(model, self.device_type, self.dtype) is None:
+                install(model)
         if trainable and self.options.lora_rank > 0:
             if not filled:
                 self._fill(model, source, self.device, whole=True)

@@ -52,8 +52,14 @@ class RouterStatistics(_CoreRouterStatistics):
         super().__init__(found, [r.num_experts for r in found])
 
     def routing(self, router, args, output) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Hugging Face router returns ``(router_logits, top_k_weights, top_k_indices)``."""
-        logits, _, indices = output
+        """A Hugging Face router returns ``(router_logits, top_k_weights, top_k_indices)``;
+        Llama 4's returns ``(router_scores, router_logits)``, its top-k the logits' (the
+        statistics then measure its choice against the logits' softmax, as for the others)."""
+        if len(output) == 2:
+            logits = output[1]
+            indices = logits.topk(router.top_k, dim=-1).indices
+        else:
+            logits, _, indices = output
         probs = torch.softmax(logits.detach().float(), dim=-1)
         chosen = torch.zeros_like(probs).scatter_(1, indices.reshape(probs.shape[0], -1), 1.0)
         return probs, chosen

@@ -71,6 +71,41 @@ def _register(original: str) -> str:
     return name
 
 
+def packing_refusal(model, device_type: str, dtype: torch.dtype) -> str | None:
+    """Why ``model`` cannot take packed rows exactly here, or ``None`` when it can.
+
+    The packed path above keeps samples apart inside softmax attention only. Layers it cannot
+    keep apart fall back to padded micro batches (``policy.sequence_packing=auto``) rather
+    than mix samples silently:
+
+    * Gated DeltaNet linear attention (Qwen3.5's ``linear_attention`` layers): its causal
+      convolution and recurrent state run across the whole row; transformers keeps samples
+      apart only through flash-linear-attention's kernels (``fla``, CUDA), and refuses without;
+    * attention sinks (gpt-oss's ``sinks``): the packed kernels above have no sink term;
+    * chunked attention (Llama 4's ``chunked_attention`` layers): its chunks live in the
+      attention mask, which the packed path does not build;
+    * sliding windows other than on CUDA in half precision (the only packed kernels with a
+      window).
+    """
+    import importlib.util
+
+    config = model.config
+    types = set(getattr(config, "layer_types", None) or [])
+    if "linear_attention" in types and importlib.util.find_spec("fla") is None:
+        return "Gated DeltaNet layers need flash-linear-attention (fla) for packed sequences"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "the packed attention kernels have no attention-sink term (gpt-oss)"
+    if "chunked_attention" in types:
+        return "chunked attention (Llama 4) is expressed by a mask the packed path does not build"
+    windowed = "sliding_attention" in types or getattr(config, "sliding_window", None)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if windowed and not (device_type == "cuda" and half):
+        return "packed sliding-window attention needs CUDA in half precision"
+    if config._attn_implementation == "eager":
+        return "the model runs transformers' eager attention, which the packed path cannot wrap"
+    return None
+
+
 @contextlib.contextmanager
 def packed_forward() -> Iterator[None]:
     """Around a forward on packed inputs: the model builds no causal mask (none is read)."""

@@ -102,8 +102,14 @@ class DTensorPolicyWorker(ModelBuilding):
     @property
     def supports_sequence_packing(self) -> bool:
         """Whether micro batches may come packed (:mod:`nrl_core.packing`): causal LMs take
-        them (see :mod:`nrl_dtensor.packing`); a scalar head pools by row and does not."""
-        return not self.scalar_head
+        them (see :mod:`nrl_dtensor.packing`) unless a layer cannot keep the samples of a row
+        apart (:func:`nrl_dtensor.packing.packing_refusal`); a scalar head pools by row and
+        does not."""
+        from nrl_dtensor.packing import packing_refusal
+
+        if self.scalar_head:
+            return False
+        return packing_refusal(self.model, self.device_type, self.dtype) is None
 
     # -- setup ----------------------------------------------------------------------------------
 

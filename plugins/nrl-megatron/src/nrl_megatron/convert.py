@@ -43,6 +43,29 @@ from nrl_core.errors import NrlError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe")
 
+_GDN = (
+    "Qwen3.5's Gated DeltaNet layers (layer_types 'linear_attention') are not converted: "
+    "megatron-core's GatedDeltaNet (0.16 and 0.19) runs only on flash-linear-attention's CUDA "
+    "kernels, so its forward cannot be checked against transformers' here"
+)
+REFUSED_LAYERS = {
+    "qwen3_5": _GDN,
+    "qwen3_5_text": _GDN,
+    "qwen3_5_moe": _GDN,
+    "qwen3_5_moe_text": _GDN,
+    "gpt_oss": (
+        "gpt-oss's attention sinks, alternating sliding windows and biased clamped-SwiGLU "
+        "experts are not converted yet (megatron-core has softmax_type='learnable', "
+        "window_size and activation_func_clamp_value for them; nrl maps none)"
+    ),
+    "llama4": "Llama 4's chunked attention layers (attention_chunk_size) have no "
+    "megatron-core equivalent (0.16 and 0.19)",
+    "llama4_text": "Llama 4's chunked attention layers (attention_chunk_size) have no "
+    "megatron-core equivalent (0.16 and 0.19)",
+}
+"""Model families transformers ships that the converter refuses, each with the layer that it
+cannot map (docs/megatron.md, "Model families")."""
+
 
 class ConversionError(NrlError):
     """A checkpoint does not fit the converter (unsupported architecture or shapes)."""
@@ -80,6 +103,11 @@ class ModelShape:
     def from_hf_config(cls, config: Any) -> ModelShape:
         """Read the shape from a ``transformers`` config (Llama or Qwen2)."""
         model_type = getattr(config, "model_type", None)
+        if model_type in REFUSED_LAYERS:
+            raise ConversionError(
+                f"model_type {model_type!r}: {REFUSED_LAYERS[model_type]}; use "
+                "policy.backend=dtensor"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConversionError(
                 f"model_type {model_type!r} is not supported by the megatron policy; supported: "
