@@ -248,7 +248,7 @@ def test_defaults_may_name_an_embedded_recipe(tmp_path, registry):
     config = resolve_config("grpo", run, registry=registry)
     assert config.grpo.max_num_steps == 7
     assert config.generation.max_new_tokens == 4  # the recipe's, not the class default 128
-    assert config.policy.optimizer.lr == 5.0e-4
+    assert config.policy.optimizer.lr == 3.0e-4
     assert config.logger.run_name == "grpo-arithmetic"
 
 
@@ -280,7 +280,7 @@ def test_recipe_options_of_components_not_installed_are_left_out(tmp_path, as_fi
         config = resolve_config("grpo", None, overrides, registry, defaults=default_recipe("grpo"))
     assert config.data.dataset == "preference"
     assert "arithmetic" not in config.data.options
-    assert config.policy.optimizer.lr == 5.0e-4  # the rest of the recipe still applies
+    assert config.policy.optimizer.lr == 3.0e-4  # the rest of the recipe still applies
 
 
 def test_options_the_user_writes_for_a_component_not_installed_stay_an_error(tmp_path):
