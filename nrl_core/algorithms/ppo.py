@@ -170,24 +170,6 @@ class PPOTrainer(GRPOTrainer):
         metrics["critic_s"] = time.perf_counter() - start
         return metrics
 
-    def sft_warmup(self) -> dict[str, float]:
-        """GRPO's warm-up of the policy; then, when the critic starts from the policy's
-        checkpoint (:meth:`~nrl_core.algorithms.session.components.Components.
-        critic_after_warmup`), the critic starts from the warmed-up policy (exported beside the
-        checkpoints), whose features already know the answers' format and some of the task."""
-        metrics = super().sft_warmup()
-        s = self.session
-        if s.critic is None:
-            from nrl_core import atomic
-
-            path = s.checkpoints.root / "policy_after_warmup"
-            with atomic.new_dir(path) as tmp:
-                s.policy.export_hf(str(tmp))
-            with s.phase("starting the critic from the warmed-up policy") as done:
-                s.critic = s.components.start_critic(s.cluster_resources, str(path))
-                done("critic: started from the warmed-up policy")
-        return metrics
-
     def close_step(self, step, data, metrics, *, step_start, timings):
         """GRPO's, with the critic's time (valuing and training) as ``timing/critic_s``."""
         if "train/critic_s" in metrics:

@@ -109,7 +109,7 @@ class Components:
             with phase(f"starting the teacher ({teacher})") as done:
                 self.teacher = self.start_teacher(resources)
                 done(f"teacher: {teacher} ready")
-        if hasattr(config, "critic") and not self.critic_after_warmup():
+        if hasattr(config, "critic"):
             critic = _ranks(config.critic.num_workers, config.critic.backend)
             with phase(f"starting the critic ({critic})") as done:
                 self.critic = self.start_critic(resources)
@@ -349,20 +349,6 @@ class Components:
         )
         self._closers.append(group.shutdown)
         return Policy.from_config(group, teacher)
-
-    def critic_after_warmup(self) -> bool:
-        """Whether the PPO critic starts only after the policy's SFT warm-up, from the warmed-up
-        policy (a fresh run whose critic starts from the policy's checkpoint and whose policy
-        is warmed up first: the critic then starts from what the policy knows, not from the
-        checkpoint the warm-up left behind). A resumed run starts it at once: its weights come
-        from the checkpoint."""
-        config = self.config
-        return (
-            hasattr(config, "critic")
-            and self.folder.resume_path is None
-            and getattr(config.grpo, "sft_warmup_steps", 0) > 0
-            and config.critic.model_name == config.policy.model_name
-        )
 
     def start_critic(self, resources: Any, model_name: str | None = None):
         """The critic of ``nrl run ppo``: a worker group of its policy backend, built from the
