@@ -42,7 +42,9 @@ def value_batch():
     """A batch with GAE-like targets: the critic learns the return of each generated token."""
     batch = make_batch(8, seed=3)
     g = torch.Generator().manual_seed(5)
-    returns = torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+    # Around 1, so that one step from V = 0 has a direction to go (mostly up).
+    noise = torch.randn(batch["loss_mask"].shape, generator=g)
+    returns = (1.0 + 0.3 * noise) * batch["loss_mask"]
     return batch, returns
 
 
