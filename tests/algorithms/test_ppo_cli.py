@@ -16,7 +16,12 @@ from tests.algorithms.test_grpo_cli import metrics, run_nrl
 
 pytestmark = pytest.mark.slow
 
+# A tiny model a warm-up step in answers no sum right: arithmetic would give every sample
+# reward 0, and the critic nothing to learn. This reward varies with the completion's length.
+REWARD = Path(__file__).with_name("ppo_length_reward.py")
 SMALL = [
+    "env.name=reward_fn",
+    f"env.reward_fn.path={REWARD}:score",
     "ppo.num_prompts_per_step=8",
     "ppo.num_generations_per_prompt=2",
     "ppo.sft_warmup_steps=1",
@@ -59,11 +64,18 @@ def test_three_steps_train_the_critic_then_the_policy(tmp_path):
     for step in (1, 2, 3):
         record = records[step]
         for key in CRITIC_KEYS:
+            if key == "train/explained_variance" and record["train/reward_std"] == 0:
+                # Returns that do not vary leave nothing to explain: null, never a made-up
+                # number (a tiny model one warm-up step in is usually wrong everywhere).
+                assert record[key] is None, (step, record[key])
+                continue
             assert math.isfinite(record[key]), (step, key, record.get(key))
         assert record["train/value_loss"] > 0 and record["timing/critic_s"] > 0
+    assert records[1]["train/value_loss"] > 0 and records[1]["train/returns_mean"] > 0
     # Step 1 trains the critic only; the fresh critic's values are 0, so it explains nothing.
     assert records[1]["train/critic_warmup"] == 1 and "train/loss" not in records[1]
-    assert records[1]["train/explained_variance"] == pytest.approx(0.0, abs=1e-9)
+    if records[1]["train/explained_variance"] is not None:
+        assert records[1]["train/explained_variance"] == pytest.approx(0.0, abs=1e-9)
     assert "train/loss" in records[2] and "train/critic_warmup" not in records[2]
     step = tmp_path / "ckpt" / "step_3"
     assert (step / "critic").is_dir() and (step / "policy").is_dir()
@@ -123,7 +135,13 @@ def test_kill_then_resume_gives_the_uninterrupted_runs_metrics(tmp_path):
     assert sorted(resumed) == sorted(expected) == [0, 1, 2, 3, 4]
     for step in (3, 4):
         for key in (*CRITIC_KEYS, "train/critic_grad_norm", "train/loss", "train/grad_norm"):
+            if expected[step][key] is None:  # explained variance of returns that do not vary
+                assert resumed[step][key] is None, (step, key)
+                continue
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (
                 step,
                 key,
             )
+        # The critic had something to learn: a restore that lost its weights or optimizer
+        # would show here.
+        assert expected[step]["train/value_loss"] > 0
