@@ -105,7 +105,7 @@ def preflight(config: Any, registry: Registry, *, verbose: bool = False) -> list
     check_tool_parser(config, registry)
     validate_run_config(config)
     check_pipeline_generation(config, registry)
-    for key in ("policy", "teacher"):  # the teacher: `nrl run distill`
+    for key in ("policy", "teacher", "critic"):  # teacher: `nrl run distill`; critic: `ppo`
         model = getattr(config, key, None)
         if model is None:
             continue
@@ -397,7 +397,7 @@ def check_model_configs(config: Any) -> None:
     not by the CLI's early :func:`preflight`."""
     from nrl_core.testing.tiny import NAMED_SIZES
 
-    for key in ("policy", "teacher"):
+    for key in ("policy", "teacher", "critic"):
         model = getattr(config, key, None)
         if model is None or model.model_name in NAMED_SIZES:
             continue

@@ -271,7 +271,7 @@ class GRPOTrainer:
         )
 
         start = time.perf_counter()
-        train = s.policy.train(batch, s.loss_fn)
+        train = self.train_policy(step, batch)
         train_s = time.perf_counter() - start
         bad = [k for k in ("loss", "grad_norm") if k in train and not math.isfinite(train[k])]
         if bad:
@@ -293,6 +293,11 @@ class GRPOTrainer:
             generation_s=generation_s,
             timings={"logprobs_s": logprobs_s, "train_s": train_s, "refit_s": refit_s},
         )
+
+    def train_policy(self, step: int, batch: Batch) -> dict[str, float]:
+        """The policy's optimizer steps on one step's batch (its advantages set); their metrics
+        (:meth:`nrl_core.policy.Policy.train`). PPO overrides it (epochs, critic warm-up)."""
+        return self.session.policy.train(batch, self.session.loss_fn)
 
     @property
     def token_level_estimator(self) -> bool:

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from nrl_core.errors import ConfigError
 
-ALGORITHMS = ("grpo", "sft", "dpo", "rm", "distill")
+ALGORITHMS = ("grpo", "ppo", "sft", "dpo", "rm", "distill")
 
 _EPILOG = """\
 examples:
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="train: nrl run {grpo,sft,dpo,rm,distill} [--config FILE] [KEY=VALUE...]",
+        help="train: nrl run {grpo,ppo,sft,dpo,rm,distill} [--config FILE] [KEY=VALUE...]",
         description="Run a training algorithm.",
         epilog="`nrl run ALGO --help` lists ALGO's config sections; `nrl config show --docs "
         "ALGO` describes every option.",

@@ -51,11 +51,17 @@ CHARTS = {
     # distill: both divergences (the optimised one is also the loss chart)
     "kl_to_teacher": Chart(("train/reverse_kl", "train/forward_kl"), "KL to the teacher", "nats"),
     "logprob_gap": Chart(("train/logprob_gap",), "log-prob gap (teacher - student)", "nats"),
+    # ppo: the critic's loss and how much of the returns' variance its values explain
+    "value_loss": Chart(("train/value_loss",), "critic value loss", "loss"),
+    "explained_variance": Chart(
+        ("train/explained_variance",), "critic explained variance", "1 - Var(R - V) / Var(R)"
+    ),
 }
 TIMING_KEYS = [
     "timing/generation_s",
     "timing/logprobs_s",
     "timing/teacher_s",
+    "timing/critic_s",
     "timing/train_s",
     "timing/refit_s",
 ]

@@ -59,6 +59,11 @@ def _check_async(config: Any) -> None:
     grpo = getattr(config, "grpo", None)
     if grpo is None or not grpo.async_.enabled:
         return
+    if hasattr(config, "ppo"):
+        raise ConfigError(
+            "ppo.async.enabled=true: asynchronous PPO is not supported yet (the critic would "
+            "value rollouts of older weights); set ppo.async.enabled=false"
+        )
     generation = config.generation
     options = generation.options_for()
     if getattr(options, "colocated", True) is False:
@@ -115,7 +120,12 @@ def _check_expert_parallel(policy: Any, options: Any, dp: int) -> None:
 def _check_batch_layout(config: Any) -> None:
     # Micro batches cut one rank's share of a global batch, and every data-parallel rank takes
     # an equal share: a layout that cannot hold is refused here, not by a worker after Ray.
-    policy = getattr(config, "policy", None)
+    # The PPO critic is a policy worker group of its own, with its own batch sizes.
+    for key in ("policy", "critic"):
+        _check_group_batch_layout(getattr(config, key, None), key)
+
+
+def _check_group_batch_layout(policy: Any, key: str) -> None:
     if policy is None or not hasattr(policy, "train_global_batch_size"):
         return
     workers, global_batch = policy.num_workers, policy.train_global_batch_size
@@ -123,23 +133,23 @@ def _check_batch_layout(config: Any) -> None:
     names, model_parallel = _model_parallel_size(options)
     if model_parallel > 1 and workers % model_parallel:
         raise ConfigError(
-            f"policy.{policy.selected}: {names} must divide policy.num_workers={workers}; set "
-            f"policy.num_workers to a multiple of {model_parallel} or lower the parallel size"
+            f"{key}.{policy.selected}: {names} must divide {key}.num_workers={workers}; set "
+            f"{key}.num_workers to a multiple of {model_parallel} or lower the parallel size"
         )
     dp = max(1, workers // model_parallel)
     _check_expert_parallel(policy, options, dp)
     if global_batch % dp:
         raise ConfigError(
-            f"policy.train_global_batch_size={global_batch} does not split evenly over the "
-            f"{dp} data-parallel ranks (policy.num_workers={workers}); set it to a multiple "
+            f"{key}.train_global_batch_size={global_batch} does not split evenly over the "
+            f"{dp} data-parallel ranks ({key}.num_workers={workers}); set it to a multiple "
             f"of {dp}"
         )
     if policy.train_micro_batch_size > global_batch:
         raise ConfigError(
-            f"policy.train_micro_batch_size={policy.train_micro_batch_size} is larger than "
-            f"policy.train_global_batch_size={global_batch} (a micro batch is part of one "
-            "optimizer step); lower policy.train_micro_batch_size or raise "
-            "policy.train_global_batch_size"
+            f"{key}.train_micro_batch_size={policy.train_micro_batch_size} is larger than "
+            f"{key}.train_global_batch_size={global_batch} (a micro batch is part of one "
+            f"optimizer step); lower {key}.train_micro_batch_size or raise "
+            f"{key}.train_global_batch_size"
         )
 
 
@@ -162,9 +172,18 @@ def _check_response_room(config: Any) -> None:
 def optimizer_steps_per_rollout(config: Any) -> int:
     """How many optimizer steps :meth:`nrl_core.policy.Policy.train` takes on one GRPO step's
     batch: it cuts ``num_prompts_per_step * num_generations_per_prompt`` samples (dynamic
-    sampling never gives more) into chunks of ``policy.train_global_batch_size``."""
+    sampling never gives more) into chunks of ``policy.train_global_batch_size`` (PPO: once per
+    ``ppo.ppo_epochs``)."""
     samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
-    return max(1, math.ceil(samples / max(1, config.policy.train_global_batch_size)))
+    # PPO passes over the rollouts ppo_epochs times.
+    epochs = getattr(config.grpo, "ppo_epochs", 1)
+    return epochs * max(1, math.ceil(samples / max(1, config.policy.train_global_batch_size)))
+
+
+def loop_key(config: Any) -> str:
+    """The config key of the RL loop's section: ``ppo`` for ``nrl run ppo`` (whose section
+    extends GRPO's, and which the checks read as ``config.grpo``), else ``grpo``."""
+    return "ppo" if hasattr(config, "ppo") else "grpo"
 
 
 def _check_reward_kl(config: Any) -> None:
@@ -177,7 +196,8 @@ def _check_reward_kl(config: Any) -> None:
     loss_kl = getattr(loss.options_for(), "kl_coef", 0) or 0
     if loss_kl > 0:
         raise ConfigError(
-            f"grpo.reward_kl_coef={grpo.reward_kl_coef} and loss.{loss.selected}.kl_coef="
+            f"{loop_key(config)}.reward_kl_coef={grpo.reward_kl_coef} and "
+            f"loss.{loss.selected}.kl_coef="
             f"{loss_kl} both penalise the KL to the reference (in the rewards and in the loss); "
             f"set one of them to 0"
         )
@@ -201,7 +221,8 @@ def _check_on_policy_shortcut(config: Any) -> None:
     raise ConfigError(
         f"loss.{loss.selected}.on_policy_shortcut=true needs one optimizer step per rollout, but "
         f"policy.train_global_batch_size={config.policy.train_global_batch_size} is less than "
-        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {samples} ({steps} "
+        f"{loop_key(config)}.num_prompts_per_step x {loop_key(config)}.num_generations_per_prompt"
+        f" = {samples} ({steps} "
         "steps; every step after the first would run with ratio 1, i.e. without clipping); "
         f"set policy.train_global_batch_size={samples} or "
         f"loss.{loss.selected}.on_policy_shortcut=false"

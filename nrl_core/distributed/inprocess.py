@@ -71,7 +71,7 @@ def hosting_problem(config: Any, registry: Any) -> str | None:
 
     It hosts one policy rank on a machine without GPUs, with generation inside the policy
     worker (``generation.backend=torch``, colocated), no teacher (``nrl run distill``: a second
-    torch.distributed world), no asynchronous GRPO (separate engines), no agent that calls the
+    torch.distributed world) nor critic (``nrl run ppo``: likewise), no asynchronous GRPO (separate engines), no agent that calls the
     policy endpoint from its own process, and components run by this interpreter (no
     ``actor_env`` naming another one).
     """
@@ -82,6 +82,8 @@ def hosting_problem(config: Any, registry: Any) -> str | None:
         return f"policy.num_workers={policy.num_workers}: it hosts exactly one policy rank"
     if getattr(config, "teacher", None) is not None:
         return "a distillation teacher is a second torch.distributed world (nrl run distill)"
+    if getattr(config, "critic", None) is not None:
+        return "a PPO critic is a second torch.distributed world (nrl run ppo)"
     generation = getattr(config, "generation", None)
     if generation is not None:
         from nrl_core.generation import runs_in_policy_workers
@@ -105,7 +107,7 @@ def hosting_problem(config: Any, registry: Any) -> str | None:
         if driving:
             return f"agent {driving[0]} calls the policy endpoint over HTTP from its own process"
     cluster = getattr(config, "cluster", None)
-    for key in ("policy", "generation", "env", "agent", "teacher", "cluster"):
+    for key in ("policy", "generation", "env", "agent", "teacher", "critic", "cluster"):
         section = getattr(config, key, None)
         setting = actor_env_setting(
             getattr(section, "actor_env", None), getattr(cluster, "actor_env", None)

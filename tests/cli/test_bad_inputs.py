@@ -524,6 +524,26 @@ CASES = [
     ("reward_kl_without_reinforce", run("grpo", "grpo.reward_kl_coef=0.1"), "grpo: reward_kl_coef=0.1 is the KL penalty in the rewards of the reinforce_plus_plus estimators, and advantage_estimator=grpo does not use it", {}),
     ("reward_kl_and_loss_kl", run("grpo", "grpo.advantage_estimator=reinforce_plus_plus", "grpo.reward_kl_coef=0.1", "loss.clipped_pg.kl_coef=0.01"), "grpo.reward_kl_coef=0.1 and loss.clipped_pg.kl_coef=0.01 both penalise the KL to the reference", {}),
     ("cispo_clip_high_negative", run("grpo", "loss.clipped_pg.use_cispo=true", "loss.clipped_pg.clip_eps_high=-0.5"), "loss.clipped_pg.clip_eps_high must be >= 0, got -0.5", {}),
+    # issue 49, h-ppo
+    ("ppo_value_clip_negative", run("ppo", "ppo.value_clip=-1"), "ppo.value_clip must be >= 0 or null, got -1", {}),
+    ("ppo_lam_above_1", run("ppo", "ppo.lam=2"), "ppo.lam must be in [0, 1], got 2", {}),
+    ("ppo_gamma_negative", run("ppo", "ppo.gamma=-0.5"), "ppo.gamma must be in [0, 1], got -0.5", {}),
+    ("ppo_epochs_zero", run("ppo", "ppo.ppo_epochs=0"), "ppo.ppo_epochs must be in [1, 64], got 0", {}),
+    ("ppo_whiten_not_bool", run("ppo", "ppo.whiten_advantages=maybe"), "ppo.whiten_advantages: expected bool, got str 'maybe'", {}),
+    ("ppo_critic_warmup_negative", run("ppo", "ppo.critic_warmup_steps=-1"), "ppo.critic_warmup_steps must be >= 0, got -1", {}),
+    ("ppo_estimator_not_gae", run("ppo", "ppo.advantage_estimator=grpo"), "ppo.advantage_estimator must be one of gae, got 'grpo'", {}),
+    ("ppo_no_generations", run("ppo", "ppo.num_generations_per_prompt=0"), "ppo.num_generations_per_prompt must be >= 1, got 0", {}),
+    ("ppo_reward_kl_negative", run("ppo", "ppo.reward_kl_coef=-1"), "ppo.reward_kl_coef must be >= 0, got -1", {}),
+    ("ppo_reward_kl_and_loss_kl", run("ppo", "ppo.reward_kl_coef=0.1", "loss.clipped_pg.kl_coef=0.01"), "ppo.reward_kl_coef=0.1 and loss.clipped_pg.kl_coef=0.01 both penalise the KL to the reference", {}),
+    ("ppo_async", run("ppo", "ppo.async.enabled=true"), "ppo.async.enabled=true: asynchronous PPO is not supported yet", {}),
+    ("critic_no_workers", run("ppo", "critic.num_workers=0"), "critic.num_workers must be >= 1, got 0", {}),
+    ("critic_backend_unknown", run("ppo", "critic.backend=nope"), "no policy named 'nope' is registered (critic.backend=nope)", {}),
+    ("critic_head_lm", run("ppo", "critic.dtensor.head=lm"), "critic.dtensor.head=lm: the critic needs a value head; set critic.dtensor.head=auto (or scalar)", {}),
+    ("ppo_policy_head_scalar", run("ppo", "policy.dtensor.head=scalar"), "policy.dtensor.head=scalar: the PPO policy generates, so it needs its LM head", {}),
+    ("critic_micro_batch_too_large", run("ppo", "critic.train_micro_batch_size=512"), "critic.train_micro_batch_size=512 is larger than critic.train_global_batch_size=256", {}),
+    ("critic_batch_uneven", run("ppo", "critic.num_workers=3"), "critic.train_global_batch_size=256 does not split evenly over the 3 data-parallel ranks", {}),
+    ("ppo_group_baseline_switch", run("ppo", "ppo.use_leave_one_out_baseline=false"), "ppo: use_leave_one_out_baseline=False shapes GRPO's group baseline, and PPO's baseline is the critic", {}),
+    ("critic_lr_negative", run("ppo", "critic.optimizer.lr=-1"), "critic.optimizer.lr must be > 0, got -1", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

@@ -1,6 +1,6 @@
 """Placement and start-up of the run's components: the Ray cluster, the policy ranks, the
 generation engines (colocated on the policy's GPUs or on their own), the distillation teacher,
-the environments, the agents and the policy endpoint, and the loss the policy ranks train with.
+the PPO critic, the environments, the agents and the policy endpoint, and the loss the policy ranks train with.
 
 A new component kind that runs in actors is started here (and stopped through the run's
 clean-up list)."""
@@ -30,6 +30,9 @@ ENV_CPUS_PER_WORKER = 0.25
 TEACHER_CPUS_ON_CPU = 0.5
 """On a CPU-only cluster a distillation teacher rank (forwards only, while the student waits)
 takes half a CPU from the scheduler's count; the cores are shared anyway."""
+CRITIC_CPUS_ON_CPU = 0.5
+"""On a CPU-only cluster a PPO critic rank takes half a CPU from the scheduler's count: it
+trains while the policy waits, and the policy while it waits (the cores are shared)."""
 
 
 def loss_options(config: RunConfig, registry: Registry) -> Any:
@@ -79,6 +82,9 @@ class Components:
         self.cluster = self.policy = self.env_pool = self.loss_fn = None
         self.teacher: Any = None
         """``nrl run distill``: the frozen teacher (a :class:`~nrl_core.policy.Policy`)."""
+        self.critic: Any = None
+        """``nrl run ppo``: the critic (a :class:`~nrl_core.policy.Policy` whose workers return
+        per-token values where a policy's return logprobs)."""
         self.agent_pool = self.server = self.endpoint = None
 
     def start(self, phase: Callable[[str], Any]) -> None:
@@ -103,6 +109,11 @@ class Components:
             with phase(f"starting the teacher ({teacher})") as done:
                 self.teacher = self.start_teacher(resources)
                 done(f"teacher: {teacher} ready")
+        if hasattr(config, "critic"):
+            critic = _ranks(config.critic.num_workers, config.critic.backend)
+            with phase(f"starting the critic ({critic})") as done:
+                self.critic = self.start_critic(resources)
+                done(f"critic: {critic} ready")
         policy = _ranks(config.policy.num_workers, config.policy.backend)
         with phase(f"starting the policy ({policy})") as done:
             self.start_policy_and_generation(resources, reserved + self.teacher_cpus(resources))
@@ -291,11 +302,15 @@ class Components:
         return None if env is None or env.name == NO_ENVIRONMENT else env
 
     def teacher_cpus(self, resources: Any) -> float:
-        """What the teacher ranks take of a CPU-only cluster (the policy leaves them room)."""
-        teacher = getattr(self.config, "teacher", None)
-        if teacher is None or resources.total_gpus > 0:
+        """What the teacher (distill) or critic (PPO) ranks take of a CPU-only cluster (the
+        policy leaves them room)."""
+        if resources.total_gpus > 0:
             return 0.0
-        return TEACHER_CPUS_ON_CPU * teacher.num_workers
+        teacher = getattr(self.config, "teacher", None)
+        critic = getattr(self.config, "critic", None)
+        return (TEACHER_CPUS_ON_CPU * teacher.num_workers if teacher else 0.0) + (
+            CRITIC_CPUS_ON_CPU * critic.num_workers if critic else 0.0
+        )
 
     def start_teacher(self, resources: Any):
         """The frozen teacher of ``nrl run distill``: a worker group of its policy backend,
@@ -334,6 +349,43 @@ class Components:
         )
         self._closers.append(group.shutdown)
         return Policy.from_config(group, teacher)
+
+    def start_critic(self, resources: Any, model_name: str | None = None):
+        """The critic of ``nrl run ppo``: a worker group of its policy backend, built from the
+        ``critic`` section as if it were the ``policy`` one (the section's ``value_head`` asks
+        the backend for a per-token value head); from ``model_name`` instead of
+        ``critic.model_name`` if given."""
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.policy import Policy, policy_layout
+
+        critic = self.config.critic
+        if model_name is not None:
+            critic = attrs.evolve(
+                critic,
+                model_name=model_name,
+                tokenizer_name=critic.tokenizer_name
+                or self.config.policy.tokenizer_name
+                or self.config.policy.model_name,
+            )
+        spec = self.registry.get("policy", critic.backend, key="critic.backend")
+        on_gpu = resources.total_gpus > 0
+        context = self.context_for(spec)
+        # The worker reads its model, precision, optimizer and batch sizes from `policy`.
+        context = attrs.evolve(context, config=attrs.evolve(context.config, policy=critic))
+        group = WorkerGroup.start(
+            spec.target,
+            critic.num_workers,
+            layout=policy_layout(critic.options_for()),
+            args=(critic.options_for(), context),
+            name="critic",
+            python=actor_python(spec, self.config, critic),
+            num_cpus_per_worker=1.0 if on_gpu else CRITIC_CPUS_ON_CPU,
+            num_gpus_per_worker=1.0 if on_gpu else 0.0,
+            timeout_s=self.config.cluster.worker_timeout_s,
+        )
+        self._closers.append(group.shutdown)
+        return Policy.from_config(group, critic)
 
     def helper_actor_count(self) -> int:
         """How many environment and agent actors the run will start (each takes

@@ -13,6 +13,7 @@ import torch
 
 from nrl_core.checkpoint import (
     CHECKPOINT_CONFIG,
+    CRITIC_CHECKPOINT,
     POLICY_CHECKPOINT,
     TRAINER_STATE,
     CheckpointManager,
@@ -126,9 +127,16 @@ class RunFolder:
         return ckpt.enabled and (last or (ckpt.save_period > 0 and step % ckpt.save_period == 0))
 
     def save_checkpoint(
-        self, step: int, policy: Any, train_stream: Any, val: dict[str, float] | None = None
+        self,
+        step: int,
+        policy: Any,
+        train_stream: Any,
+        val: dict[str, float] | None = None,
+        *,
+        critic: Any = None,
     ) -> Path:
-        """Save step ``step``: the policy's checkpoint, the data stream's position, the random
+        """Save step ``step``: the policy's checkpoint (and the PPO ``critic``'s, with its
+        optimizer, in :data:`CRITIC_CHECKPOINT`), the data stream's position, the random
         generators' states, the resolved config and ``val`` (the validation metrics of this
         step, which rank the checkpoints: ``checkpointing.metric_name``), as ``step_N`` of the
         checkpoint folder."""
@@ -141,15 +149,25 @@ class RunFolder:
 
         def write(folder: Path) -> None:
             policy.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+            if critic is not None:
+                critic.save_checkpoint(str(folder / CRITIC_CHECKPOINT))
             # A self-describing checkpoint: `nrl convert` rebuilds the policy from this copy.
             (folder / CHECKPOINT_CONFIG).write_text(dump_config(self.config, self.registry))
 
         return self.checkpoints.save(step, write, state)
 
-    def restore(self, policy: Any, train_stream: Any) -> None:
-        """Load the resume point into ``policy``, ``train_stream`` and the random generators."""
+    def restore(self, policy: Any, train_stream: Any, *, critic: Any = None) -> None:
+        """Load the resume point into ``policy`` (and ``critic``), ``train_stream`` and the
+        random generators."""
         state = read_state(self.resume_path)
         policy.load_checkpoint(str(self.resume_path / POLICY_CHECKPOINT))
+        if critic is not None:
+            if not (self.resume_path / CRITIC_CHECKPOINT).is_dir():
+                raise ConfigError(
+                    f"{self.resume_path} has no critic ({CRITIC_CHECKPOINT}/): it is not a PPO "
+                    "checkpoint; resume from a PPO run's step_N, or checkpointing.resume=never"
+                )
+            critic.load_checkpoint(str(self.resume_path / CRITIC_CHECKPOINT))
         try:
             if state.get("data") and train_stream is not None:
                 train_stream.load_state(state["data"])

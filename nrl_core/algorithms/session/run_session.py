@@ -95,6 +95,7 @@ class RunSession:
     cluster_resources = _part("components", "cluster_resources")
     policy = _part("components", "policy")
     teacher = _part("components", "teacher")
+    critic = _part("components", "critic")
     generate = _part("components", "generate")
     refit = _part("components", "refit")
     gate = _part("components", "gate")
@@ -216,7 +217,7 @@ class RunSession:
         self.components.start(self.phase)
         if self.resume_path is not None:
             with self.phase(f"loading {self.resume_path}") as done:
-                self.folder.restore(self.policy, self.train_stream)
+                self.folder.restore(self.policy, self.train_stream, critic=self.critic)
                 done(f"restored step {self.start_step} from {self.resume_path}")
         self.setup_s = time.monotonic() - self.opened_at
 
@@ -273,11 +274,15 @@ class RunSession:
         return self.folder.should_checkpoint(step, last)
 
     def save_checkpoint(self, step: int) -> Path:
-        """See :meth:`.run_folder.RunFolder.save_checkpoint` (the policy's and the data's, and
-        the validation metrics logged at this step, if any)."""
+        """See :meth:`.run_folder.RunFolder.save_checkpoint` (the policy's, the critic's if
+        any, and the data's, and the validation metrics logged at this step, if any)."""
         logged_step, val = self._val_at_step
         return self.folder.save_checkpoint(
-            step, self.policy, self.train_stream, val if logged_step == step else None
+            step,
+            self.policy,
+            self.train_stream,
+            val if logged_step == step else None,
+            critic=self.critic,
         )
 
     # -- tear-down ----------------------------------------------------------------------------

@@ -1,11 +1,22 @@
-"""Each algorithm's own section: ``grpo`` (with ``grpo.async``), ``distill`` (and its
-``teacher``), ``sft``, ``dpo``, ``rm`` and ``eval``."""
+"""Each algorithm's own section: ``grpo`` (with ``grpo.async``), ``ppo`` (and its
+``critic``), ``distill`` (and its ``teacher``), ``sft``, ``dpo``, ``rm`` and ``eval``."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
-from nrl_core.config.schema.fields import FINITE, between, each, ge, gt, one_of, option
+from nrl_core.config.schema.fields import (
+    FINITE,
+    between,
+    each,
+    ge,
+    gt,
+    one_of,
+    option,
+    optional,
+)
 from nrl_core.config.schema.policy import PolicyConfig
 
 
@@ -150,6 +161,124 @@ class GRPOSection:
                 "reinforce_plus_plus (or _baseline), or put the KL in the loss with "
                 "loss.clipped_pg.kl_coef"
             )
+
+
+@attrs.define
+class PPOSection(GRPOSection):
+    """PPO with a learned critic (``nrl run ppo``): GRPO's loop (rollouts, validation, warm-up,
+    checkpoints) with the advantages of generalized advantage estimation over the critic's
+    values, and a critic trained alongside the policy. The fields it shares with ``grpo`` mean
+    the same; those below are PPO's own or mean something else here. Mini-batches: each model
+    takes ``train_global_batch_size`` samples per optimizer step (``policy.*`` and
+    ``critic.*``), so a step's rollouts give ``samples / train_global_batch_size`` optimizer
+    steps per epoch for each."""
+
+    num_generations_per_prompt: int = option(
+        1,
+        (
+            "Responses per prompt (>= 1). The critic is the baseline, so one response per "
+            "prompt learns; more give more samples per prompt."
+        ),
+        validator=ge(1),
+    )
+    advantage_estimator: str = option(
+        "gae",
+        "How rewards become advantages: `gae` (generalized advantage estimation with the critic).",
+        validator=one_of("gae"),
+    )
+    gamma: float = option(
+        1.0,
+        (
+            "Discount in [0, 1] per generated token of the GAE returns (delta_t = r_t + "
+            "gamma * V_{t+1} - V_t)."
+        ),
+        validator=between(0, 1),
+    )
+    lam: float = option(
+        1.0,
+        (
+            "GAE lambda in [0, 1] (the name verl uses): 1 gives the Monte-Carlo returns minus "
+            "the values (unbiased, high variance), 0 the one-step TD error."
+        ),
+        validator=between(0, 1),
+    )
+    reward_kl_coef: float = option(
+        0.0,
+        (
+            "Coefficient (>= 0) of the per-token KL penalty in the token rewards, as in classic "
+            "RLHF: r_t = -coef * (logp_old - logp_ref) on every generated token, plus the outcome "
+            "reward on the last one. > 0 loads the reference model (a KL term in the loss, "
+            "`loss.clipped_pg.kl_coef`, is the alternative; set one of the two)."
+        ),
+        validator=ge(0),
+    )
+    whiten_advantages: bool = option(
+        True,
+        (
+            "Normalise the GAE advantages to mean 0 and std 1 over the valid tokens of the whole "
+            "step's batch (before it is split over ranks and micro batches)."
+        ),
+    )
+    value_clip: float | None = option(
+        0.2,
+        (
+            "Clip range eps_v (>= 0) of the critic's value loss 0.5 * max((V - R)^2, "
+            "(clip(V, V_old +- eps_v) - R)^2), in reward units; null for the plain squared error."
+        ),
+        validator=optional(ge(0)),
+    )
+    critic_warmup_steps: int = option(
+        0,
+        (
+            "Steps (>= 0) at the start in which only the critic trains: the policy keeps its "
+            "weights until the critic's values mean something."
+        ),
+        validator=ge(0),
+    )
+    ppo_epochs: int = option(
+        1,
+        (
+            "Passes (1 to 64) over each step's rollouts, for the policy and for the critic alike; "
+            "each pass takes the optimizer steps of its mini-batches."
+        ),
+        validator=between(1, 64),
+    )
+
+    normalize_rewards: bool = option(
+        True, "GRPO's group normalisation; PPO's baseline is the critic (leave it true)."
+    )
+    use_leave_one_out_baseline: bool = option(
+        True, "GRPO's group baseline; PPO's baseline is the critic (leave it true)."
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # GRPO ties reward_kl_coef to REINFORCE++; in PPO the GAE rewards carry it. GRPO's
+        # group-baseline switches do nothing here: setting one would be ignored silently.
+        for name in ("normalize_rewards", "use_leave_one_out_baseline"):
+            if getattr(self, name) is not True:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} shapes GRPO's group baseline, and PPO's "
+                    f"baseline is the critic; remove ppo.{name} (GAE: ppo.gamma, ppo.lam)"
+                )
+
+
+@attrs.define
+class CriticConfig(PolicyConfig):
+    """The critic of ``nrl run ppo``: a worker group of a policy backend whose model has a
+    scalar value head per token (initialised from ``model_name``, by default the policy's
+    checkpoint; the head starts at zero). Its own optimizer, learning rate, micro batching and
+    checkpoint state; the core's training step trains it with the clipped value loss."""
+
+    value_head: ClassVar[bool] = True
+    """Read by policy backends: build the model with a per-token scalar value head."""
+
+    model_name: str = option(
+        "",
+        "Checkpoint the critic starts from (empty: the policy's `policy.model_name`).",
+    )
+    num_workers: int = option(
+        1, "Number of critic ranks (Ray actors), one per GPU on GPU.", validator=ge(1)
+    )
 
 
 @attrs.define

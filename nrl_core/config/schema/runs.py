@@ -8,10 +8,12 @@ from typing import Any
 import attrs
 
 from nrl_core.config.schema.algorithms import (
+    CriticConfig,
     DistillSection,
     DPOSection,
     EvalSection,
     GRPOSection,
+    PPOSection,
     RMSection,
     SFTSection,
     TeacherConfig,
@@ -49,6 +51,35 @@ class GRPOConfig(RunConfig):
     server: ServerConfig = option(
         ServerConfig(), "The policy endpoint that agents call (started only when one does)."
     )
+
+
+@attrs.define
+class PPOConfig(RunConfig):
+    """`nrl run ppo`: GRPO's loop with a learned critic and GAE advantages."""
+
+    ppo: PPOSection = option(PPOSection(), "The PPO loop (GRPO's, with a critic).")
+    critic: CriticConfig = option(CriticConfig(), "The critic (value model) and its training.")
+    generation: GenerationConfig = option(GenerationConfig(), "Rollout generation.")
+    loss: LossConfig = option(LossConfig(), "The policy loss.")
+    env: EnvConfig = option(EnvConfig(), "The environment that scores rollouts.")
+    agent: AgentConfig = option(AgentConfig(), "The agent that drives rollouts (default: env).")
+    server: ServerConfig = option(
+        ServerConfig(), "The policy endpoint that agents call (started only when one does)."
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not self.critic.model_name:  # the critic starts from the policy's checkpoint
+            self.critic = attrs.evolve(
+                self.critic,
+                model_name=self.policy.model_name,
+                tokenizer_name=self.critic.tokenizer_name or self.policy.tokenizer_name,
+            )
+
+    @property
+    def grpo(self) -> PPOSection:
+        """The loop's section under GRPO's name: the checks and the loop written for ``grpo``
+        (steps per rollout, warm-up answers, async) read PPO's, which extends it."""
+        return self.ppo
 
 
 @attrs.define
@@ -129,4 +160,5 @@ ALGORITHM_CONFIGS: dict[str, type[RunConfig]] = {
     "dpo": DPOConfig,
     "rm": RMConfig,
     "distill": DistillConfig,
+    "ppo": PPOConfig,
 }

@@ -45,7 +45,7 @@ def _streamed_tensors(model) -> dict[str, torch.Tensor]:
 
 class ModelBuilding:
     """Mixin of :class:`nrl_dtensor.worker.DTensorPolicyWorker`: building and loading models.
-    Uses the worker's ``options``, ``scalar_head``, ``tokenizer``, ``context``, ``device``,
+    Uses the worker's ``options``, ``scalar_head``, ``value_head``, ``tokenizer``, ``context``, ``device``,
     ``device_type``, ``distributed``, ``rank``, ``world_size``, ``tp_size``, meshes and
     ``sharded``."""
 
@@ -86,6 +86,10 @@ class ModelBuilding:
             fresh = torch.empty(weight.shape).normal_(
                 0.0, 1.0 / (hidden + 1) ** 0.5, generator=generator
             )
+            if getattr(self, "value_head", False):
+                # A PPO critic starts at V = 0: no opinion rather than O(1) noise, which the
+                # first advantages would otherwise carry.
+                fresh.zero_()
             with torch.no_grad():
                 weight.copy_(fresh)
         return model

@@ -56,8 +56,9 @@ class DTensorConfig:
         (
             "Model head: `lm` (causal LM; logprobs), `scalar` (a one-output score head, "
             "AutoModelForSequenceClassification with num_labels=1, for reward models; its "
-            "per-token values stand where logprobs are), or `auto` (`scalar` for `nrl run rm`, "
-            "`lm` otherwise)."
+            "per-token values stand where logprobs are), or `auto` (`scalar` for `nrl run rm` "
+            "and for the critic of `nrl run ppo`, whose fresh head starts at zero; `lm` "
+            "otherwise)."
         ),
         validator=attrs.validators.in_(("auto", "lm", "scalar")),
     )

@@ -11,6 +11,8 @@ def nrl_register_policies(register):
         config="nrl_dtensor.config:DTensorConfig",
         # compute_topk_logprobs and logprobs at given ids: a distillation teacher or student.
         distillation=True,
+        # A per-token scalar value head (the `value_head` of a critic section): a PPO critic.
+        value_head=True,
         # Takes packed micro batches (nrl_core.packing; see nrl_dtensor.packing).
         sequence_packing=True,
         description="FSDP2/DTensor training of Hugging Face causal LMs (CPU with gloo, GPU with NCCL)",

@@ -62,9 +62,12 @@ class DTensorPolicyWorker(ModelBuilding):
         self.context = context
         self.policy = context.config.policy
         self.dtype = policy_dtype(self.policy, DTensorSetupError)
-        # A reward-model run (its config has an `rm` section) trains a scalar head.
+        # A reward-model run (its config has an `rm` section) and a PPO critic (its section
+        # declares `value_head`) train a scalar head.
         head = self.options.head
-        self.scalar_head = head == "scalar" or (head == "auto" and hasattr(context.config, "rm"))
+        self.value_head = bool(getattr(self.policy, "value_head", False))
+        wants_scalar = hasattr(context.config, "rm") or self.value_head
+        self.scalar_head = head == "scalar" or (head == "auto" and wants_scalar)
         self._init_distributed()
         self._init_meshes()
         self.sharded: bool | None = None
