@@ -41,7 +41,7 @@ def collected() -> list[str]:
 
 def check(quick_file: str, slow_file: str) -> int:
     tiers = {"quick": quick_file, "slow": slow_file}
-    ran = {name: Path(path).read_text().split() for name, path in tiers.items()}
+    ran = {name: Path(path).read_text().splitlines() for name, path in tiers.items()}
     everything = collected()
     problems = []
     for name, ids in ran.items():
