@@ -316,10 +316,6 @@ class Components:
         """The frozen teacher of ``nrl run distill``: a worker group of its policy backend,
         built from the ``teacher`` section as if it were the ``policy`` one. A resumed run whose
         teacher was trained by the warm-up loads the snapshot taken after it."""
-        from nrl_core.distributed.actor_env import actor_python
-        from nrl_core.distributed.worker_group import WorkerGroup
-        from nrl_core.policy import Policy, policy_layout
-
         teacher = self.config.teacher
         spec = self.registry.get("policy", teacher.backend, key="teacher.backend")
         if self.folder.resume_path is not None and self.config.distill.teacher_warmup_steps > 0:
@@ -332,33 +328,13 @@ class Components:
             teacher = attrs.evolve(
                 teacher, model_name=str(self.folder.teacher_snapshot), tokenizer_name=None
             )
-        on_gpu = resources.total_gpus > 0
-        context = self.context_for(spec)
-        # The worker reads its model, precision and batch sizes from `policy`.
-        context = attrs.evolve(context, config=attrs.evolve(context.config, policy=teacher))
-        group = WorkerGroup.start(
-            spec.target,
-            teacher.num_workers,
-            layout=policy_layout(teacher.options_for()),
-            args=(teacher.options_for(), context),
-            name="teacher",
-            python=actor_python(spec, self.config, teacher),
-            num_cpus_per_worker=1.0 if on_gpu else TEACHER_CPUS_ON_CPU,
-            num_gpus_per_worker=1.0 if on_gpu else 0.0,
-            timeout_s=self.config.cluster.worker_timeout_s,
-        )
-        self._closers.append(group.shutdown)
-        return Policy.from_config(group, teacher)
+        return self._start_second_model(spec, teacher, "teacher", resources, TEACHER_CPUS_ON_CPU)
 
     def start_critic(self, resources: Any, model_name: str | None = None):
         """The critic of ``nrl run ppo``: a worker group of its policy backend, built from the
         ``critic`` section as if it were the ``policy`` one (the section's ``value_head`` asks
         the backend for a per-token value head); from ``model_name`` instead of
         ``critic.model_name`` if given."""
-        from nrl_core.distributed.actor_env import actor_python
-        from nrl_core.distributed.worker_group import WorkerGroup
-        from nrl_core.policy import Policy, policy_layout
-
         critic = self.config.critic
         if model_name is not None:
             critic = attrs.evolve(
@@ -369,23 +345,35 @@ class Components:
                 or self.config.policy.model_name,
             )
         spec = self.registry.get("policy", critic.backend, key="critic.backend")
+        return self._start_second_model(spec, critic, "critic", resources, CRITIC_CPUS_ON_CPU)
+
+    def _start_second_model(
+        self, spec: Any, section: Any, name: str, resources: Any, cpus_on_cpu: float
+    ):
+        """A worker group of policy backend ``spec`` for a model beside the policy (teacher,
+        critic), built from ``section`` as if it were the ``policy`` one, behind the core's
+        :class:`~nrl_core.policy.Policy` facade."""
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.distributed.worker_group import WorkerGroup
+        from nrl_core.policy import Policy, policy_layout
+
         on_gpu = resources.total_gpus > 0
         context = self.context_for(spec)
         # The worker reads its model, precision, optimizer and batch sizes from `policy`.
-        context = attrs.evolve(context, config=attrs.evolve(context.config, policy=critic))
+        context = attrs.evolve(context, config=attrs.evolve(context.config, policy=section))
         group = WorkerGroup.start(
             spec.target,
-            critic.num_workers,
-            layout=policy_layout(critic.options_for()),
-            args=(critic.options_for(), context),
-            name="critic",
-            python=actor_python(spec, self.config, critic),
-            num_cpus_per_worker=1.0 if on_gpu else CRITIC_CPUS_ON_CPU,
+            section.num_workers,
+            layout=policy_layout(section.options_for()),
+            args=(section.options_for(), context),
+            name=name,
+            python=actor_python(spec, self.config, section),
+            num_cpus_per_worker=1.0 if on_gpu else cpus_on_cpu,
             num_gpus_per_worker=1.0 if on_gpu else 0.0,
             timeout_s=self.config.cluster.worker_timeout_s,
         )
         self._closers.append(group.shutdown)
-        return Policy.from_config(group, critic)
+        return Policy.from_config(group, section)
 
     def helper_actor_count(self) -> int:
         """How many environment and agent actors the run will start (each takes
