@@ -304,7 +304,7 @@ CASES = [
     ("save_period", run("grpo", "checkpointing.save_period=0"), "checkpointing.save_period must be >= 1", {}),
     ("keep_last", run("grpo", "checkpointing.keep_last=0"), "checkpointing.keep_last must be >= 1 or null", {}),
     ("metric_name", run("grpo", "checkpointing.metric_name=accuracy"), "checkpointing.metric_name must be a `val/...` metric name", {}),
-    ("lr_decay_unsized", run("grpo", "policy.optimizer.decay=cosine"), "decay=cosine needs decay_steps", {}),
+    ("lr_decay_unsized", run("grpo", "policy.optimizer.decay=cosine", "policy.optimizer.decay_steps=null"), "decay=cosine needs decay_steps", {}),
     ("lr_decay_name", run("grpo", "policy.optimizer.decay=exponential"), "policy.optimizer.decay must be one of", {}),
     ("lr_min_ratio", run("grpo", "policy.optimizer.min_lr_ratio=2"), "policy.optimizer.min_lr_ratio must be in [0, 1]", {}),
     ("sample_period", run("grpo", "logger.sample_period=-1"), "logger.sample_period must be >= 0", {}),
@@ -460,7 +460,7 @@ CASES = [
     ("engines_on_2_cpus", run("grpo", "cluster.num_cpus=2", "generation.torch.colocated=false", "generation.torch.num_engines=40"), "generation.torch.num_engines=40: the workers need at least 20.45 CPUs and the local cluster has 2", {}),
     # More GPUs than any one machine has: the row holds on a GPU machine too.
     ("gpus_per_node_absent", run("grpo", "cluster.gpus_per_node=4096"), "cluster.gpus_per_node=4096, and this machine has", {}),
-    ("algorithm_unknown", ["run", "ppo"], "nrl run: argument ALGO: invalid choice: 'ppo'", {}),
+    ("algorithm_unknown", ["run", "ppoo"], "nrl run: argument ALGO: invalid choice: 'ppoo'", {}),
     ("env_warn_failed_zero", run("grpo", "env.warn_failed_fraction=0"), "env.warn_failed_fraction must be in (0, 1], got 0", {}),
     ("env_stop_failed_above_max", run("grpo", "env.stop_failed_fraction=1.5"), "env.stop_failed_fraction must be in (0, 1] or null, got 1.5", {}),
     # Issue 40, round two: data rows.
