@@ -323,16 +323,7 @@ class GRPOTrainer:
         over ranks and micro batches); return the estimator's metrics."""
         grpo = self.grpo
         mask = batch["loss_mask"] * batch["sample_mask"][:, None]
-        kl = None
-        metrics: dict[str, float] = {}
-        if grpo.reward_kl_coef > 0:
-            assert old is not None
-            kl = kl_penalty(old, batch["ref_logprobs"], "k1")
-            valid = mask != 0
-            tokens = max(int(valid.sum()), 1)
-            metrics["reward_kl"] = float(
-                torch.where(valid, kl, torch.zeros_like(kl)).sum() / tokens
-            )
+        kl, metrics = self.reward_kl(batch, old, mask)
         batch["advantages"] = reinforce_plus_plus_advantages(
             data.rewards,
             mask,
@@ -343,6 +334,20 @@ class GRPOTrainer:
             kl_coef=grpo.reward_kl_coef,
         )
         return metrics
+
+    def reward_kl(
+        self, batch: Batch, old: torch.Tensor | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The per-token KL to the reference that a token-level estimator puts into the rewards
+        (``reward_kl_coef > 0``; k1 of the rollout logprobs ``old``), and its token mean over
+        the valid tokens as ``reward_kl``; ``(None, {})`` without it."""
+        if self.grpo.reward_kl_coef <= 0:
+            return None, {}
+        assert old is not None
+        kl = kl_penalty(old, batch["ref_logprobs"], "k1")
+        valid = mask != 0
+        tokens = max(int(valid.sum()), 1)
+        return kl, {"reward_kl": float(torch.where(valid, kl, torch.zeros_like(kl)).sum() / tokens)}
 
     def end_step(
         self,

@@ -31,7 +31,6 @@ from nrl_core.algorithms.runtime import RunSession
 from nrl_core.config.schema import PPOConfig
 from nrl_core.data import Batch
 from nrl_core.errors import ConfigError
-from nrl_core.losses.clipped_pg import kl_penalty
 from nrl_core.losses.config import AGGREGATIONS, ValueLossConfig
 from nrl_core.losses.value import ClippedValueLoss, explained_variance
 from nrl_core.registry import Registry
@@ -138,15 +137,7 @@ class PPOTrainer(GRPOTrainer):
         s, ppo = self.session, self.ppo
         mask = batch["loss_mask"] * batch["sample_mask"][:, None]
         valid = mask != 0
-        metrics: dict[str, float] = {}
-        kl = None
-        if ppo.reward_kl_coef > 0:
-            assert old is not None
-            kl = kl_penalty(old, batch["ref_logprobs"], "k1")
-            tokens = max(int(valid.sum()), 1)
-            metrics["reward_kl"] = float(
-                torch.where(valid, kl, torch.zeros_like(kl)).sum() / tokens
-            )
+        kl, metrics = self.reward_kl(batch, old, mask)
         start = time.perf_counter()
         prefix_values = s.critic.get_logprobs(batch).float()
         values = state_values(prefix_values)
