@@ -88,6 +88,9 @@ def run_trl(
 
         train = problems("train")
         validation = problems("validation")
+        # Its own tokenizer, loaded once: validation pads on the left, and the trainer's
+        # tokenizer keeps its own settings.
+        val_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         rng = random.Random(SEED)
         train = [make_problem(rng, 1, ["+"], 2) for _ in range(2048)]
@@ -123,11 +126,7 @@ def run_trl(
             # Off the clock: the next step's time starts from its own on_step_begin.
             if val_period and step % val_period == 0:
                 self.val_accuracy[step] = greedy_accuracy(
-                    model,
-                    AutoTokenizer.from_pretrained(model_dir),
-                    validation,
-                    prompt_text,
-                    MAX_NEW_TOKENS,
+                    model, val_tokenizer, validation, prompt_text, MAX_NEW_TOKENS
                 )
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
