@@ -13,6 +13,11 @@ Tolerances, float32 on CPU, as in test_megatron.py: losses and gradient norms re
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -180,3 +185,113 @@ def test_packed_critic_matches_padded(tiny_path, pool1, start_group, budget):
     )
     assert got["seen"] == {"packed"}
     assert_same_steps(got, want, batch, f"packed, budget {budget}", values_atol=1e-5)
+
+
+PPO_CONFIG = """
+ppo:
+  max_num_steps: 3
+  val_period: 0
+  sft_warmup_steps: 0
+  critic_warmup_steps: 1
+  num_prompts_per_step: 4
+  num_generations_per_prompt: 2
+policy:
+  backend: megatron
+  num_workers: 1
+  train_global_batch_size: 8
+  train_micro_batch_size: 4
+critic:
+  backend: megatron
+  num_workers: 1
+  train_global_batch_size: 8
+  train_micro_batch_size: 4
+data:
+  dataset: tiny_prompts
+env:
+  name: even_characters
+checkpointing:
+  save_period: 3
+cluster:
+  num_cpus: 2
+"""
+PPO_METRICS = (
+    "train/value_loss",
+    "train/value_clip_frac",
+    "train/values_mean",
+    "train/returns_mean",
+    "train/advantages_mean",
+    "train/advantages_std",
+    "train/critic_grad_norm",
+    "train/reward_mean",
+)
+
+
+def ppo(root: Path, *overrides: str, quiet: bool = True):
+    """``nrl run ppo`` of PPO_CONFIG (megatron policy and critic) with the fixture plugin of
+    test_grpo_cli.py; logs in ``root / "logs" / "run"``, checkpoints in ``root / "ckpt"``."""
+    from test_grpo_cli import nrl
+
+    return nrl(
+        root,
+        "run",
+        "ppo",
+        *(["-q"] if quiet else []),
+        "--config",
+        str(root / "ppo.yaml"),
+        f"logger.log_dir={root / 'logs'}",
+        "logger.run_name=run",
+        f"checkpointing.checkpoint_dir={root / 'ckpt'}",
+        *overrides,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("nrl_dtensor") is None,
+    reason="nrl-dtensor (the `torch` generation backend) not installed; nox installs it",
+)
+def test_three_ppo_steps_with_the_megatron_critic_from_the_cli_then_resume(tmp_path):
+    from test_grpo_cli import install_fixture_plugin
+
+    install_fixture_plugin(tmp_path)
+    (tmp_path / "ppo.yaml").write_text(PPO_CONFIG)
+    done = ppo(tmp_path, quiet=False)
+    assert "critic: 1 megatron rank ready" in done.stdout, done.stdout[-3000:]
+
+    def records():
+        lines = (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    first = records()
+    assert sorted(first) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        record = first[step]
+        for key in PPO_METRICS:
+            assert math.isfinite(record[key]), (step, key, record.get(key))
+        # The fixture's reward varies between samples: the returns do, so this is a number.
+        assert math.isfinite(record["train/explained_variance"]), step
+        assert record["train/value_loss"] > 0 and record["train/critic_grad_norm"] > 0
+    # Step 1 trains the critic only, from V = 0: it explains nothing yet.
+    assert first[1]["train/critic_warmup"] == 1
+    assert first[1]["train/values_mean"] == 0.0
+    assert first[1]["train/explained_variance"] == pytest.approx(0.0, abs=1e-9)
+    assert math.isfinite(first[2]["train/loss"]) and first[2]["train/grad_norm"] > 0
+
+    # The critic's checkpoint: its value head (trained away from 0), no LM head.
+    from nrl_megatron.model import VALUE_HEAD
+
+    critic = tmp_path / "ckpt" / "step_3" / "critic"
+    state = torch.load(critic / "rank0.pt", weights_only=False)
+    assert "output_layer.weight" not in state["model"]
+    assert state["model"][VALUE_HEAD].abs().max() > 0 and state["optimizer"] is not None
+    assert (tmp_path / "ckpt" / "step_3" / "policy" / "rank0.pt").is_file()
+
+    # Resume from it for one more step: policy and critic restored, training goes on.
+    resumed = ppo(tmp_path, "ppo.max_num_steps=4", quiet=False)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    after = records()
+    assert sorted(after) == [0, 1, 2, 3, 4]
+    for key in PPO_METRICS:
+        assert math.isfinite(after[4][key]), (key, after[4].get(key))
+    # The restored critic is the trained one: its values are no longer the fresh head's 0.
+    assert after[4]["train/values_mean"] != 0.0
