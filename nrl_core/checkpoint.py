@@ -468,7 +468,7 @@ def find_step_folder(
     path: str | Path, metric: str | None = None, higher_is_better: bool = True
 ) -> Path:
     """The checkpoint at ``path``: ``path`` itself (refused when damaged), its parent when
-    ``path`` is the ``policy/`` folder inside one, or, in a checkpoint folder, the intact
+    ``path`` is the ``policy/`` folder inside one (the ``critic/`` folder is refused), or, in a checkpoint folder, the intact
     ``step_N`` with the best ``metric`` (saying so on stderr) or, without one that recorded
     it, the newest intact one (naming, on stderr, newer ones skipped as damaged)."""
     import sys
@@ -485,6 +485,12 @@ def find_step_folder(
             return best[0]
     if path.name == POLICY_CHECKPOINT and is_step_folder(path.parent):
         path = path.parent
+    if path.name == CRITIC_CHECKPOINT and is_step_folder(path.parent):
+        # Exporting or evaluating it as a policy would read a value head as an LM.
+        raise ConfigError(
+            f"{path} is a PPO critic (a value head, no language-model head), which nrl "
+            f"exports and evaluates only as part of its run; pass {path.parent} for the policy"
+        )
     if is_step_folder(path):
         problem = verify(path)
         if problem is not None:

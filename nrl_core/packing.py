@@ -16,7 +16,9 @@ A policy worker that declares ``supports_sequence_packing`` receives
 first position holding anything (it is the prediction of that sample's first token from the
 previous sample, which no loss reads). :meth:`PackedSequences.unpack` puts them back into
 ``[rows, width]`` with padding and position 0 at 0, so losses, metrics and normalisers are
-those of the unpacked path.
+those of the unpacked path. A PPO critic's per-token values (a value head) are the exception:
+position 0 values the sample's first token, computed within the sample, and is kept
+(:attr:`PackedSequences.first_position`).
 
 Which samples share a micro batch (a "bin") is planned on the driver by
 :func:`first_fit_decreasing`; the core's training step (:mod:`nrl_core.training`) packs each
@@ -95,6 +97,11 @@ class PackedSequences:
     """The longest sample's length (varlen kernels want it as a Python int)."""
     width: int
     """The width of the padded micro batch this came from (what :meth:`unpack` restores)."""
+    first_position: bool = False
+    """Whether each sample's position 0 holds a result that :meth:`unpack` keeps: per-token
+    values (a PPO critic's value head: position 0 values the prefix ending at the sample's
+    first token, computed within the sample). Logprobs have none there (position 0 would
+    predict the sample's first token from the previous sample): dropped, the default."""
     filler: bool = False
     """Whether this is a filler pass (:func:`nrl_core.training.is_filler`): real tokens run only
     to keep a rank's collectives aligned, which no statistic may count."""
@@ -136,14 +143,15 @@ class PackedSequences:
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """``[1, total, ...]`` per-token values back to ``[rows, width, ...]``, padding and each
-        sample's position 0 (no prediction) at 0; differentiable."""
+        sample's position 0 (no prediction) at 0, unless :attr:`first_position`; differentiable."""
         import torch
 
         flat = values[0]
         index = self._flat_index(flat.device)
-        # Position 0 of each sample predicts it from the previous sample: dropped.
         keep = torch.ones(index.numel(), dtype=torch.bool, device=flat.device)
-        keep[self.cu_seqlens[:-1].to(device=flat.device, dtype=torch.long)] = False
+        if not self.first_position:
+            # Position 0 of each sample predicts it from the previous sample: dropped.
+            keep[self.cu_seqlens[:-1].to(device=flat.device, dtype=torch.long)] = False
         out = flat.new_zeros((self.rows * self.width, *flat.shape[1:]))
         out = out.index_copy(0, index[keep], flat[keep])
         return out.view(self.rows, self.width, *flat.shape[1:])

@@ -138,6 +138,10 @@ class Policy:
         sequence_packing: ``auto`` (pack where the workers declare
             ``supports_sequence_packing``), ``true`` (pack; an error where they do not) or
             ``false`` (padded micro batches). See :mod:`nrl_core.packing`.
+        values: the workers return per-token values (a PPO critic's value head, whose section
+            declares ``value_head``) where a causal LM returns logprobs: packed, each sample's
+            position 0 then holds its value (of the prefix ending at its first token), which
+            unpacking keeps (:attr:`nrl_core.packing.PackedSequences.first_position`).
     """
 
     def __init__(
@@ -150,10 +154,12 @@ class Policy:
         logprob_batch_size: int = 8,
         micro_batch_token_budget: int | None = None,
         sequence_packing: str | bool = "auto",
+        values: bool = False,
     ) -> None:
         from nrl_core.packing import packing_mode
 
         self.group = group
+        self.values = values
         self.sequence_packing = packing_mode(sequence_packing)
         self._packing: bool | None = None
         self.max_sequence_length = max_sequence_length
@@ -176,6 +182,7 @@ class Policy:
             logprob_batch_size=policy.logprob_batch_size,
             micro_batch_token_budget=policy.micro_batch_token_budget,
             sequence_packing=policy.sequence_packing,
+            values=bool(getattr(policy, "value_head", False)),
         )
 
     @property
@@ -200,6 +207,12 @@ class Policy:
                 )
             self._packing = supported
         return self._packing
+
+    @property
+    def _packed(self) -> bool | str:
+        """The ``packed`` argument of the per-rank functions (:mod:`nrl_core.training`) when
+        packing: ``"values"`` for per-token values (position 0 kept), else ``True``."""
+        return "values" if self.values else True
 
     def _shards(self, batch: Batch) -> tuple[list[Batch], int]:
         padded, real = pad_to_multiple(batch, self.dp_size)
@@ -248,7 +261,7 @@ class Policy:
         plans = [pack_micro_batches(shard, token_budget=budget) for shard in shards]
         chunks = [bins for bins, _ in plans]
         num_chunks = max(len(c) for c in chunks)
-        parts = self.group.run_sharded(on_rank, chunks, num_chunks, width, *args, True)
+        parts = self.group.run_sharded(on_rank, chunks, num_chunks, width, *args, self._packed)
         return [
             _unpermute(part, order) for part, (_, order) in zip(parts, plans, strict=True)
         ], real
@@ -313,7 +326,7 @@ class Policy:
                 loss_fn,
                 stats,
                 float(self.dp_size),
-                self.packing,
+                self._packed if self.packing else False,
             )
             metrics = reduce_metrics(
                 [m for result in results for m in result.micro_batch_metrics], declared

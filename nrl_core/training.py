@@ -228,13 +228,17 @@ def is_filler(micro_batch: Batch | PackedSequences) -> bool:
     return bool(micro_batch.metadata) and bool(micro_batch.metadata[0].get(FILLER, False))
 
 
-def _packed(micro_batch: Batch, packed: bool) -> PackedSequences | None:
-    """The packed form of a (trimmed) micro batch when packing is on (a filler stays one)."""
+def _packed(micro_batch: Batch, packed: bool | str) -> PackedSequences | None:
+    """The packed form of a (trimmed) micro batch when packing is on (a filler stays one).
+    ``packed="values"``: the worker returns per-token values (a critic's value head), whose
+    position 0 :meth:`~nrl_core.packing.PackedSequences.unpack` keeps."""
     if not packed:
         return None
     from nrl_core.packing import pack
 
-    return attrs.evolve(pack(micro_batch), filler=is_filler(micro_batch))
+    return attrs.evolve(
+        pack(micro_batch), filler=is_filler(micro_batch), first_position=packed == "values"
+    )
 
 
 def train_on_rank(
@@ -244,7 +248,7 @@ def train_on_rank(
     loss_fn: LossFunction,
     stats: GlobalBatchStats,
     loss_scale: float,
-    packed: bool = False,
+    packed: bool | str = False,
 ) -> RankStepResult:
     """One optimizer step of one rank: ``num_micro_batches`` forward/backward passes (this
     rank's micro batches, then fillers), then the worker's optimizer step. With ``packed``,
@@ -365,11 +369,12 @@ def logprobs_on_rank(
     num_chunks: int,
     width: int,
     reference: bool,
-    packed: bool = False,
+    packed: bool | str = False,
 ) -> torch.Tensor:
     """``[B, width]`` logprobs of this rank's shard, in ``chunks`` (fillers after the last, so
     every rank runs ``num_chunks`` forwards); padding and position 0 hold 0. With ``packed``,
-    each chunk goes to the worker packed (:mod:`nrl_core.packing`).
+    each chunk goes to the worker packed (:mod:`nrl_core.packing`); ``packed="values"``: a
+    critic's per-token values, whose position 0 is kept as it is unpacked.
 
     A worker that defines ``compute_logprobs_micro_batches(micro_batches, *, reference)`` gets
     all ``num_chunks`` micro batches, fillers included, in one call (a pipeline schedule

@@ -99,6 +99,19 @@ def test_an_explicit_damaged_checkpoint_is_refused_in_one_line(tmp_path):
         find_step_folder(manager.root / "step_2" / "policy")
 
 
+def test_the_critic_folder_of_a_ppo_checkpoint_is_refused_in_one_line(tmp_path):
+    # nrl convert / eval read a policy; a critic's value head is none (issue 49).
+    manager = saved(tmp_path, 2)
+    critic = manager.root / "step_2" / "critic"
+    critic.mkdir()
+    with pytest.raises(ConfigError, match=r"critic is a PPO critic \(a value head") as err:
+        find_step_folder(critic)
+    assert "\n" not in str(err.value) and str(err.value).endswith(
+        f"pass {manager.root / 'step_2'} for the policy"
+    )
+    assert find_step_folder(manager.root / "step_2") == manager.root / "step_2"
+
+
 def test_a_checkpoint_of_another_algorithm_or_model_is_not_continued(tmp_path):
     step = saved(tmp_path, 2).latest()
     check_same_run(step, "grpo", "tiny")

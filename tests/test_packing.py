@@ -121,6 +121,59 @@ def test_packing_mode_names():
         packing_mode("yes")
 
 
+class _ValueWorker(_Worker):
+    """:class:`_Worker` that also trains: its "values" are the token ids (packed or padded)."""
+
+    def forward_backward(self, micro_batch, loss):
+        loss(self.compute_logprobs(micro_batch))
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 1.0}
+
+
+class _FirstPosition:
+    """Records what the loss sees at each row's position 0."""
+
+    needs_reference = needs_prev_logprobs = False
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def __call__(self, values, batch, stats):
+        self.seen += values[:, 0].tolist()
+        return values.sum() * 0, {}
+
+
+def test_a_value_head_keeps_position_0_when_packed():
+    """A critic's values (``Policy(values=True)``, what a section with ``value_head`` makes):
+    position 0 values the prefix ending at the first token, so packed it is kept, and the
+    values (and what the loss reads) equal the padded path's everywhere. Logprobs drop it."""
+    from nrl_core.config.schema import CriticConfig, PolicyConfig
+
+    batch = _batch([3, 7, 2, 5])
+    batch["loss_mask"] = (torch.arange(7)[None] < batch["lengths"][:, None]).float()
+    first = batch["input_ids"][:, 0].float().tolist()
+    got = {}
+    for mode in (True, False):
+        worker = _ValueWorker(True)
+        policy = Policy(
+            InProcessGroup(worker),
+            max_sequence_length=8,
+            train_global_batch_size=4,
+            logprob_batch_size=1,
+            sequence_packing=mode,
+            values=True,
+        )
+        got[mode] = policy.get_logprobs(batch)
+        loss = _FirstPosition()
+        policy.train(batch, loss)
+        assert policy.packing is mode and sorted(loss.seen) == sorted(first), mode
+    assert got[True][:, 0].tolist() == first
+    assert torch.equal(got[True], got[False])
+    section = Policy.from_config(InProcessGroup(_Worker(True)), CriticConfig())
+    assert section.values and not Policy.from_config(_Worker, PolicyConfig()).values
+
+
 class _PairLoss:
     """Refuses micro batches that split a (chosen, rejected) pair, as DPO does."""
 

@@ -45,9 +45,18 @@ def check_config(config: PPOConfig, registry: Registry) -> None:
     critic = config.critic
     backend = registry.get("policy", critic.backend, key="critic.backend")
     if not backend.metadata.get("value_head"):
+        # The backends that can be a critic, as installed (dtensor, megatron, ...).
+        able = [
+            name
+            for name in registry.names("policy")
+            if registry.get("policy", name).metadata.get("value_head")
+        ]
+        fix = " or ".join(f"critic.backend={name}" for name in able) or (
+            "install a policy plugin that registers one (nrl-dtensor or nrl-megatron)"
+        )
         raise ConfigError(
             f"critic.backend={critic.backend} has no per-token value head (it registers no "
-            "`value_head` support); use critic.backend=dtensor"
+            f"`value_head` support); use {fix}"
         )
     head = getattr(critic.options_for(), "head", "auto")
     if head == "lm":

@@ -94,3 +94,27 @@ def test_plot_draws_the_critics_value_loss_and_explained_variance(tmp_path, caps
     assert {"value_loss.png", "explained_variance.png"} <= written
     for name in ("value_loss.png", "explained_variance.png"):
         assert (run / name).stat().st_size > 1000
+
+
+def test_a_critic_backend_without_a_value_head_is_refused_naming_those_with_one():
+    from nrl_core.algorithms.ppo import check_config
+    from nrl_core.config.schema import CriticConfig
+    from nrl_core.errors import ConfigError
+    from nrl_core.registry import ComponentSpec, Registry
+
+    def policy(name, **metadata):
+        return ComponentSpec("policy", name, "m:C", "test", metadata=metadata)
+
+    registry = Registry(
+        [policy("plain"), policy("megatron", value_head=True), policy("dtensor", value_head=True)]
+    )
+    config = PPOConfig(critic=CriticConfig(backend="plain"))
+    with pytest.raises(
+        ConfigError, match=r"critic\.backend=plain has no per-token value head"
+    ) as e:
+        check_config(config, registry)
+    assert str(e.value).endswith("use critic.backend=dtensor or critic.backend=megatron")
+    for able in ("dtensor", "megatron"):  # both pass the check
+        check_config(PPOConfig(critic=CriticConfig(backend=able)), registry)
+    with pytest.raises(ConfigError, match="install a policy plugin that registers one"):
+        check_config(config, Registry([policy("plain")]))

@@ -412,3 +412,21 @@ def export_with_live_tensor_spies(worker, path: str) -> dict[str, dict[str, int]
         for method in spies:
             delattr(worker, method)
     return {method: spy.report() for method, spy in spies.items()}
+
+
+def value_head_state(worker) -> dict:
+    """In a spawned rank: the critic's value head weight (``None`` on a stage without it) and
+    whether the LM output layer's weight is gone from the model."""
+    from nrl_megatron.model import VALUE_HEAD
+
+    state = worker.module.state_dict()
+    head = state.get(VALUE_HEAD)
+    return {
+        "head": None if head is None else head.detach().clone(),
+        "lm_head": "output_layer.weight" in state,
+        "tensor_model_parallel": any(
+            getattr(p, "tensor_model_parallel", False)
+            for n, p in worker.module.named_parameters()
+            if n == VALUE_HEAD
+        ),
+    }

@@ -116,8 +116,9 @@ def nrl(root: Path, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-def _grpo(root: Path, *overrides: str) -> Path:
-    """``nrl run grpo`` of CONFIG with the fixture plugin in ``root`` (logs/run, ckpt)."""
+def install_fixture_plugin(root: Path) -> None:
+    """The fixture plugin (prompts and reward) as a dist-info folder under ``root / "site"``,
+    which :func:`nrl` puts on PYTHONPATH."""
     dist_info = root / "site" / "nrl_megatron_fixture-1.0.dist-info"
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text(
@@ -127,6 +128,11 @@ def _grpo(root: Path, *overrides: str) -> Path:
         "[nrl.plugins]\nmegatron_fixture = nrl_megatron_fixture\n"
     )
     (root / "site" / "nrl_megatron_fixture.py").write_text(textwrap.dedent(FIXTURE_PLUGIN))
+
+
+def _grpo(root: Path, *overrides: str) -> Path:
+    """``nrl run grpo`` of CONFIG with the fixture plugin in ``root`` (logs/run, ckpt)."""
+    install_fixture_plugin(root)
     (root / "grpo.yaml").write_text(CONFIG)
     nrl(
         root,

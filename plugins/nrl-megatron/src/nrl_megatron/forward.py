@@ -38,8 +38,18 @@ class ForwardMixin:
 
     def _logprobs(self, model, micro_batch: Batch | PackedSequences) -> torch.Tensor:
         """``[B, T]`` logprobs of the micro batch's ``input_ids`` (position 0 is 0), with the
-        graph if enabled; ``[1, total]`` in the packed layout for packed sequences."""
+        graph if enabled; ``[1, total]`` in the packed layout for packed sequences. A critic's
+        (value head): its per-token values instead (:meth:`_token_outputs`)."""
         output, input_ids = self._stage_forward(model, micro_batch)
+        return self._token_outputs(output, input_ids)
+
+    def _token_outputs(self, output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the last stage's output gives the core per token: logprobs of ``input_ids``,
+        or, with a value head, the float32 values ``[B, T]`` (value ``t`` scores the prefix
+        ending at token ``t``, the convention of :func:`nrl_core.reward_model.token_values`;
+        nothing is shifted and no temperature applies)."""
+        if self.value_head:
+            return output[..., 0].float()
         return self._token_logprobs(output, input_ids)
 
     def _stage_forward(
@@ -163,7 +173,7 @@ class ForwardMixin:
             output, input_ids = self._stage_forward(module, micro_batch)
 
             def loss_func(logits, non_loss_data: bool = False):
-                logprobs = self._token_logprobs(logits, input_ids)
+                logprobs = self._token_outputs(logits, input_ids)
                 if non_loss_data:
                     return logprobs
                 # Megatron divides a (loss, metrics) pair's loss by the number of micro
@@ -201,6 +211,11 @@ class ForwardMixin:
         """Colocated generation from the policy's current weights (``generation.backend=torch``
         routes here); see :mod:`nrl_megatron.generation`. Call on all ranks together, each
         tensor-parallel group with its data-parallel shard of prompts."""
+        if self.value_head:
+            raise MegatronSetupError(
+                "a critic (value head) does not generate; generation.backend=torch generates "
+                "with the policy's workers, not the critic's"
+            )
         if self.pp_size > 1:
             raise MegatronSetupError(
                 "colocated generation runs the whole model on each rank, which pipeline "

@@ -490,6 +490,36 @@ def experts_submodules(moe: Any) -> Any:
     return experts.submodules
 
 
+VALUE_HEAD = "output_layer.value.weight"
+"""The state-dict name of a critic's value head (:class:`ValueHead`), a ``[1, hidden]`` weight
+replicated on every tensor-parallel rank: not ``output_layer.weight``, which names the
+vocab-sharded LM head (:func:`nrl_megatron.convert.tp_split_dim` splits it)."""
+
+
+class ValueHead(torch.nn.Module):
+    """A PPO critic's per-token scalar head in place of the ``GPTModel``'s LM output layer:
+    ``hidden -> 1``, no bias, on the final-norm hidden states, as dtensor's
+    ``AutoModelForSequenceClassification`` ``score`` head (``num_labels=1``). Starts at zero,
+    as dtensor's critic head does (a fresh critic values every prefix at 0: no opinion rather
+    than noise the first advantages would carry).
+
+    Replicated, not split, over tensor parallelism: its input (the residual stream after the
+    final norm) is whole on every tensor-parallel rank, so each computes the same values and
+    the same gradient for the head, and the gradient it sends back into the stream is already
+    the whole one (a column-parallel layer all-reduces it because each rank holds only part
+    of the columns; here every rank holds all). Pipeline parallelism: on the last stage only,
+    as the output layer. Called by ``GPTModel._postprocess`` as the output layer is:
+    ``(output, bias)`` of ``[s, b, 1]``."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.value = torch.nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+        torch.nn.init.zeros_(self.value.weight)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return self.value(hidden_states), None
+
+
 def build_gpt_model(
     hf_config: Any,
     config: TransformerConfig,
@@ -497,11 +527,16 @@ def build_gpt_model(
     transformer_engine: bool = False,
     pre_process: bool = True,
     post_process: bool = True,
+    value_head: bool = False,
 ) -> GPTModel:
     """A ``GPTModel`` matching ``hf_config`` (weights uninitialised: load them afterwards).
 
     ``parallel_output=True`` keeps the logits vocab-sharded under tensor parallelism: the
     worker computes logprobs with a vocab-parallel log-softmax instead of gathering them.
+
+    ``value_head``: a PPO critic, whose last stage ends in a :class:`ValueHead` (zeros; the
+    model returns ``[B, T, 1]`` values) instead of the LM output layer. Its embeddings are then
+    never tied to an output layer, whatever ``hf_config`` says.
     """
     shape = ModelShape.from_hf_config(hf_config)
     if transformer_engine and (shape.is_moe or shape.qk_norm):
@@ -526,7 +561,7 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_percent=1.0,
         **rope,
@@ -547,6 +582,9 @@ def build_gpt_model(
             if type(dispatcher) is MoEAllGatherTokenDispatcher:
                 # Same state, CPU-capable collectives (no new attributes to initialise).
                 dispatcher.__class__ = DeviceAllGatherTokenDispatcher
+    if value_head and post_process:
+        # The LM output layer GPTModel built (vocab x hidden) is dropped here, unread.
+        model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
     if config.params_dtype != torch.float32:
         # The local spec's RMSNorm (torch.nn.RMSNorm through WrappedTorchNorm) ignores
         # params_dtype and is built in float32. Megatron's trainer casts the whole model for

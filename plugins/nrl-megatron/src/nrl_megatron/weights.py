@@ -195,6 +195,7 @@ class WeightsMixin:
         tensor gets its own). A collective."""
         from nrl_core.weight_sync import iter_buckets
 
+        self._refuse_value_head_export()
         te = self.options.transformer_engine
         named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
         if layout != IN_MEMORY:
@@ -233,6 +234,16 @@ class WeightsMixin:
         if self.rank == 0:
             init_nccl_group(name, master_addr, master_port, rank_offset, world_size, self.device)
 
+    def _refuse_value_head_export(self) -> None:
+        """A critic's value head has no Hugging Face causal-LM name: exporting it would write
+        a model without its LM head (or with none that means anything), so it is refused."""
+        if self.value_head:
+            raise MegatronSetupError(
+                "this megatron model is a PPO critic (a value head, no LM head): Hugging Face "
+                "export and weight refit are for the policy; convert the run's policy "
+                "checkpoint instead"
+            )
+
     def export_hf(self, path: str) -> None:
         """Write ``model.safetensors``, ``config.json`` and the tokenizer to ``path`` (rank 0
         writes; all ranks take part in gathering the weights).
@@ -243,6 +254,7 @@ class WeightsMixin:
         gathered model on its GPU (it is about 61 GB of bfloat16 for Qwen3-30B-A3B)."""
         from nrl_core.hf_export import write_hf_folder
 
+        self._refuse_value_head_export()
         gathered = self._full_megatron_tensors()
         if self.rank != 0:
             for _name, tensor in gathered:  # the gathers and sends are the collective part

@@ -44,6 +44,13 @@ temperature (1 when absent or greedy), computed with Megatron's vocab-parallel c
 Generation: ``generate`` (colocated, what ``generation.backend=torch`` calls on the policy
 workers) samples from this Megatron model itself; see :mod:`nrl_megatron.generation`.
 
+PPO critic (the ``critic`` section, whose ``value_head`` the worker reads from its ``policy``):
+the last stage ends in a per-token scalar head (:class:`nrl_megatron.model.ValueHead`, zero at
+the start) instead of the LM output layer; ``get_logprobs`` then returns the values ``[B, T]``
+(value ``t`` of the prefix ending at token ``t``, :mod:`nrl_core.reward_model`), which the
+core's step trains with :class:`nrl_core.losses.value.ClippedValueLoss`, packed or padded. A
+critic neither generates nor exports to Hugging Face (both refused in one line).
+
 Without ``WORLD_SIZE`` in the environment and no process group, the worker starts a one-rank
 gloo (or NCCL) group on a free local port: Megatron-Core always needs ``parallel_state``.
 """
@@ -92,6 +99,10 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
         self.context = context
         self.policy = context.config.policy
         self.dtype = policy_dtype(self.policy, MegatronSetupError)
+        # A PPO critic (its section declares `value_head`): a per-token scalar value head in
+        # place of the LM output layer (nrl_megatron.model.ValueHead); values stand where
+        # logprobs are, so the core's batching, micro batching and packing serve both.
+        self.value_head = bool(getattr(self.policy, "value_head", False))
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu and self.dtype != torch.float32:
             raise MegatronSetupError(
@@ -242,6 +253,7 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
 
     def _build_model(self, path: str, trainable: bool):
         from nrl_megatron.loading import load_local_state
+        from nrl_megatron.model import VALUE_HEAD as VALUE_HEAD_PARAMETER
         from nrl_megatron.model import build_gpt_model, transformer_config
 
         config = transformer_config(
@@ -261,6 +273,7 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
             transformer_engine=self.options.transformer_engine,
             pre_process=self.first_stage,
             post_process=self.last_stage,
+            value_head=self.value_head,
         )
         # One rank reads and converts; every rank keeps its slices (nrl_megatron.loading).
         state = load_local_state(
@@ -276,8 +289,14 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
             tp_size=self.tp_size,
             device=self.device if self.on_gpu else "cpu",
         )
+        if self.value_head:
+            # The checkpoint's LM head (absent when tied) is not the critic's: its value head
+            # starts at zero (ValueHead), on the last stage, where it is the output layer.
+            state.pop("output_layer.weight", None)
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing = [
+            k for k in missing if not k.endswith("_extra_state") and k != VALUE_HEAD_PARAMETER
+        ]
         if missing or unexpected:
             raise MegatronSetupError(
                 f"Megatron model and converted checkpoint disagree: missing {missing}, "
