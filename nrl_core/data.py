@@ -154,7 +154,8 @@ class Batch:
             parts = [b.tensors[key] for b in batches]
             if parts[0].dim() >= 2:
                 width = max(p.shape[1] for p in parts)
-                fill = pad_values.get(key, 0)
+                # The engine's routing pads with "not recorded" (nrl_core.moe.NOT_RECORDED).
+                fill = pad_values.get(key, -1 if key == "routed_experts" else 0)
                 # Pad dimension 1 (``[B, T, ...]``: F.pad lists the last dimension first).
                 parts = [
                     torch.nn.functional.pad(
