@@ -239,7 +239,7 @@ class GenerationOutput:
     """For a mixture of experts, when routing is recorded (``policy.moe.record_routing`` or
     ``router_replay``): per sample, the top-k expert ids of every MoE layer for every position
     of prompt + generation the engine ran, an integer array ``[tokens, layers, k]`` (numpy or
-    torch; :data:`nrl_core.moe.NOT_RECORDED` where it ran none; rows past the end, e.g. the
+    torch; :data:`nrl_core.data.NOT_RECORDED` where it ran none; rows past the end, e.g. the
     last generated token, may be missing). None when the engine records no routing."""
     routing_weights: list[Any] | None = None
     """The gate weights of :attr:`routed_experts`' experts, per sample a float array of the

@@ -15,6 +15,12 @@ from typing import Any
 
 import torch
 
+# The routing's batch keys live with the batch (packing reads them without this module);
+# re-exported here, where the rest of router replay is.
+from nrl_core.data import NOT_RECORDED as NOT_RECORDED
+from nrl_core.data import ROUTED_EXPERTS as ROUTED_EXPERTS
+from nrl_core.data import ROUTING_WEIGHTS as ROUTING_WEIGHTS
+
 METRIC_REDUCTIONS = {
     "moe/load_cv": "mean",
     "moe/max_load": "max",
@@ -39,22 +45,6 @@ METRIC_REDUCTIONS = {
   (``policy.moe.record_routing`` or ``router_replay``); the trainer's *own* choice is compared,
   also when it replays the engine's. Mean over ranks.
 """
-
-ROUTED_EXPERTS = "routed_experts"
-"""The rollout batch's key for the generation engine's routing: integer ``[B, T, layers, k]``,
-``[b, t, l]`` the top-k expert ids MoE layer ``l`` chose for token ``input_ids[b, t]`` when the
-engine ran it (as a prompt token in a prefill or as the input of a decode step), in the
-router's order; :data:`NOT_RECORDED` where the engine never ran the token (each turn's last
-generated token, padding). Sharded, micro-batched and packed with the other per-token fields."""
-
-ROUTING_WEIGHTS = "routing_weights"
-"""The rollout batch's key for the engine's gate weights of :data:`ROUTED_EXPERTS`' experts
-(float32, same shape and order), present when the engine gives them (the torch engine; vLLM's
-capture returns ids only). Where present, replay uses them as the forward's gate weights."""
-
-NOT_RECORDED = -1
-"""The expert id of a position the engine did not route (see :data:`ROUTED_EXPERTS`): the
-trainer uses its own routing there."""
 
 
 class RouterStatistics:

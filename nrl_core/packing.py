@@ -100,10 +100,10 @@ class PackedSequences:
     to keep a rank's collectives aligned, which no statistic may count."""
     routed_experts: torch.Tensor | None = None
     """``[1, total, layers, k]``: the generation engine's routing of each packed token
-    (:data:`nrl_core.moe.ROUTED_EXPERTS`) when the micro batch carries it, else None."""
+    (:data:`nrl_core.data.ROUTED_EXPERTS`) when the micro batch carries it, else None."""
     routing_weights: torch.Tensor | None = None
     """``[1, total, layers, k]``: the engine's gate weights of those experts
-    (:data:`nrl_core.moe.ROUTING_WEIGHTS`), else None."""
+    (:data:`nrl_core.data.ROUTING_WEIGHTS`), else None."""
 
     @property
     def rows(self) -> int:
@@ -187,7 +187,7 @@ def pack(batch: Batch) -> PackedSequences:
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
     valid = torch.arange(width)[None, :] < lengths[:, None]
     position_ids = torch.arange(width).expand(rows, width)[valid]
-    from nrl_core.moe import ROUTED_EXPERTS, ROUTING_WEIGHTS
+    from nrl_core.data import ROUTED_EXPERTS, ROUTING_WEIGHTS
 
     routed, weights = batch.get(ROUTED_EXPERTS), batch.get(ROUTING_WEIGHTS)
     return PackedSequences(

@@ -238,7 +238,7 @@ class Episode:
     """The agent's own numbers for this episode (:attr:`Trajectory.metrics`)."""
     routed_experts: Any = None
     """The engine's routing of every token so far (int16 ``[len(token_ids), layers, k]``,
-    :data:`nrl_core.moe.ROUTED_EXPERTS`), or None when the engine recorded none."""
+    :data:`nrl_core.data.ROUTED_EXPERTS`), or None when the engine recorded none."""
     routing_weights: Any = None
     """The engine's gate weights of those experts (float32, same shape), or None when it gave
     none."""
@@ -505,8 +505,8 @@ def episodes_to_batch(
 
 def routed_experts_tensor(episodes: Sequence[Episode], width: int) -> torch.Tensor | None:
     """The episodes' engine routing as one int16 ``[B, width, layers, k]``
-    (:data:`nrl_core.moe.ROUTED_EXPERTS`; padding and unrecorded episodes
-    :data:`~nrl_core.moe.NOT_RECORDED`), or None when no episode has any."""
+    (:data:`nrl_core.data.ROUTED_EXPERTS`; padding and unrecorded episodes
+    :data:`~nrl_core.data.NOT_RECORDED`), or None when no episode has any."""
     recorded = [e.routed_experts for e in episodes if e.routed_experts is not None]
     if not recorded:
         return None

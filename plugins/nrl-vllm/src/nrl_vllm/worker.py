@@ -34,6 +34,9 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 class VllmGenerationWorker:
     """A vLLM engine (``tensor_parallel_size`` GPUs) behind nrl's generation interface."""
 
+    records_routing = False
+    """Whether the engine captures each token's experts (``policy.moe``; set at start)."""
+
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
         self.context = context
