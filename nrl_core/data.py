@@ -24,6 +24,23 @@ if TYPE_CHECKING:
     import torch
 
 
+ROUTED_EXPERTS = "routed_experts"
+"""The rollout batch's key for the generation engine's routing: integer ``[B, T, layers, k]``,
+``[b, t, l]`` the top-k expert ids MoE layer ``l`` chose for token ``input_ids[b, t]`` when the
+engine ran it (as a prompt token in a prefill or as the input of a decode step), in the
+router's order; :data:`NOT_RECORDED` where the engine never ran the token (each turn's last
+generated token, padding). Sharded, micro-batched and packed with the other per-token fields."""
+
+ROUTING_WEIGHTS = "routing_weights"
+"""The rollout batch's key for the engine's gate weights of :data:`ROUTED_EXPERTS`' experts
+(float32, same shape and order), present when the engine gives them (the torch engine; vLLM's
+capture returns ids only). Where present, replay uses them as the forward's gate weights."""
+
+NOT_RECORDED = -1
+"""The expert id of a position the engine did not route (see :data:`ROUTED_EXPERTS`): the
+trainer uses its own routing there."""
+
+
 class Message(TypedDict, total=False):
     """One chat message. ``token_ids`` are exactly the ids that were generated or fed to the
     model for this message (template glue included) — never a re-tokenisation."""
@@ -154,7 +171,8 @@ class Batch:
             parts = [b.tensors[key] for b in batches]
             if parts[0].dim() >= 2:
                 width = max(p.shape[1] for p in parts)
-                fill = pad_values.get(key, 0)
+                # The engine's routing pads with "not recorded".
+                fill = pad_values.get(key, NOT_RECORDED if key == ROUTED_EXPERTS else 0)
                 # Pad dimension 1 (``[B, T, ...]``: F.pad lists the last dimension first).
                 parts = [
                     torch.nn.functional.pad(

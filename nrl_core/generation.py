@@ -184,12 +184,7 @@ class GenerationEngines:
             parts = self.group.run_sharded(
                 "generate", prompt_shards, params, Sharded(split_even(stops, n))
             )
-        out = GenerationOutput(token_ids=[], logprobs=[], finish_reasons=[])
-        for part in parts:
-            out.token_ids.extend(part.token_ids)
-            out.logprobs.extend(part.logprobs)
-            out.finish_reasons.extend(part.finish_reasons)
-        return out
+        return GenerationOutput.concat(parts)
 
     def sender(self) -> WeightSender:
         """The :class:`WeightSender` that the policy ranks run to reach these engines."""

@@ -235,6 +235,37 @@ class GenerationOutput:
     """The raw (not renormalised) logprob of each generated id under the sampling policy."""
     finish_reasons: list[str]
     """``"stop"`` (stop token or string) or ``"length"`` (``max_new_tokens`` reached)."""
+    routed_experts: list[Any] | None = None
+    """For a mixture of experts, when routing is recorded (``policy.moe.record_routing`` or
+    ``router_replay``): per sample, the top-k expert ids of every MoE layer for every position
+    of prompt + generation the engine ran, an integer array ``[tokens, layers, k]`` (numpy or
+    torch; :data:`nrl_core.data.NOT_RECORDED` where it ran none; rows past the end, e.g. the
+    last generated token, may be missing). None when the engine records no routing."""
+    routing_weights: list[Any] | None = None
+    """The gate weights of :attr:`routed_experts`' experts, per sample a float array of the
+    same shape, when the engine gives them (the torch engine; vLLM returns ids only)."""
+
+    @staticmethod
+    def concat(parts: Sequence[GenerationOutput]) -> GenerationOutput:
+        """The outputs of several engines (or ranks), in order; routing only when every part
+        has it."""
+        routed = [part.routed_experts for part in parts]
+        weights = [part.routing_weights for part in parts]
+        return GenerationOutput(
+            token_ids=[ids for part in parts for ids in part.token_ids],
+            logprobs=[lps for part in parts for lps in part.logprobs],
+            finish_reasons=[r for part in parts for r in part.finish_reasons],
+            routed_experts=(
+                [e for part in routed for e in part]
+                if parts and all(r is not None for r in routed)
+                else None
+            ),
+            routing_weights=(
+                [w for part in weights for w in part]
+                if parts and all(w is not None for w in weights)
+                else None
+            ),
+        )
 
 
 class GenerationWorker(Protocol):

@@ -105,6 +105,12 @@ class PackedSequences:
     filler: bool = False
     """Whether this is a filler pass (:func:`nrl_core.training.is_filler`): real tokens run only
     to keep a rank's collectives aligned, which no statistic may count."""
+    routed_experts: torch.Tensor | None = None
+    """``[1, total, layers, k]``: the generation engine's routing of each packed token
+    (:data:`nrl_core.data.ROUTED_EXPERTS`) when the micro batch carries it, else None."""
+    routing_weights: torch.Tensor | None = None
+    """``[1, total, layers, k]``: the engine's gate weights of those experts
+    (:data:`nrl_core.data.ROUTING_WEIGHTS`), else None."""
 
     @property
     def rows(self) -> int:
@@ -130,6 +136,12 @@ class PackedSequences:
             input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device),
             cu_seqlens=moved,
+            routed_experts=(
+                None if self.routed_experts is None else self.routed_experts.to(device)
+            ),
+            routing_weights=(
+                None if self.routing_weights is None else self.routing_weights.to(device)
+            ),
         )
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
@@ -183,12 +195,17 @@ def pack(batch: Batch) -> PackedSequences:
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
     valid = torch.arange(width)[None, :] < lengths[:, None]
     position_ids = torch.arange(width).expand(rows, width)[valid]
+    from nrl_core.data import ROUTED_EXPERTS, ROUTING_WEIGHTS
+
+    routed, weights = batch.get(ROUTED_EXPERTS), batch.get(ROUTING_WEIGHTS)
     return PackedSequences(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=int(lengths.max()) if rows else 0,
         width=width,
+        routed_experts=None if routed is None else routed[:, :width][valid].unsqueeze(0),
+        routing_weights=None if weights is None else weights[:, :width][valid].unsqueeze(0),
     )
 
 

@@ -369,11 +369,7 @@ class Policy:
             list(stop_strings) if stop_strings is not None else [None] * len(prompts), self.dp_size
         )
         outputs = self.group.run_sharded("generate", prompt_shards, params, Sharded(stop_shards))
-        return GenerationOutput(
-            token_ids=[ids for out in outputs for ids in out.token_ids],
-            logprobs=[lps for out in outputs for lps in out.logprobs],
-            finish_reasons=[fr for out in outputs for fr in out.finish_reasons],
-        )
+        return GenerationOutput.concat(outputs)
 
     def save_checkpoint(self, path: str) -> None:
         self.onload()

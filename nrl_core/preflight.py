@@ -105,6 +105,7 @@ def preflight(config: Any, registry: Registry, *, verbose: bool = False) -> list
     check_tool_parser(config, registry)
     validate_run_config(config)
     check_pipeline_generation(config, registry)
+    check_router_replay(config, registry)
     for key in ("policy", "teacher", "critic"):  # teacher: `nrl run distill`; critic: `ppo`
         model = getattr(config, key, None)
         if model is None:
@@ -156,6 +157,62 @@ def check_pipeline_generation(config: Any, registry: Registry) -> None:
             f"generation.backend={generation.backend} generates inside the policy workers, "
             f"which pipeline stages split (policy.{policy.selected} pipeline size > 1); set "
             f"{key}=false (separate engines, refitted from every stage) or use one stage"
+        )
+
+
+_MOE_ARCHS = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "llama4")
+"""The tiny model's mixture-of-experts architectures (nrl_core.testing.tiny.build_tiny_model)."""
+
+
+def _has_experts(model_name: str) -> bool | None:
+    """Whether ``model_name`` is a mixture of experts: a tiny named size by its architecture,
+    a local folder by its ``config.json`` (an expert count, top level or ``text_config``);
+    None when it cannot be known without the hub."""
+    from nrl_core.testing.tiny import NAMED_SIZES
+
+    if model_name in NAMED_SIZES:
+        return NAMED_SIZES[model_name].get("arch") in _MOE_ARCHS
+    file = Path(model_name).expanduser() / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None  # check_model_source says what is wrong with the file
+    sections = [data, data.get("text_config") or {}] if isinstance(data, dict) else []
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(isinstance(sec.get(k), int) and sec[k] > 1 for sec in sections for k in keys)
+
+
+def check_router_replay(config: Any, registry: Registry) -> None:
+    """``policy.moe.router_replay`` / ``record_routing`` need a mixture-of-experts model, a
+    policy backend that replays and measures routing (registered ``router_replay``) and a
+    generation backend whose engines record it (registered ``records_routing``)."""
+    policy, generation = getattr(config, "policy", None), getattr(config, "generation", None)
+    moe = getattr(policy, "moe", None)
+    if moe is None or not moe.records_routing:
+        return
+    key = "policy.moe.router_replay" if moe.router_replay else "policy.moe.record_routing"
+    if _has_experts(policy.model_name) is False:
+        raise ConfigError(
+            f"{key}=true needs a mixture-of-experts model, and policy.model_name="
+            f"{policy.model_name} has no experts; use a MoE model (e.g. tiny-moe) or set "
+            f"{key}=false"
+        )
+    backend = registry.get("policy", policy.backend, key="policy.backend")
+    if not backend.metadata.get("router_replay"):
+        raise ConfigError(
+            f"{key}=true, and policy.backend={policy.backend} cannot replay or compare the "
+            f"engine's routing; use policy.backend=dtensor or set {key}=false"
+        )
+    if generation is None:
+        return
+    engine = registry.get("generation", generation.backend, key="generation.backend")
+    if not engine.metadata.get("records_routing"):
+        raise ConfigError(
+            f"{key}=true, and generation.backend={generation.backend} does not record which "
+            f"experts it routes each token to; use generation.backend=torch or vllm, or set "
+            f"{key}=false"
         )
 
 

@@ -107,3 +107,87 @@ def test_counting_never_copies_to_the_host():
         router(logits)
     assert stats._counts[0].device.type == "meta"
     assert stats._probs[0].device.type == "meta"
+
+
+# -- router replay (R3, issue 52) ---------------------------------------------------------------
+
+
+def test_replay_routes_recorded_tokens_as_the_engine_and_counts_agreement():
+    """Per (token, layer): the engine's ids where recorded (all k), the router's own elsewhere;
+    the agreement compares top-k *sets* (order ignored) over the recorded tokens only."""
+    from nrl_core.moe import NOT_RECORDED, RouterReplay
+
+    own = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
+    # Token 0: same set in another order; 1: other experts; 2: not recorded; 3: half recorded.
+    engine = torch.tensor([[1, 0], [0, 1], [NOT_RECORDED] * 2, [3, NOT_RECORDED]])
+    routed = engine[None, :, None]  # [B=1, T=4, layers=1, k=2]
+    for replay in (True, False):
+        state = RouterReplay(1, replay=replay)
+        with state.using(routed, count=True):
+            chosen = state.choose(0, own)
+        expected = torch.tensor([[1, 0], [0, 1], [1, 0], [3, 2]]) if replay else own
+        assert torch.equal(chosen, expected)
+        assert state.metrics() == {"moe/routing_agreement": 0.5}  # 1 of 2 recorded tokens
+        assert state.metrics() == {}  # reset
+    # Outside a micro batch with routing, and for logprob passes (count=False): nothing counted.
+    state = RouterReplay(1, replay=True)
+    assert state.choose(0, own) is own
+    with state.using(routed, count=False):
+        state.choose(0, own)
+    assert state.metrics() == {}
+
+
+def test_replayed_gate_weights_are_the_engines_with_the_routers_gradient():
+    from nrl_core.moe import RouterReplay, replayed_weights
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.5, 1.0, 3.0]], requires_grad=True)
+    own = logits.topk(2, dim=-1).indices
+    # The router's own choice: bit-identical to softmax-then-top-k with renormalisation.
+    probs = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
+    expected = probs / probs.sum(-1, keepdim=True)
+    assert torch.equal(replayed_weights(logits, own, normalize=True), expected)
+    engine_ids = torch.tensor([[1, 2], [3, 2]])
+    engine_weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    state = RouterReplay(1, replay=True)
+    with state.using(engine_ids[None, :, None], engine_weights[None, :, None], count=False):
+        chosen = state.choose(0, own)
+        weights = state.gate_weights(0, chosen, replayed_weights(logits, chosen, normalize=True))
+    assert torch.equal(weights, engine_weights)
+    weights.sum().backward()  # the straight-through term: the router still gets a gradient
+    assert logits.grad is not None
+
+
+def test_an_episode_keeps_the_routing_its_tokens_were_sampled_under():
+    """Turn 2's prefill re-routes turn 1's tokens; the episode keeps turn 1's record for them
+    and takes turn 2's for what turn 1 left unrecorded (its last token) and the new tokens;
+    the batch pads with 'not recorded' and packing keeps each token's routing."""
+    from nrl_core.algorithms.rollout import Episode, episodes_to_batch
+    from nrl_core.moe import NOT_RECORDED, ROUTED_EXPERTS
+    from nrl_core.packing import pack
+
+    episode = Episode(
+        group=0, task="t", messages=[], metadata={}, token_ids=[1, 2], prompt_length=2
+    )
+    episode.append([3, 4], generated=True, logprobs=[-0.1, -0.2])
+    # The engine ran tokens 1, 2 (prefill) and 3 (decode), not 4: 3 rows for 4 tokens.
+    episode.record_routing(torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]]]))
+    assert episode.routed_experts[3].tolist() == [[NOT_RECORDED] * 2]
+    episode.append([5], generated=False)
+    episode.append([6], generated=True, logprobs=[-0.3])
+    episode.record_routing(torch.full((5, 1, 2), 3))  # turn 2: prefill of 5 tokens
+    assert episode.routed_experts[:, 0].tolist() == [
+        [0, 1],
+        [1, 2],
+        [2, 3],
+        [3, 3],
+        [3, 3],
+        [-1, -1],
+    ]
+    short = Episode(group=1, task="t", messages=[], metadata={}, token_ids=[7], prompt_length=1)
+    batch = episodes_to_batch([episode, short], torch.zeros(2), pad_token_id=0)
+    assert batch[ROUTED_EXPERTS].dtype == torch.int16
+    assert batch[ROUTED_EXPERTS].shape == (2, 6, 1, 2)
+    assert (batch[ROUTED_EXPERTS][1] == NOT_RECORDED).all()  # no record: the trainer's own
+    packed = pack(batch)
+    assert packed.routed_experts.shape == (1, 7, 1, 2)
+    assert torch.equal(packed.routed_experts[0, :6], batch[ROUTED_EXPERTS][0])

@@ -18,6 +18,14 @@ from nrl_core.chat_data import apply_template
 from nrl_core.data import Batch, Message, Sample, pad_sequences, token_id_problem
 from nrl_core.env_failures import failure_of
 from nrl_core.interfaces import GenerationOutput, SamplingParams
+from nrl_core.moe import (
+    NOT_RECORDED,
+    ROUTED_EXPERTS,
+    ROUTING_WEIGHTS,
+    merge_routing,
+    routing_array,
+    routing_weight_array,
+)
 
 if TYPE_CHECKING:
     from nrl_core.agents import Trajectory
@@ -228,6 +236,12 @@ class Episode:
     """Why an agent-driven episode failed (masked out of the loss), or None."""
     agent_metrics: dict[str, float] = attrs.field(factory=dict)
     """The agent's own numbers for this episode (:attr:`Trajectory.metrics`)."""
+    routed_experts: Any = None
+    """The engine's routing of every token so far (int16 ``[len(token_ids), layers, k]``,
+    :data:`nrl_core.data.ROUTED_EXPERTS`), or None when the engine recorded none."""
+    routing_weights: Any = None
+    """The engine's gate weights of those experts (float32, same shape), or None when it gave
+    none."""
 
     def __attrs_post_init__(self) -> None:
         if not self.loss_mask:
@@ -250,6 +264,19 @@ class Episode:
         self.token_ids.extend(ids)
         self.loss_mask.extend([1.0 if generated else 0.0] * len(ids))
         self.gen_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def record_routing(self, experts: Any, weights: Any = None) -> None:
+        """Add the engine's routing of the turn just appended (its prompt and generation:
+        :attr:`~nrl_core.interfaces.GenerationOutput.routed_experts` and
+        ``routing_weights`` of this sample; :func:`nrl_core.moe.merge_routing`)."""
+        length = len(self.token_ids)
+        old = self.routed_experts
+        if weights is not None and (old is None or self.routing_weights is not None):
+            new_weights = routing_weight_array(weights, length)
+            self.routing_weights = merge_routing(self.routing_weights, new_weights, old)
+        else:  # weights only when every turn gave them
+            self.routing_weights = None
+        self.routed_experts = merge_routing(old, routing_array(experts, length))
 
 
 def start_episodes(samples: Sequence[Sample], codec: ChatCodec, repeats: int) -> list[Episode]:
@@ -304,13 +331,18 @@ def rollout(
             params,
             [list(e.stop_strings) if e.stop_strings else None for e in active],
         )
-        for episode, ids, logprobs, reason in zip(
-            active, output.token_ids, output.logprobs, output.finish_reasons, strict=True
+        for index, (episode, ids, logprobs, reason) in enumerate(
+            zip(active, output.token_ids, output.logprobs, output.finish_reasons, strict=True)
         ):
             budget = max_total_length - len(episode.token_ids)  # >= 1: checked above
             if len(ids) > budget:
                 ids, logprobs, reason = ids[:budget], logprobs[:budget], "length"
             episode.append(ids, generated=True, logprobs=logprobs)
+            if output.routed_experts is not None:
+                weights = output.routing_weights
+                episode.record_routing(
+                    output.routed_experts[index], None if weights is None else weights[index]
+                )
             episode.messages.append(
                 {"role": "assistant", "content": codec.decode(ids), "token_ids": list(ids)}
             )
@@ -435,6 +467,10 @@ def _end_over_budget(episode: Episode, max_total_length: int) -> None:
         del episode.token_ids[max_total_length:]
         del episode.loss_mask[max_total_length:]
         del episode.gen_logprobs[max_total_length:]
+        if episode.routed_experts is not None:
+            episode.routed_experts = episode.routed_experts[:max_total_length]
+        if episode.routing_weights is not None:
+            episode.routing_weights = episode.routing_weights[:max_total_length]
         episode.prompt_length = min(episode.prompt_length, max_total_length)
     episode.done = episode.truncated = True
     episode.finish_reason = "length"
@@ -447,14 +483,38 @@ def episodes_to_batch(
     input_ids = pad_sequences([e.token_ids for e in episodes], pad_value=pad_token_id)
     loss_mask = pad_sequences([e.loss_mask for e in episodes], dtype=torch.float32)
     gen_logprobs = pad_sequences([e.gen_logprobs for e in episodes], dtype=torch.float32)
-    return Batch(
-        {
-            "input_ids": input_ids,
-            "lengths": torch.tensor([len(e.token_ids) for e in episodes], dtype=torch.long),
-            "loss_mask": loss_mask,
-            "gen_logprobs": gen_logprobs,
-            "advantages": advantages.float()[:, None] * loss_mask,
-            "sample_mask": torch.tensor([float(e.trainable) for e in episodes]),
-        },
-        [{"group": e.group, "task": e.task} for e in episodes],
+    tensors = {
+        "input_ids": input_ids,
+        "lengths": torch.tensor([len(e.token_ids) for e in episodes], dtype=torch.long),
+        "loss_mask": loss_mask,
+        "gen_logprobs": gen_logprobs,
+        "advantages": advantages.float()[:, None] * loss_mask,
+        "sample_mask": torch.tensor([float(e.trainable) for e in episodes]),
+    }
+    routed = routed_experts_tensor(episodes, input_ids.shape[1])
+    if routed is not None:
+        tensors[ROUTED_EXPERTS] = routed
+        if all(e.routing_weights is not None for e in episodes):
+            weights = torch.zeros(routed.shape, dtype=torch.float32)
+            for row, episode in enumerate(episodes):
+                n = min(routed.shape[1], episode.routing_weights.shape[0])
+                weights[row, :n] = episode.routing_weights[:n]
+            tensors[ROUTING_WEIGHTS] = weights
+    return Batch(tensors, [{"group": e.group, "task": e.task} for e in episodes])
+
+
+def routed_experts_tensor(episodes: Sequence[Episode], width: int) -> torch.Tensor | None:
+    """The episodes' engine routing as one int16 ``[B, width, layers, k]``
+    (:data:`nrl_core.data.ROUTED_EXPERTS`; padding and unrecorded episodes
+    :data:`~nrl_core.data.NOT_RECORDED`), or None when no episode has any."""
+    recorded = [e.routed_experts for e in episodes if e.routed_experts is not None]
+    if not recorded:
+        return None
+    out = torch.full(
+        (len(episodes), width, *recorded[0].shape[1:]), NOT_RECORDED, dtype=torch.int16
     )
+    for row, episode in enumerate(episodes):
+        if episode.routed_experts is not None:
+            n = min(width, episode.routed_experts.shape[0])
+            out[row, :n] = episode.routed_experts[:n]
+    return out

@@ -156,6 +156,7 @@ def d(tmp_path_factory):
     _model_copy(tiny, d / "no_tokenizer", ["tokenizer*", "chat_template*"])
     _model_copy(tiny, d / "broken_config")
     _write(d / "broken_config" / "config.json", '{"model_type": "llama",')
+    _model_copy(tiny, d / "dense_model")  # a good dense model (issue 52: router replay)
     _write(d / "model.bin", b"\x00" * 64)
     # Data files.
     good = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(20)]
@@ -544,6 +545,12 @@ CASES = [
     ("critic_batch_uneven", run("ppo", "critic.num_workers=3"), "critic.train_global_batch_size=256 does not split evenly over the 3 data-parallel ranks", {}),
     ("ppo_group_baseline_switch", run("ppo", "ppo.use_leave_one_out_baseline=false"), "ppo: use_leave_one_out_baseline=False shapes GRPO's group baseline, and PPO's baseline is the critic", {}),
     ("critic_lr_negative", run("ppo", "critic.optimizer.lr=-1"), "critic.optimizer.lr must be > 0, got -1", {}),
+    # issue 52, h-replay
+    ("router_replay_dense_model", run("grpo", "policy.moe.router_replay=true"), "policy.moe.router_replay=true needs a mixture-of-experts model, and policy.model_name=tiny has no experts", {}),
+    ("record_routing_dense_folder", run("grpo", "policy.model_name={d}/dense_model", "policy.moe.record_routing=true"), "policy.moe.record_routing=true needs a mixture-of-experts model, and policy.model_name={d}/dense_model has no experts", {}),
+    ("router_replay_megatron", run("grpo", "policy.model_name=tiny-moe", "policy.backend=megatron", "policy.moe.router_replay=true"), "policy.moe.router_replay=true, and policy.backend=megatron cannot replay or compare the engine's routing", {}),
+    ("router_replay_sglang", run("grpo", "policy.model_name=tiny-moe", SGLANG, "policy.moe.router_replay=true"), "policy.moe.router_replay=true, and generation.backend=sglang does not record which experts it routes each token to", {}),
+    ("router_replay_not_bool", run("grpo", "policy.moe.router_replay=maybe"), "policy.moe.router_replay: expected bool, got str 'maybe'", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

@@ -74,6 +74,7 @@ from nrl_core.config.schema.policy import (
     OPTIMIZERS,
     PRECISIONS,
     LossConfig,
+    MoeConfig,
     OptimizerConfig,
     PolicyConfig,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "GenerationConfig",
     "LoggerConfig",
     "LossConfig",
+    "MoeConfig",
     "OptimizerConfig",
     "PPOConfig",
     "PPOSection",

@@ -80,6 +80,37 @@ class OptimizerConfig:
 
 
 @attrs.define
+class MoeConfig:
+    """Mixture-of-experts settings (ignored for a dense model unless a setting needs experts)."""
+
+    record_routing: bool = option(
+        False,
+        (
+            "Generation engines return the top-k experts every MoE layer chose for each token "
+            "(`routed_experts` in the rollout batch) and training logs "
+            "`train/moe/routing_agreement`, the fraction of tokens the trainer routes to the "
+            "same experts. Engines: torch, vllm. Implied by `router_replay`."
+        ),
+    )
+    router_replay: bool = option(
+        False,
+        (
+            "R3: the trainer's forwards (logprobs and training) route each token to the experts "
+            "the generation engine chose, with the engine's gate weights where it gives them "
+            "(torch), else weights recomputed from the trainer's router logits over those "
+            "experts (renormalised like the model's top-k; vllm). Needs a MoE model, "
+            "a policy backend that replays (dtensor) and an engine that records (torch, vllm). "
+            "See docs/moe.md, router replay."
+        ),
+    )
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether the engines return routing (``record_routing`` or ``router_replay``)."""
+        return self.record_routing or self.router_replay
+
+
+@attrs.define
 class PolicyConfig(ComponentSection):
     component_kind: ClassVar[ComponentKind] = "policy"
     selector: ClassVar[str] = "backend"
@@ -141,6 +172,9 @@ class PolicyConfig(ComponentSection):
         1.0, "Gradient clipping norm (0 disables clipping).", validator=ge(0)
     )
     optimizer: OptimizerConfig = option(OptimizerConfig(), "Optimizer and LR schedule.")
+    moe: MoeConfig = option(
+        MoeConfig(), "Mixture of experts: routing record and replay (docs/moe.md)."
+    )
 
 
 @attrs.define

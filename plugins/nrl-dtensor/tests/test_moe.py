@@ -235,3 +235,117 @@ def test_separate_torch_engines_follow_a_moe_refit(moe_path, start_group):
         )
     finally:
         engines.shutdown()
+
+
+# -- router replay (R3, issue 52) ---------------------------------------------------------------
+
+
+def _replay_config(moe_path, *, replay: bool, packing: bool):
+    import attrs
+
+    from nrl_core.config.schema import MoeConfig
+
+    config = make_config(moe_path)
+    policy = attrs.evolve(
+        config.policy,
+        sequence_packing=packing,
+        moe=MoeConfig(record_routing=True, router_replay=replay),
+    )
+    return attrs.evolve(config, policy=policy)
+
+
+def _engine_rollout(config, prompts, seed=3):
+    """The torch engine (its own copy of the model) samples continuations and records their
+    routing; the rollout batch the core builds from them."""
+    from nrl_dtensor.generation import TorchGenerator
+    from test_dtensor import context
+
+    from nrl_core.algorithms.rollout import Episode, episodes_to_batch
+
+    engine = TorchGenerator(TorchGenerationConfig(stop_at_eos=False), context(config))
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed))
+    assert out.routed_experts is not None and out.routing_weights is not None
+    episodes = []
+    for i, prompt in enumerate(prompts):
+        episode = Episode(
+            group=i,
+            task="t",
+            messages=[],
+            metadata={},
+            token_ids=list(prompt),
+            prompt_length=len(prompt),
+        )
+        episode.append(out.token_ids[i], generated=True, logprobs=out.logprobs[i])
+        episode.record_routing(out.routed_experts[i], out.routing_weights[i])
+        episodes.append(episode)
+    return episodes_to_batch(episodes, torch.zeros(len(prompts)), pad_token_id=0)
+
+
+def _perturb_routers(worker, scale=0.5, seed=0):
+    """Give the trainer's routers other weights than the engine's: it routes many tokens to
+    other experts (the train/inference mismatch replay is for; every other weight equal)."""
+    from nrl_dtensor.moe import is_router
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in worker.model.modules():
+            if is_router(module):
+                noise = torch.randn(module.weight.shape, generator=generator)
+                module.weight.add_(scale * noise * module.weight.std())
+
+
+def test_replayed_routing_reproduces_the_torch_engines_logprobs(moe_path):
+    """The torch engine records each token's experts and gate weights; a trainer whose routers
+    disagree with it (perturbed router weights) computes the engine's logprobs to 1e-5 when
+    it replays them (packed micro batches), and differs by far more without replay (the same
+    worker, weights and batch)."""
+    from nrl_core.distributed.worker_group import InProcessGroup
+    from nrl_core.moe import ROUTED_EXPERTS, ROUTING_WEIGHTS
+    from nrl_core.policy import Policy
+
+    prompts = [[5, 9, 13, 7], [11, 3], [21, 22, 23, 24, 25, 26], [8]]
+    config = _replay_config(moe_path, replay=True, packing=True)
+    batch = _engine_rollout(config, prompts)
+    assert batch[ROUTED_EXPERTS].shape == (*batch["input_ids"].shape, 2, TOP_K)
+    assert batch[ROUTING_WEIGHTS].shape == batch[ROUTED_EXPERTS].shape
+    mask = batch["loss_mask"].bool()
+    worker = local_worker(config)
+    _perturb_routers(worker)
+    policy = Policy.from_config(InProcessGroup(worker), config.policy)
+    assert policy.packing
+    errors = {}
+    for replay in (False, True):
+        worker.router_replay.replay = replay
+        logprobs = policy.get_logprobs(batch)
+        errors[replay] = float((logprobs - batch["gen_logprobs"]).abs()[mask].max())
+    assert errors[True] <= 1e-5, errors
+    assert errors[False] > 1e-3, errors
+    # The trainer's own routing disagrees with the engine's on some tokens (measured under
+    # replay too: its own top-k, before the engine's replaces it).
+    assert 0.0 < policy.train(batch, TokenMeanNLL())["moe/routing_agreement"] < 1.0
+
+
+def test_replay_without_the_engines_weights_recomputes_them_from_the_router(moe_path):
+    """With expert ids but no weights (vLLM's capture) and the trainer's routers equal to the
+    engine's, replay (padded micro batches) recomputes the gate weights from the trainer's logits over the replayed
+    experts: the logprobs equal the engine's (1e-5), and every token agrees."""
+    from nrl_core.moe import ROUTING_WEIGHTS
+
+    config = _replay_config(moe_path, replay=True, packing=False)
+    batch = _engine_rollout(config, [[5, 9, 13, 7], [11, 3]])
+    del batch.tensors[ROUTING_WEIGHTS]
+    policy = local_policy(config)
+    logprobs = policy.get_logprobs(batch)
+    mask = batch["loss_mask"].bool()
+    assert float((logprobs - batch["gen_logprobs"]).abs()[mask].max()) <= 1e-5
+    assert policy.train(batch, TokenMeanNLL())["moe/routing_agreement"] == 1.0
+
+
+def test_router_replay_is_refused_for_a_dense_model(tmp_path):
+    from nrl_dtensor.building import DTensorSetupError
+
+    from nrl_core.testing.tiny import tiny_model_path
+
+    dense = tiny_model_path(tmp_path, hidden_size=32, num_layers=1)
+    with pytest.raises(DTensorSetupError, match="needs a mixture-of-experts model"):
+        local_worker(_replay_config(dense, replay=True, packing=True))

@@ -72,6 +72,9 @@ class TorchGenerator:
         self.seed_offset = seed_offset
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         """How the FSDP-sharded model's layers were set up (restored after a generation)."""
+        self._recorder = self._routing_recorder(model)
+        """Records each token's experts (a MoE model with ``policy.moe.record_routing`` or
+        ``router_replay``), else None."""
         # The stream used when SamplingParams carries no seed: seeded once, then it advances.
         self._default_rng = seeded_generator(self.context.seed, seed_offset, self.device)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -121,6 +124,8 @@ class TorchGenerator:
         token_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
+        routed: list[torch.Tensor] | None = [] if self._recorder is not None else None
+        weights: list[torch.Tensor] = []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -129,9 +134,15 @@ class TorchGenerator:
                 for c in range(num_chunks):
                     if c < len(starts):
                         sl = slice(starts[c], starts[c] + chunk)
+                        if routed is not None:
+                            self._recorder.start()
                         ids, lps, why = self._generate_chunk(
                             forward, prompts[sl], stops[sl], params, rng, lockstep
                         )
+                        if routed is not None:
+                            steps = self._recorder.stop()
+                            routed += chunk_routing([i for i, _ in steps], prompts[sl], ids)
+                            weights += chunk_routing([w for _, w in steps], prompts[sl], ids)
                         token_ids += ids
                         logprobs += lps
                         reasons += why
@@ -143,7 +154,24 @@ class TorchGenerator:
                         )
         finally:
             self.model.train(was_training)
-        return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)
+        return GenerationOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reasons=reasons,
+            routed_experts=routed,
+            routing_weights=weights if routed is not None else None,
+        )
+
+    def _routing_recorder(self, model):
+        """A :class:`~nrl_dtensor.moe.RoutingRecorder` when the run records routing and the
+        model has experts."""
+        from nrl_dtensor.moe import RoutingRecorder, is_moe_model
+
+        policy = getattr(self.context.config, "policy", None)
+        moe = getattr(policy, "moe", None)
+        if moe is None or not moe.records_routing or not is_moe_model(model):
+            return None
+        return RoutingRecorder(model)
 
     @contextlib.contextmanager
     def _weights_for_generation(self) -> Iterator[tuple[Callable, bool]]:
@@ -299,6 +327,27 @@ class TorchGenerator:
                 tail = self.tokenizer.decode(history[i][-window:], skip_special_tokens=True)
                 hits[i] = any(s in tail for s in row_stops)
         return torch.tensor(hits, dtype=torch.bool, device=token.device)
+
+
+def chunk_routing(
+    steps: Sequence[torch.Tensor], prompts: Sequence[Sequence[int]], generated: list[list[int]]
+) -> list[torch.Tensor]:
+    """Each sample's routing ``[prompt + generated - 1, layers, k]`` (expert ids, or their
+    gate weights) from the recorded forwards of one chunk (:meth:`RoutingRecorder.stop`): the prefill (``[rows * width, ...]``,
+    prompts left-padded to ``width``), then one decode forward per step, whose input is the
+    previous step's token. The last generated token is never an input: it has no routing
+    (:func:`nrl_core.moe.routing_array` fills it as not recorded)."""
+    rows = len(prompts)
+    prefill = steps[0].view(rows, -1, *steps[0].shape[1:])
+    width = prefill.shape[1]
+    decode = torch.stack(list(steps[1:]), dim=1) if len(steps) > 1 else None
+    out = []
+    for i, (prompt, ids) in enumerate(zip(prompts, generated, strict=True)):
+        parts = [prefill[i, width - len(prompt) :]]
+        if decode is not None and len(ids) > 1:
+            parts.append(decode[i, : len(ids) - 1])
+        out.append(torch.cat(parts).cpu())
+    return out
 
 
 def preallocated_cache(config, capacity: int):

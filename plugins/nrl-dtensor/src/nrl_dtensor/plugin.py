@@ -15,6 +15,8 @@ def nrl_register_policies(register):
         value_head=True,
         # Takes packed micro batches (nrl_core.packing; see nrl_dtensor.packing).
         sequence_packing=True,
+        # Replays the engine's expert choices of a MoE model (policy.moe.router_replay).
+        router_replay=True,
         description="FSDP2/DTensor training of Hugging Face causal LMs (CPU with gloo, GPU with NCCL)",
     )
 
@@ -28,5 +30,7 @@ def nrl_register_generations(register):
         # Inside the policy workers from the policy's own weights, unless colocated=false asks
         # for separate engines (the registered class).
         colocated=True,
+        # Returns each token's expert choices of a MoE model (policy.moe.record_routing).
+        records_routing=True,
         description="KV-cache generation inside the policy workers, or on separate refitted engines",
     )

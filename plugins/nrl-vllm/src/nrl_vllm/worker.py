@@ -34,6 +34,9 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 class VllmGenerationWorker:
     """A vLLM engine (``tensor_parallel_size`` GPUs) behind nrl's generation interface."""
 
+    records_routing = False
+    """Whether the engine captures each token's experts (``policy.moe``; set at start)."""
+
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
         self.context = context
@@ -75,6 +78,7 @@ class VllmGenerationWorker:
             on_cpu=self.on_cpu,
         )
         self.rank = context.rank
+        self.records_routing = _records_routing(config, kwargs)
         self._loop: asyncio.AbstractEventLoop | None = None
         if self.options.async_engine:
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -98,6 +102,8 @@ class VllmGenerationWorker:
         self.engine_died: str | None = None
         self._died = threading.Event()
         self._watch_engine_core()
+        if self.records_routing:
+            self._rpc("nrl_start_routing_capture")
         if self.options.colocated and (not self.on_cpu or self.emulating):
             self.sleep()  # the policy owns the GPU until the first refit
 
@@ -214,7 +220,33 @@ class VllmGenerationWorker:
                 outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
         except Exception as exc:
             self._reraise(exc)
-        return to_generation_output(outputs)
+        result = to_generation_output(outputs)
+        if self.records_routing:
+            result = self._with_routing(outputs, result)
+        return result
+
+    def _with_routing(self, outputs: Sequence[Any], result: GenerationOutput) -> GenerationOutput:
+        """``result`` with each request's routing (:class:`nrl_vllm.extension.NrlRoutingCapture`;
+        the tensor-parallel workers route alike: the first one's)."""
+        import attrs
+
+        captured = self._rpc("nrl_take_routing")[0]
+        # vLLM's internal request id is the caller's plus "-" and 8 random characters
+        # (vllm/v1/engine/input_processor.py, assign_request_id).
+        from nrl_vllm.extension import routing_from_wire
+
+        by_request = {rid.rsplit("-", 1)[0]: routing_from_wire(v) for rid, v in captured.items()}
+        routed = []
+        for out, prompt_ids, ids in zip(outputs, _prompts(outputs), result.token_ids, strict=True):
+            rows = by_request.get(out.request_id)
+            if rows is None or len(rows) > len(prompt_ids) + len(ids):
+                raise RuntimeError(
+                    f"vLLM request {out.request_id}: the routing capture holds "
+                    f"{None if rows is None else len(rows)} tokens for "
+                    f"{len(prompt_ids)} + {len(ids)} (a preempted and recomputed request?)"
+                )
+            routed.append(rows)
+        return attrs.evolve(result, routed_experts=routed)
 
     async def _generate_async(self, inputs: list, sampling: list) -> list:
         async def one(prompt: dict, sp: Any) -> Any:
@@ -338,6 +370,22 @@ class VllmGenerationWorker:
             engine.llm_engine.engine_core.shutdown()
         if self._loop is not None:
             self._loop.close()
+
+
+def _records_routing(config: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the run records routing (``policy.moe``); if so, switches ``kwargs`` to the
+    worker extension that captures it, without prefix caching (a cached prompt token is never
+    run, so it would have no routing)."""
+    moe = getattr(getattr(config, "policy", None), "moe", None)
+    if moe is None or not moe.records_routing:
+        return False
+    kwargs["worker_extension_cls"] = "nrl_vllm.extension.NrlRoutingWorker"
+    kwargs["enable_prefix_caching"] = False
+    return True
+
+
+def _prompts(outputs: Sequence[Any]) -> list[list[int]]:
+    return [list(out.prompt_token_ids or []) for out in outputs]
 
 
 def _exit_code(proc) -> int | None:
