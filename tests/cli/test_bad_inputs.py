@@ -544,6 +544,9 @@ CASES = [
     ("critic_batch_uneven", run("ppo", "critic.num_workers=3"), "critic.train_global_batch_size=256 does not split evenly over the 3 data-parallel ranks", {}),
     ("ppo_group_baseline_switch", run("ppo", "ppo.use_leave_one_out_baseline=false"), "ppo: use_leave_one_out_baseline=False shapes GRPO's group baseline, and PPO's baseline is the critic", {}),
     ("critic_lr_negative", run("ppo", "critic.optimizer.lr=-1"), "critic.optimizer.lr must be > 0, got -1", {}),
+    # issue 52, h-lora
+    ("lora_refit_unknown", run("grpo", "generation.lora_refit=deltas"), "generation.lora_refit must be one of auto, adapters, merged, got 'deltas'", {}),
+    ("lora_refit_adapters_sglang", run("grpo", SGLANG, "policy.dtensor.lora_rank=8", "generation.lora_refit=adapters"), "generation.lora_refit=adapters: the sglang engine cannot take adapter-only LoRA refits; set generation.lora_refit=merged (or auto)", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [
