@@ -356,8 +356,10 @@ def start_generation_engines(
     actor holds them all and starts its tensor-parallel workers itself, as processes on that
     node (the plugin picks an executor that does so, e.g. vLLM's ``mp``).
     """
+    import attrs
+
     from nrl_core.interfaces import ComponentContext
-    from nrl_core.weight_sync.adapters import lora_refit_mode
+    from nrl_core.weight_sync.adapters import ADAPTERS, lora_refit_mode, policy_lora_rank
 
     generation = config.generation
     options = generation.options_for()
@@ -386,10 +388,15 @@ def start_generation_engines(
         on_gpu=on_gpu,
         section=f"generation.{generation.backend}",
     )
+    lora_refit = lora_refit_mode(config)
+    context = context or ComponentContext(config=config, seed=config.seed)
+    if lora_refit == ADAPTERS:
+        # The engines' copy of the config lacks the policy's options: hand them the rank.
+        context = attrs.evolve(context, lora_adapter_rank=policy_lora_rank(config))
     group = WorkerGroup.start(
         spec.target,
         engines,
-        args=(options, context or ComponentContext(config=config, seed=config.seed)),
+        args=(options, context),
         name=f"generation-{generation.backend}",
         python=python,
         num_cpus_per_worker=cpus,
@@ -405,7 +412,7 @@ def start_generation_engines(
         colocated=engines_sleep(generation, on_gpu=on_gpu),
         nccl_per_tensor=generation.backend == "sglang",
         layout=getattr(options, "weight_layout", CHECKPOINT),
-        lora_refit=lora_refit_mode(config),
+        lora_refit=lora_refit,
     )
     engines_obj.tp_size = tp
     return engines_obj

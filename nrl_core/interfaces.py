@@ -35,6 +35,11 @@ class ComponentContext:
     """Number of workers in the group."""
     seed: int = 0
     """The run's seed; components derive their own streams from it."""
+    lora_adapter_rank: int = 0
+    """For generation engines: the policy's LoRA rank (>= 1) when the run refits them with
+    adapters only (``generation.lora_refit``, :mod:`nrl_core.weight_sync.adapters`), else 0.
+    Set by the core, which reads the policy's options; an engine's venv cannot (its copy of
+    ``config`` keeps only the options it can import)."""
 
 
 # ---------------------------------------------------------------------------------------------

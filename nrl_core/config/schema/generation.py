@@ -146,6 +146,10 @@ class EngineOptions:
     :mod:`nrl_core.weight_sync.adapters`). ``generation.lora_refit=adapters`` is refused for an
     engine that does not, and ``auto`` falls back to ``merged`` there."""
 
+    lora_adapter_extras: ClassVar[tuple[str, ...]] = ()
+    """Extras of the engine plugin that its actor venv needs to apply adapters (the torch
+    engine's ``lora``, for peft); added only when the run refits adapters."""
+
     weight_layout: ClassVar[str] = "checkpoint"
     """The weight layout the engine loads at refit (not a config field: a fact about the
     engine): ``"checkpoint"``, the tensors and names of a published Hugging Face folder (each
