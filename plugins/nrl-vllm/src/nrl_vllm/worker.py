@@ -34,6 +34,11 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 class VllmGenerationWorker:
     """A vLLM engine (``tensor_parallel_size`` GPUs) behind nrl's generation interface."""
 
+    # Adapter-only LoRA refits (load_lora_adapter): the adapter every request carries, and the
+    # private folder its files are written to. Class defaults: none until the first adapter.
+    _lora_request: Any = None
+    _lora_dir: str | None = None
+
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
         self.context = context
@@ -75,8 +80,6 @@ class VllmGenerationWorker:
             on_cpu=self.on_cpu,
             lora_rank=getattr(context, "lora_adapter_rank", 0),
         )
-        self._lora_request: Any = None  # the adapter requests carry (adapter-only refits)
-        self._lora_dir: str | None = None
         self.rank = context.rank
         self._loop: asyncio.AbstractEventLoop | None = None
         if self.options.async_engine:
@@ -212,9 +215,7 @@ class VllmGenerationWorker:
             raise self._dead_error()
         try:
             if self._loop is None:
-                outputs = self.engine.generate(
-                    inputs, sampling, use_tqdm=False, lora_request=self._lora_request
-                )
+                outputs = self.engine.generate(inputs, sampling, use_tqdm=False, **self._lora())
             else:
                 outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
         except Exception as exc:
@@ -225,7 +226,7 @@ class VllmGenerationWorker:
         async def one(prompt: dict, sp: Any) -> Any:
             final = None
             async for out in self.engine.generate(
-                prompt, sp, request_id=uuid.uuid4().hex, lora_request=self._lora_request
+                prompt, sp, request_id=uuid.uuid4().hex, **self._lora()
             ):
                 final = out
             return final
@@ -354,6 +355,10 @@ class VllmGenerationWorker:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return nbytes
 
+    def _lora(self) -> dict[str, Any]:
+        """The ``lora_request`` keyword of a generate call: the current adapter, if any."""
+        return {} if self._lora_request is None else {"lora_request": self._lora_request}
+
     def _lora_call(self, method: str, *args: Any) -> Any:
         """``add_lora``/``remove_lora``: AsyncLLM's own, ``vllm.LLM``'s engine's (0.32's
         ``LLM`` has none)."""
@@ -389,7 +394,7 @@ class VllmGenerationWorker:
             engine.llm_engine.engine_core.shutdown()
         if self._loop is not None:
             self._loop.close()
-        if getattr(self, "_lora_dir", None):
+        if self._lora_dir:
             import shutil
 
             shutil.rmtree(self._lora_dir, ignore_errors=True)
