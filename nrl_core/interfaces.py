@@ -281,6 +281,21 @@ class WeightSync(Protocol):
         ...
 
 
+class LoraAdapterSync(Protocol):
+    """Takes adapter-only LoRA refits (``generation.lora_refit=adapters``): an engine whose
+    options class sets ``accepts_lora_adapters`` implements this besides :class:`WeightSync`
+    (which still loads the base weights when the engine lacks them). See
+    :mod:`nrl_core.weight_sync.adapters`."""
+
+    def load_lora_adapter(self, adapter: Any, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Serve the adapter in one bucket (PEFT's saved names, ``base_model.model.<module>.
+        lora_A.weight``...) with its settings ``adapter`` (a
+        :class:`~nrl_core.weight_sync.adapters.LoraAdapter`: rank, alpha, target modules,
+        version) on the base weights the engine holds, in place of the previous adapter, for
+        every later request; return the bytes received."""
+        ...
+
+
 # ---------------------------------------------------------------------------------------------
 # Environment
 
