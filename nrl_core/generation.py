@@ -113,6 +113,9 @@ class GenerationEngines:
         name_map: policy-to-engine parameter names (None: identical, as for dtensor + HF).
         nccl_per_tensor: see :class:`~nrl_core.weight_sync.WeightSender`.
         layout: the weight layout the engines load (their options' ``weight_layout``).
+        lora_refit: for a LoRA policy, ``"adapters"`` (each refit sends only the adapter
+            tensors: :meth:`refit`) or ``"merged"``; None without LoRA (see
+            :func:`nrl_core.weight_sync.adapters.lora_refit_mode`).
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class GenerationEngines:
         name_map: NameMap | None = None,
         nccl_per_tensor: bool = False,
         layout: str = CHECKPOINT,
+        lora_refit: str | None = None,
     ) -> None:
         self.group = group
         self.transport = transport
@@ -135,6 +139,9 @@ class GenerationEngines:
         self.name_map = name_map
         self.nccl_per_tensor = nccl_per_tensor
         self.layout = layout
+        self.lora_refit = lora_refit
+        self.adapter_version = 0
+        """The version of the last adapter sent (adapter refits: one more each refit)."""
         self.last_refit: RefitStats | None = None
         self._nccl_ready = False
         self.tp_size = 1
@@ -188,6 +195,8 @@ class GenerationEngines:
 
     def sender(self) -> WeightSender:
         """The :class:`WeightSender` that the policy ranks run to reach these engines."""
+        from nrl_core.weight_sync.adapters import ADAPTERS
+
         return WeightSender(
             receivers=list(self.group.actors),
             transport=self.transport,
@@ -197,6 +206,8 @@ class GenerationEngines:
             timeout_s=self.group.timeout_s,
             ipc_ranks=self.ipc_ranks(),
             layout=self.layout,
+            # Engines that take adapters load the base weights without them.
+            lora_weights="base" if self.lora_refit == ADAPTERS else "merged",
         )
 
     def ipc_ranks(self) -> frozenset[int] | None:
@@ -214,6 +225,11 @@ class GenerationEngines:
 
         :attr:`last_refit` holds the full :class:`RefitStats`;
         ``last_refit.as_metrics()`` gives ``timing/refit_s`` and ``refit/bytes``.
+
+        With ``lora_refit="adapters"`` the policy ranks' ``push_adapters(sender, version)``
+        sends only the adapter tensors, onto the base weights the engines loaded; engines that
+        do not hold them (colocated ones before their first refit, or after a sleep that
+        dropped them) get the base weights first, and :attr:`last_refit` then counts both.
         """
         with self._lock:
             return self._refit(policy)
@@ -229,9 +245,10 @@ class GenerationEngines:
                 policy.onload()  # (which puts the engines to sleep first)
             policy.offload(["optimizer"])
             self.awake = True  # each engine wakes its weights for the refit
+        had_weights = self.holds_weights
         self.holds_weights = False  # until every bucket arrived
         try:
-            results = policy.group.run_all("push_weights", self.sender(), self.bucket_bytes)
+            stats = self._push(policy, had_weights)
         except WorkerError as exc:
             # A dead engine shows up in the policy rank as a bare ActorDiedError: name the
             # engine, its pid and why it died instead.
@@ -239,14 +256,37 @@ class GenerationEngines:
             if dead is not None:
                 raise dead from exc
             raise
-        stats = next((r for r in results if r is not None), None)
-        if stats is None:
-            raise RuntimeError("no policy rank reported refit statistics")
         self.holds_weights = True
         if self.colocated:
             policy.offload(["weights"])
         self.last_refit = stats
         return stats.seconds
+
+    def _push(self, policy: Any, had_weights: bool) -> RefitStats:
+        from nrl_core.weight_sync.adapters import ADAPTERS
+
+        def lead(results: list) -> RefitStats:
+            stats = next((r for r in results if r is not None), None)
+            if stats is None:
+                raise RuntimeError("no policy rank reported refit statistics")
+            return stats
+
+        sender = self.sender()
+        if self.lora_refit != ADAPTERS:
+            return lead(policy.group.run_all("push_weights", sender, self.bucket_bytes))
+        base = None
+        if not had_weights:
+            base = lead(policy.group.run_all("push_weights", sender, self.bucket_bytes))
+        self.adapter_version += 1
+        stats = lead(policy.group.run_all("push_adapters", sender, self.adapter_version))
+        if base is None:
+            return stats
+        return RefitStats(
+            base.seconds + stats.seconds,
+            base.bytes + stats.bytes,
+            base.buckets + stats.buckets,
+            base.tensors + stats.tensors,
+        )
 
     def release(self) -> None:
         """Put colocated engines to sleep, if awake: the policy is about to use its GPU
@@ -311,7 +351,10 @@ def start_generation_engines(
     actor holds them all and starts its tensor-parallel workers itself, as processes on that
     node (the plugin picks an executor that does so, e.g. vLLM's ``mp``).
     """
+    import attrs
+
     from nrl_core.interfaces import ComponentContext
+    from nrl_core.weight_sync.adapters import ADAPTERS, lora_refit_mode, policy_lora_rank
 
     generation = config.generation
     options = generation.options_for()
@@ -340,10 +383,15 @@ def start_generation_engines(
         on_gpu=on_gpu,
         section=f"generation.{generation.backend}",
     )
+    lora_refit = lora_refit_mode(config)
+    context = context or ComponentContext(config=config, seed=config.seed)
+    if lora_refit == ADAPTERS:
+        # The engines' copy of the config lacks the policy's options: hand them the rank.
+        context = attrs.evolve(context, lora_adapter_rank=policy_lora_rank(config))
     group = WorkerGroup.start(
         spec.target,
         engines,
-        args=(options, context or ComponentContext(config=config, seed=config.seed)),
+        args=(options, context),
         name=f"generation-{generation.backend}",
         python=python,
         num_cpus_per_worker=cpus,
@@ -359,6 +407,7 @@ def start_generation_engines(
         colocated=engines_sleep(generation, on_gpu=on_gpu),
         nccl_per_tensor=generation.backend == "sglang",
         layout=getattr(options, "weight_layout", CHECKPOINT),
+        lora_refit=lora_refit,
     )
     engines_obj.tp_size = tp
     return engines_obj

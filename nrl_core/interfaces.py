@@ -35,6 +35,11 @@ class ComponentContext:
     """Number of workers in the group."""
     seed: int = 0
     """The run's seed; components derive their own streams from it."""
+    lora_adapter_rank: int = 0
+    """For generation engines: the policy's LoRA rank (>= 1) when the run refits them with
+    adapters only (``generation.lora_refit``, :mod:`nrl_core.weight_sync.adapters`), else 0.
+    Set by the core, which reads the policy's options; an engine's venv cannot (its copy of
+    ``config`` keeps only the options it can import)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +309,21 @@ class WeightSync(Protocol):
 
     def finish_weight_update(self) -> None:
         """Finish: post-process the loaded weights and drop caches built from the old ones."""
+        ...
+
+
+class LoraAdapterSync(Protocol):
+    """Takes adapter-only LoRA refits (``generation.lora_refit=adapters``): an engine whose
+    options class sets ``accepts_lora_adapters`` implements this besides :class:`WeightSync`
+    (which still loads the base weights when the engine lacks them). See
+    :mod:`nrl_core.weight_sync.adapters`."""
+
+    def load_lora_adapter(self, adapter: Any, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Serve the adapter in one bucket (PEFT's saved names, ``base_model.model.<module>.
+        lora_A.weight``...) with its settings ``adapter`` (a
+        :class:`~nrl_core.weight_sync.adapters.LoraAdapter`: rank, alpha, target modules,
+        version) on the base weights the engine holds, in place of the previous adapter, for
+        every later request; return the bytes received."""
         ...
 
 

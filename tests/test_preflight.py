@@ -155,6 +155,28 @@ def test_lora_puts_peft_into_the_policy_venv(registry, tmp_path, monkeypatch):
         )  # fmt: skip
 
 
+def test_adapter_refits_put_peft_into_the_torch_engines_venv(registry, tmp_path):
+    """Issue 52: separate torch engines refitted with LoRA adapters apply them through peft,
+    so their venv gets nrl-dtensor's `lora` extra; vLLM's does not need it (its own LoRA
+    support), and neither do merged refits, nor runs without LoRA. `auto` picks adapters
+    for torch and vLLM, merged for SGLang."""
+    from nrl_core.distributed.actor_env import _lora_adapter_extras
+    from nrl_core.weight_sync.adapters import lora_refit_mode
+
+    separate = "generation.torch.colocated=false"
+    cases = [
+        ([separate, "policy.dtensor.lora_rank=8"], "adapters", ("lora",)),
+        ([separate, "policy.dtensor.lora_rank=8", "generation.lora_refit=merged"], "merged", ()),
+        ([separate], None, ()),
+        (["generation.backend=vllm", "policy.dtensor.lora_rank=8"], "adapters", ()),
+        (["generation.backend=sglang", "policy.dtensor.lora_rank=8"], "merged", ()),
+    ]
+    for overrides, mode, extras in cases:
+        config = config_of("grpo", overrides, registry, tmp_path)
+        assert lora_refit_mode(config) == mode, overrides
+        assert _lora_adapter_extras(config, config.generation.options_for()) == extras, overrides
+
+
 @attrs.define
 class NeedsModule:
     """Options of a test environment that needs a module nobody has, through extra `fancy`."""

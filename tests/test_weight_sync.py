@@ -360,3 +360,59 @@ def test_an_unknown_weight_layout_is_a_weight_sync_error(tiny_moe):
         WeightSender(receivers=[], layout="disk")
     with pytest.raises(WeightSyncError, match="unknown weight layout 'disk'"):
         list(in_layout(iter([]), "disk", tiny_moe[0]))
+
+
+# -- adapter-only LoRA refits (issue 52) ----------------------------------------------------------
+
+
+def test_an_adapter_travels_inline_and_its_peft_folder_is_what_peft_loads(
+    tiny_model_path, tmp_path
+):
+    """What an adapter refit carries (the inline bucket) gives back the adapter bit for bit,
+    and the PEFT folder the core writes from it (safetensors, adapter_config.json) is one peft
+    itself loads: the loaded model's logits equal the trainer's peft model's. An adapter with
+    trained (non-zero) B is used, so a folder that loaded nothing would differ."""
+    pytest.importorskip("peft", reason="peft is the `lora` extra of nrl-dtensor (a dev dependency)")
+    import pickle
+
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.weight_sync.adapters import (
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        LoraAdapter,
+        inline_bucket,
+        write_peft_folder,
+    )
+    from nrl_core.weight_sync.packing import receive_into
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+    targets = ("k_proj", "q_proj", "v_proj")
+    trainer = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    tensors = get_peft_model_state_dict(trainer)
+    adapter = LoraAdapter(rank=4, alpha=8.0, target_modules=targets, version=3)
+    assert adapter.name == "nrl-lora-v3"
+
+    meta, handle = inline_bucket(tensors)
+    handle = pickle.loads(pickle.dumps(handle))  # as Ray carries it
+    received = {}
+    receive_into(meta, handle, lambda named: received.update((n, t.clone()) for n, t in named))
+    assert received.keys() == tensors.keys()
+    assert all(torch.equal(received[k], tensors[k]) for k in tensors)
+
+    folder = write_peft_folder(tmp_path / adapter.name, received, adapter)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+    loaded = PeftModel.from_pretrained(base(), str(folder)).eval()
+    ids = torch.tensor([[1, 5, 20, 21, 22, 30, 31]])
+    with torch.no_grad():
+        expected, got, plain = trainer(ids).logits, loaded(ids).logits, base()(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert (expected - plain).abs().max() > 1e-3  # the adapter changes the logits

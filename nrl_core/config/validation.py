@@ -25,6 +25,7 @@ def validate_run_config(config: Any) -> None:
     _check_reward_kl(config)
     _check_async(config)
     _check_colocated_nccl(config)
+    _check_lora_refit(config)
 
 
 def nccl_colocated_message(section: str) -> str:
@@ -50,6 +51,21 @@ def _check_colocated_nccl(config: Any) -> None:
         return
     if cluster.gpus_per_node or getattr(cluster, "gpu_memory_gib", None):
         raise ConfigError(nccl_colocated_message(f"generation.{generation.backend}"))
+
+
+def _check_lora_refit(config: Any) -> None:
+    # Asked-for adapter refits an engine cannot apply would fail at the first refit, after
+    # the models loaded; `auto` falls back to merged there instead.
+    from nrl_core.weight_sync.adapters import ADAPTERS, engine_accepts_adapters, policy_lora_rank
+
+    generation = getattr(config, "generation", None)
+    if generation is None or getattr(generation, "lora_refit", "auto") != ADAPTERS:
+        return
+    if policy_lora_rank(config) > 0 and not engine_accepts_adapters(generation):
+        raise ConfigError(
+            f"generation.lora_refit=adapters: the {generation.backend} engine cannot take "
+            "adapter-only LoRA refits; set generation.lora_refit=merged (or auto)"
+        )
 
 
 def _check_async(config: Any) -> None:

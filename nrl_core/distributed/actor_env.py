@@ -568,6 +568,17 @@ def component_extras(spec: Any, options: Any = None) -> tuple[str, ...]:
     return tuple(sorted(extras))
 
 
+def _lora_adapter_extras(config: Any, options: Any) -> tuple[str, ...]:
+    """The extras an engine's venv needs to apply adapter-only LoRA refits (its options
+    class's ``lora_adapter_extras``, e.g. the torch engine's ``lora`` for peft), when the run
+    refits adapters (:func:`nrl_core.weight_sync.adapters.lora_refit_mode`)."""
+    from nrl_core.weight_sync.adapters import ADAPTERS, lora_refit_mode
+
+    if config is None or options is None or lora_refit_mode(config) != ADAPTERS:
+        return ()
+    return tuple(getattr(type(options), "lora_adapter_extras", ()))
+
+
 def actor_python(
     spec: Any,
     config: Any = None,
@@ -605,7 +616,10 @@ def actor_python(
             )
         return str(path)
     options = section.options_for() if hasattr(section, "options_for") else None
-    request = component_request(spec, component_extras(spec, options), on_gpu=on_gpu)
+    extras = component_extras(spec, options)
+    if spec.kind == "generation":
+        extras = tuple(sorted({*extras, *_lora_adapter_extras(config, options)}))
+    request = component_request(spec, extras, on_gpu=on_gpu)
     root = (
         Path(venv_root)
         if venv_root

@@ -310,6 +310,21 @@ def resolve_model_name(name: str) -> str:
     return str(tiny_model_path(**NAMED_SIZES[name])) if name in NAMED_SIZES else name
 
 
+def lora_adapter_bytes(rank: int, name: str = "tiny", dtype_bytes: int = 4) -> int:
+    """Bytes of rank-``rank`` LoRA adapters on the seven projections of every layer of the
+    named tiny model (``A``: rank x in, ``B``: out x rank): what an adapter-only refit of
+    nrl-dtensor's default ``lora_target_modules`` moves, in float32 by default."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_name(name))
+    h, i = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # (in, out)
+    per_layer = sum(rank * (n_in + n_out) for n_in, n_out in shapes)
+    return dtype_bytes * per_layer * config.num_hidden_layers
+
+
 def tiny_llama_over(tokenizer: Any, path: str | os.PathLike, *, seed: int = 0) -> Path:
     """Save an untrained 2-layer Llama (hidden size 64) sized to ``tokenizer``'s vocabulary,
     with that tokenizer, into ``path``; return the folder. For tests whose tokenizer is their

@@ -26,6 +26,8 @@ from nrl_core.weight_sync.shm import send_shm
 if TYPE_CHECKING:
     import torch
 
+    from nrl_core.weight_sync.adapters import LoraAdapter
+
 
 @attrs.define
 class WeightSender:
@@ -54,6 +56,10 @@ class WeightSender:
         layout: the weight layout the engines load (:data:`~nrl_core.weight_sync.CHECKPOINT`
             or :data:`~nrl_core.weight_sync.IN_MEMORY`); the policy ranks yield their
             buckets in it (``state_dict_buckets(bucket_bytes, layout=sender.layout)``).
+        lora_weights: what a LoRA policy's ``push_weights`` streams: ``"merged"`` (the
+            adapters merged into the base weights) or ``"base"`` (the base weights alone, for
+            engines that then take the adapters on their own: :meth:`send_adapter`). Plain
+            names either way; ignored by a policy without LoRA.
     """
 
     receivers: list[Any]
@@ -65,11 +71,16 @@ class WeightSender:
     timeout_s: float = 600.0
     ipc_ranks: frozenset[int] | None = None
     layout: str = CHECKPOINT
+    lora_weights: str = "merged"
 
     def __attrs_post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise WeightSyncError(
                 f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}"
+            )
+        if self.lora_weights not in ("merged", "base"):
+            raise WeightSyncError(
+                f"unknown lora_weights {self.lora_weights!r}; use 'merged' or 'base'"
             )
         if self.layout not in WEIGHT_LAYOUTS:
             raise WeightSyncError(
@@ -143,3 +154,22 @@ class WeightSender:
             return None
         self._call_all("finish_weight_update")
         return RefitStats(time.perf_counter() - started, total, count, tensors)
+
+    def send_adapter(self, tensors: dict[str, torch.Tensor], adapter: LoraAdapter) -> RefitStats:
+        """Deliver one LoRA adapter (PEFT-named ``tensors`` and its ``adapter`` settings) to
+        every engine's ``load_lora_adapter(adapter, meta, handle)``, in one bucket that travels
+        with the call (:mod:`nrl_core.weight_sync.adapters`); call on policy rank 0 only.
+        Returns the :class:`RefitStats` (the bytes are the adapter's)."""
+        from nrl_core.weight_sync.adapters import inline_bucket
+
+        started = time.perf_counter()
+        # PEFT names, not the policy's parameter names: the name map does not apply.
+        bucket = tensors
+        if self.dtype is not None:
+            target = _dtype(self.dtype)
+            bucket = {k: v.to(target) if v.is_floating_point() else v for k, v in bucket.items()}
+        if not bucket:
+            raise WeightSyncError("an adapter refit has no adapter tensors to send")
+        meta, handle = inline_bucket(bucket)
+        self._call_all("load_lora_adapter", adapter, meta, handle)
+        return RefitStats(time.perf_counter() - started, meta.payload_bytes, 1, len(bucket))

@@ -502,3 +502,26 @@ def test_concurrent_runs_keep_their_own_checkpoints_and_a_live_folder_is_refused
         assert (
             tmp_path / name / "run" / "checkpoints" / "step_2" / "policy" / ".metadata"
         ).is_file()
+
+
+def test_lora_refits_separate_torch_engines_with_the_adapters_only(tmp_path):
+    """Issue 52 item 1: a 3-step `nrl run grpo` with a LoRA policy (rank 4) and a separate
+    torch engine refits adapters only (generation.lora_refit's `auto`): every step moves
+    exactly the adapter's float32 bytes, and the engine's logprobs, with the new adapter,
+    equal the trainer's (`gen_logprob_error_max` within exp(1e-4), as for vLLM's CPU engine)."""
+    import math
+
+    from nrl_core.testing.tiny import lora_adapter_bytes
+
+    run_nrl(
+        tmp_path,
+        "grpo.max_num_steps=3",
+        "checkpointing.enabled=false",
+        "policy.dtensor.lora_rank=4",
+        "generation.torch.colocated=false",
+    )
+    steps = [r for r in metrics(tmp_path) if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for row in steps:
+        assert row["refit/bytes"] == lora_adapter_bytes(rank=4), row
+        assert row["train/gen_logprob_error_max"] < math.exp(1e-4), row

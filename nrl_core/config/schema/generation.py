@@ -19,6 +19,9 @@ from nrl_core.config.schema.fields import (
 )
 from nrl_core.registry import ComponentKind
 
+LORA_REFITS = ("auto", "adapters", "merged")
+"""``generation.lora_refit`` values (see :func:`nrl_core.weight_sync.adapters.lora_refit_mode`)."""
+
 
 @attrs.define
 class GenerationConfig(ComponentSection):
@@ -43,6 +46,17 @@ class GenerationConfig(ComponentSection):
     )
     stop_token_ids: list[int] = option(
         [], "Token ids that end a turn (EOS is always one).", validator=each(ge(0))
+    )
+    lora_refit: str = option(
+        "auto",
+        (
+            "How a LoRA policy (policy.dtensor.lora_rank > 0) refits separate engines: "
+            "`adapters` (the engines keep the base weights they loaded and receive only the "
+            "adapter tensors at each refit), `merged` (the adapters merged into the base "
+            "weights, the whole model streamed), or `auto` (`adapters` where the engine takes "
+            "them: torch and vLLM; `merged` otherwise). Ignored without LoRA."
+        ),
+        validator=one_of(*LORA_REFITS),
     )
 
 
@@ -125,6 +139,16 @@ class EngineOptions:
     A plugin may redeclare a field to change its default or words; it then keeps the same
     meaning and valid range.
     """
+
+    accepts_lora_adapters: ClassVar[bool] = False
+    """Whether the engine takes adapter-only LoRA refits (not a config field: a fact about the
+    engine): its worker implements ``load_lora_adapter`` (see
+    :mod:`nrl_core.weight_sync.adapters`). ``generation.lora_refit=adapters`` is refused for an
+    engine that does not, and ``auto`` falls back to ``merged`` there."""
+
+    lora_adapter_extras: ClassVar[tuple[str, ...]] = ()
+    """Extras of the engine plugin that its actor venv needs to apply adapters (the torch
+    engine's ``lora``, for peft); added only when the run refits adapters."""
 
     weight_layout: ClassVar[str] = "checkpoint"
     """The weight layout the engine loads at refit (not a config field: a fact about the

@@ -155,3 +155,58 @@ def test_the_engine_keeps_the_memory_contract(tiny_path, monkeypatch):
     assert engine.generate(PROMPTS, greedy).token_ids == before.token_ids
     with pytest.raises(MemoryContractError, match="are awake"):
         engine.wake_up()  # generate woke the KV cache: nothing sleeps
+
+
+# -- LoRA refits (issue 52 item 1) ---------------------------------------------------------------
+
+
+def _lora_engines(config, mode: str):
+    config.generation.lora_refit = mode
+    return engines_for(config, num_engines=1)
+
+
+def test_lora_refits_send_only_the_adapters_and_the_engine_follows_the_trainer(
+    tiny_path, start_group
+):
+    """A LoRA policy (rank 4) and two separate engines of the same run, one refitted with
+    adapters only and one with the adapters merged into the whole model: after each of two
+    training steps and refits, both engines' greedy samples and logprobs equal the trainer's
+    (to 1e-5), the adapter refit moves exactly the adapter tensors' bytes, and the merged one
+    the whole model's."""
+    config = make_config(tiny_path, lr=5e-3)
+    options = DTensorConfig(lora_rank=4)
+    config.policy.options["dtensor"] = options
+    group = start_group(WORKER, (options, context(config)))
+    policy = Policy.from_config(group, config.policy)
+    adapters = _lora_engines(config, "adapters")
+    merged = _lora_engines(config, "merged")
+    assert (adapters.lora_refit, merged.lora_refit) == ("adapters", "merged")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    try:
+        adapter = group.run_all("lora_adapter_tensors")[0]
+        adapter_bytes = sum(t.numel() * 4 for t in adapter.values())
+        plain = group.run_all("bucket_list", 1 << 30)[0]
+        model_bytes = sum(t.numel() * 4 for b in plain for t in b.values())
+        assert any(".lora_A." in n for n in adapter) and 0 < adapter_bytes < model_bytes / 10
+        assert not any("lora" in n or "base_layer" in n for b in plain for n in b)
+        before = adapters.generate(PROMPTS, greedy)
+        for step in (1, 2):
+            policy.train(make_batch(8, seed=step), TokenMeanNLL())
+            for engines, expected in ((adapters, adapter_bytes), (merged, model_bytes)):
+                engines.refit(policy)
+                assert engines.last_refit.bytes == expected, (step, engines.lora_refit)
+                out = engines.generate(PROMPTS, greedy)
+                trainer = policy.generate(PROMPTS, greedy)
+                assert out.token_ids == trainer.token_ids, (step, engines.lora_refit)
+                for a, b in zip(out.logprobs, trainer.logprobs, strict=True):
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+        # The adapters moved the engine off the base model (else the test proves nothing).
+        after = adapters.generate(PROMPTS, greedy)
+        assert after.token_ids != before.token_ids or any(
+            not torch.allclose(torch.tensor(a), torch.tensor(b))
+            for a, b in zip(after.logprobs, before.logprobs, strict=True)
+        )
+        print(f"refit/bytes adapters={adapter_bytes} merged={model_bytes}")
+    finally:
+        adapters.shutdown()
+        merged.shutdown()

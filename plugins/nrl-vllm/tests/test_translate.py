@@ -324,3 +324,16 @@ def test_to_generation_output_rejects_aborted_and_missing_logprobs():
 )
 def test_gpu_memory_utilization_default_depends_on_colocation(options, expected):
     assert engine_kwargs(VllmConfig(**options), "m", seed=0)["gpu_memory_utilization"] == expected
+
+
+def test_adapter_refits_start_vllm_with_lora_sized_for_the_policys_rank():
+    """Issue 52: with adapter-only refits the engine starts with `enable_lora` and the smallest
+    `max_lora_rank` vLLM accepts that holds the policy's rank; without them, no LoRA at all;
+    a rank above vLLM's largest is one line naming the way out."""
+    plain = engine_kwargs(VllmConfig(colocated=False), "m", seed=0)
+    assert "enable_lora" not in plain and "max_lora_rank" not in plain
+    for rank, max_rank in ((1, 1), (4, 8), (8, 8), (9, 16), (320, 320), (321, 512)):
+        kw = engine_kwargs(VllmConfig(colocated=False), "m", seed=0, lora_rank=rank)
+        assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, max_rank, 1)
+    with pytest.raises(ConfigError, match=r"generation\.lora_refit=merged"):
+        engine_kwargs(VllmConfig(colocated=False), "m", seed=0, lora_rank=1024)

@@ -142,6 +142,10 @@ class TorchGenerationConfig:
     # Separate torch engines load the policy's state dict into a transformers model as it is
     # (nrl_core.config.schema.EngineOptions.weight_layout).
     weight_layout: ClassVar[str] = "in_memory"
+    # Separate torch engines apply adapter-only LoRA refits through peft (TorchEngine), which
+    # their venv then gets with the `lora` extra (nrl_core.distributed.actor_env).
+    accepts_lora_adapters: ClassVar[bool] = True
+    lora_adapter_extras: ClassVar[tuple[str, ...]] = ("lora",)
 
     generation_batch_size: int = option(
         64, "Prompts generated together per rank (1 to 65,536).", validator=between(1, 2**16)

@@ -46,6 +46,10 @@ class TorchEngine:
         self._parameters = dict(model.named_parameters(remove_duplicate=False))
         self._buffers = dict(model.named_buffers())
         self._loaded: set[str] = set()
+        self._lora_settings: tuple | None = None
+        self._lora_tensors: dict[str, torch.Tensor] = {}
+        self.adapter_version = 0
+        """The version of the last LoRA adapter applied (0: none)."""
         self.memory = memory_contract.EngineMemory(f"torch engine {context.rank}")
         """Sleep state under the memory contract (see :meth:`sleep`)."""
 
@@ -122,6 +126,73 @@ class TorchEngine:
                 f"(first: {missing[0]}); the policy must send its full state dict"
             )
         self.memory.finish_refit()
+
+    # -- adapter-only LoRA refits (nrl_core.weight_sync.adapters) ---------------------------
+
+    def load_lora_adapter(self, adapter, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Apply a LoRA adapter (PEFT-named tensors in one bucket, ``adapter`` a
+        :class:`~nrl_core.weight_sync.adapters.LoraAdapter`) onto the base weights this engine
+        holds, through peft: the first one injects peft's LoRA layers into the model (in
+        place, so the generator's model runs them), later ones overwrite their tensors."""
+        self._inject_lora(adapter)
+        loaded: set[str] = set()
+
+        def load(named: list) -> None:
+            with torch.no_grad():
+                for name, tensor in named:
+                    # PEFT's saved name -> the injected layer's tensor of adapter "default".
+                    module, _, leaf = name.removeprefix("base_model.model.").rpartition(".lora_")
+                    kind, _, rest = leaf.partition(".")
+                    target = self._lora_tensors.get(f"{module}.lora_{kind}.default.{rest}")
+                    if target is None or tuple(target.shape) != tuple(tensor.shape):
+                        raise WeightSyncError(
+                            f"the policy sent adapter tensor {name!r} "
+                            f"{tuple(tensor.shape)}, which this engine's LoRA layers (rank "
+                            f"{adapter.rank}, targets {list(adapter.target_modules)}) lack"
+                        )
+                    target.copy_(tensor)
+                    loaded.add(name)
+
+        nbytes = receive_into(meta, handle, load)
+        if len(loaded) != len(self._lora_tensors):
+            raise WeightSyncError(
+                f"adapter {adapter.name} sent {len(loaded)} of this engine's "
+                f"{len(self._lora_tensors)} LoRA tensors; the policy must send all of them"
+            )
+        self.adapter_version = adapter.version
+        return nbytes
+
+    def _inject_lora(self, adapter) -> None:
+        """Inject peft's LoRA layers into this engine's model at the first adapter (in place:
+        the generator's model runs them); every later adapter must share its settings (the
+        layers' shapes follow from them)."""
+        settings = (adapter.rank, adapter.alpha, tuple(adapter.target_modules))
+        if self._lora_settings is not None:
+            if self._lora_settings != settings:
+                raise WeightSyncError(
+                    f"adapter {adapter.name} has rank {adapter.rank}, alpha {adapter.alpha}, "
+                    f"targets {list(adapter.target_modules)}; this engine's LoRA layers were "
+                    f"made for (rank, alpha, targets) {self._lora_settings}"
+                )
+            return
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(
+            r=adapter.rank,
+            lora_alpha=adapter.alpha,
+            lora_dropout=0.0,
+            target_modules=list(adapter.target_modules),
+        )
+        inject_adapter_in_model(config, self.model)
+        self.model.eval()
+        self._lora_settings = settings
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        self._lora_tensors = {n: t for n, t in named.items() if ".lora_" in n}
+        # Base-weight refits (after a sleep dropped the weights) keep the plain names: map
+        # them to the wrapped layers' ``base_layer`` tensors, and leave the adapter out.
+        self._parameters = {
+            n.replace(".base_layer.", "."): t for n, t in named.items() if ".lora_" not in n
+        }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's weights (tests compare them with the trainer's bit for bit)."""

@@ -599,12 +599,14 @@ class DTensorPolicyWorker(ModelBuilding):
         return {k: v.detach().cpu() for k, v in merged.state_dict().items()}
 
     def state_dict_buckets(
-        self, bucket_bytes: int, layout: str = IN_MEMORY
+        self, bucket_bytes: int, layout: str = IN_MEMORY, lora_weights: str = "merged"
     ) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full, unsharded state dict (Hugging Face names, on this rank's device) in
         buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own),
         in the weight ``layout`` an engine loads (``in_memory``: transformers' ``state_dict()``;
         ``checkpoint``: the published files' tensors, see :mod:`nrl_core.weight_sync.layout`).
+        Under LoRA the names are the plain model's, and ``lora_weights`` says whether the
+        adapters are merged into the base weights (``merged``) or left out (``base``).
 
         A collective: iterate it to the end on all ranks together; every rank gets every tensor.
         """
@@ -613,11 +615,62 @@ class DTensorPolicyWorker(ModelBuilding):
         def full_tensors():
             with torch.no_grad():
                 for name, tensor in self.model.state_dict().items():
-                    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                    yield name, full.detach()
+                    yield name, _full(tensor).detach()
 
-        named = in_layout(full_tensors(), layout, self._architecture())
+        named = full_tensors()
+        if self.options.lora_rank > 0:
+            named = self._lora_free(named, merge=lora_weights == "merged")
+        named = in_layout(named, layout, self._architecture())
         yield from iter_buckets(named, bucket_bytes)
+
+    def _lora_free(self, named, *, merge: bool):
+        """The peft model's ``(name, tensor)`` stream as the plain model's: PEFT's prefix and
+        ``base_layer`` dropped, the adapter tensors left out, and with ``merge`` each adapted
+        weight plus its update ``B @ A * alpha / r`` (computed from the full adapter tensors,
+        gathered in the same order on every rank)."""
+        layers = {
+            name: module
+            for name, module in self.model.get_base_model().named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer")
+        }
+        for name, tensor in named:
+            if ".lora_" in name:
+                continue
+            name = name.removeprefix("base_model.model.")
+            if ".base_layer." in name:
+                module_name, _, leaf = name.partition(".base_layer.")
+                name = f"{module_name}.{leaf}"
+                layer = layers.get(module_name)
+                if merge and leaf == "weight" and layer is not None:
+                    tensor = tensor + _lora_delta(layer).to(tensor.dtype)
+            yield name, tensor
+
+    def lora_adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter tensors, full and in PEFT's saved names
+        (``base_model.model.<module>.lora_A.weight``). A collective under sharding."""
+        from peft import get_peft_model_state_dict
+
+        with torch.no_grad():
+            full = {
+                name: _full(tensor).detach()
+                for name, tensor in self.model.state_dict().items()
+                if ".lora_" in name
+            }
+        return get_peft_model_state_dict(self.model, state_dict=full)
+
+    def lora_adapter(self, version: int):
+        """This policy's :class:`~nrl_core.weight_sync.adapters.LoraAdapter` at ``version``."""
+        from nrl_core.weight_sync.adapters import LoraAdapter
+
+        peft_config = self.model.peft_config["default"]
+        targets = peft_config.target_modules
+        targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+        return LoraAdapter(
+            rank=int(peft_config.r),
+            alpha=float(peft_config.lora_alpha),
+            target_modules=targets,
+            version=version,
+        )
 
     def push_weights(self, sender, bucket_bytes: int):
         """Send the full state dict to generation engines through ``sender`` (a
@@ -627,8 +680,24 @@ class DTensorPolicyWorker(ModelBuilding):
 
         from nrl_core.weight_sync import push_from_rank
 
-        buckets = self.state_dict_buckets(bucket_bytes, layout=sender.layout)
+        buckets = self.state_dict_buckets(
+            bucket_bytes, layout=sender.layout, lora_weights=sender.lora_weights
+        )
         return push_from_rank(sender, buckets, rank=self.rank)
+
+    def push_adapters(self, sender, version: int):
+        """Send only the LoRA adapter (tensors and settings, at ``version``) to generation
+        engines through ``sender`` (adapter refits, ``generation.lora_refit=adapters``). A
+        collective: call on all ranks. Rank 0 returns the
+        :class:`~nrl_core.weight_sync.RefitStats`, others None."""
+        if self.options.lora_rank <= 0:
+            raise DTensorSetupError(
+                "an adapter refit needs a LoRA policy (policy.dtensor.lora_rank > 0)"
+            )
+        tensors = self.lora_adapter_tensors()
+        if self.rank != 0:
+            return None
+        return sender.send_adapter(tensors, self.lora_adapter(version))
 
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
@@ -672,3 +741,16 @@ class DTensorPolicyWorker(ModelBuilding):
         its shard of prompts (shards may differ in size; tensor-parallel peers need equal ones)."""
         with self._autocast():
             return self._get_generator().generate(prompts, params, stop_strings)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a (possibly) sharded one (a collective for a DTensor)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _lora_delta(layer) -> torch.Tensor:
+    """A peft LoRA linear layer's update ``B @ A * scaling`` of its base weight (adapter
+    ``default``), from the full adapter tensors."""
+    a = _full(layer.lora_A["default"].weight)
+    b = _full(layer.lora_B["default"].weight)
+    return (b @ a) * layer.scaling["default"]

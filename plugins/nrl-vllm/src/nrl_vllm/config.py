@@ -35,6 +35,8 @@ class VllmConfig(EngineOptions):
     # Refit goes through the model's own load_weights, which takes checkpoint names only
     # (``experts.{e}.gate_proj`` via FusedMoE.make_expert_params_mapping).
     weight_layout: ClassVar[str] = "checkpoint"
+    # vLLM serves adapter-only LoRA refits through its LoRA support (VllmGenerationWorker).
+    accepts_lora_adapters: ClassVar[bool] = True
 
     gpu_memory_utilization: float | None = option(
         None,

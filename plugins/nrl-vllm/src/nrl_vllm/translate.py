@@ -130,8 +130,33 @@ def executor_backend(tensor_parallel_size: int) -> str:
     return "mp" if tensor_parallel_size > 1 else "uni"
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm/config/lora.py``, MaxLoRARanks)."""
+
+
+def lora_kwargs(lora_rank: int) -> dict[str, Any]:
+    """vLLM's LoRA settings for adapter-only refits of a rank-``lora_rank`` policy (0: none):
+    the smallest ``max_lora_rank`` vLLM accepts that holds it; one adapter serves (each refit
+    replaces it), and the CPU cache holds two while the new one replaces the old."""
+    if lora_rank <= 0:
+        return {}
+    fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+    if not fitting:
+        raise ConfigError(
+            f"policy LoRA rank {lora_rank} is above vLLM's largest max_lora_rank "
+            f"({VLLM_LORA_RANKS[-1]}); use a smaller rank or generation.lora_refit=merged"
+        )
+    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
 def engine_kwargs(
-    options: Any, model: str, *, seed: int, generation: Any | None = None, on_cpu: bool = False
+    options: Any,
+    model: str,
+    *,
+    seed: int,
+    generation: Any | None = None,
+    on_cpu: bool = False,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for ``generation.vllm``.
 
@@ -147,6 +172,8 @@ def engine_kwargs(
       (``vllm/config/model.py``: "Sleep mode is not supported on current platform");
     * ``kv_cache_memory_bytes`` from ``cpu_kv_cache_mb``: without it the CPU worker reserves
       ``gpu_memory_utilization`` of the host's memory (``vllm/v1/worker/cpu_worker.py``).
+
+    ``lora_rank`` > 0: adapter-only LoRA refits (:func:`lora_kwargs`).
     """
     temperature = getattr(generation, "temperature", 1.0)
     top_p = getattr(generation, "top_p", 1.0)
@@ -180,6 +207,7 @@ def engine_kwargs(
         del kwargs["gpu_memory_utilization"]
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
+    kwargs.update(lora_kwargs(lora_rank))
     return kwargs
 
 

@@ -36,6 +36,10 @@ class VllmGenerationWorker:
 
     records_routing = False
     """Whether the engine captures each token's experts (``policy.moe``; set at start)."""
+    # Adapter-only LoRA refits (load_lora_adapter): the adapter every request carries, and the
+    # private folder its files are written to. Class defaults: none until the first adapter.
+    _lora_request: Any = None
+    _lora_dir: str | None = None
 
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
@@ -76,6 +80,7 @@ class VllmGenerationWorker:
             seed=context.seed + 1000 * context.rank,
             generation=generation,
             on_cpu=self.on_cpu,
+            lora_rank=getattr(context, "lora_adapter_rank", 0),
         )
         self.rank = context.rank
         self.records_routing = _records_routing(config, kwargs)
@@ -215,7 +220,7 @@ class VllmGenerationWorker:
             raise self._dead_error()
         try:
             if self._loop is None:
-                outputs = self.engine.generate(inputs, sampling, use_tqdm=False)
+                outputs = self.engine.generate(inputs, sampling, use_tqdm=False, **self._lora())
             else:
                 outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
         except Exception as exc:
@@ -251,7 +256,9 @@ class VllmGenerationWorker:
     async def _generate_async(self, inputs: list, sampling: list) -> list:
         async def one(prompt: dict, sp: Any) -> Any:
             final = None
-            async for out in self.engine.generate(prompt, sp, request_id=uuid.uuid4().hex):
+            async for out in self.engine.generate(
+                prompt, sp, request_id=uuid.uuid4().hex, **self._lora()
+            ):
                 final = out
             return final
 
@@ -347,6 +354,54 @@ class VllmGenerationWorker:
             shm.close()
             shm.unlink()
 
+    def load_lora_adapter(self, adapter: Any, meta: BucketMeta, handle: BucketHandle) -> int:
+        """Serve a new LoRA adapter (adapter-only refits, ``generation.lora_refit=adapters``):
+        its PEFT-named tensors (one bucket) and ``adapter``
+        (:class:`~nrl_core.weight_sync.adapters.LoraAdapter`). vLLM 0.32 loads adapters from a
+        folder only, so it is written (safetensors) into this engine's private temp folder,
+        registered under its name and version (``LoRARequest``), and every later request
+        carries it; the previous version is then removed, with its folder."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from nrl_core.weight_sync import receive_into
+        from nrl_core.weight_sync.adapters import write_peft_folder
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="nrl-lora-")  # mode 0700
+        tensors: dict[str, Any] = {}
+
+        def keep(named: list) -> None:
+            tensors.update((name, tensor.clone()) for name, tensor in named)
+
+        nbytes = receive_into(meta, handle, keep)
+        folder = write_peft_folder(os.path.join(self._lora_dir, adapter.name), tensors, adapter)
+        request = LoRARequest(adapter.name, adapter.version, str(folder))
+        self._lora_call("add_lora", request)
+        previous, self._lora_request = self._lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self._lora_call("remove_lora", previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return nbytes
+
+    def _lora(self) -> dict[str, Any]:
+        """The ``lora_request`` keyword of a generate call: the current adapter, if any."""
+        return {} if self._lora_request is None else {"lora_request": self._lora_request}
+
+    def _lora_call(self, method: str, *args: Any) -> Any:
+        """``add_lora``/``remove_lora``: AsyncLLM's own, ``vllm.LLM``'s engine's (0.32's
+        ``LLM`` has none)."""
+        if self._loop is not None:
+            return self._run(method, *args)
+        if self.engine_died:
+            raise self._dead_error()
+        try:
+            return getattr(self.engine.llm_engine, method)(*args)
+        except Exception as exc:
+            self._reraise(exc)
+
     def init_weight_sync_group(
         self, name: str, master_addr: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
@@ -370,6 +425,10 @@ class VllmGenerationWorker:
             engine.llm_engine.engine_core.shutdown()
         if self._loop is not None:
             self._loop.close()
+        if self._lora_dir:
+            import shutil
+
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
 
 def _records_routing(config: Any, kwargs: dict[str, Any]) -> bool:
