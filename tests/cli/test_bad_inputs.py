@@ -541,8 +541,8 @@ CASES = [
     ("critic_backend_unknown", run("ppo", "critic.backend=nope"), "no policy named 'nope' is registered (critic.backend=nope)", {}),
     ("critic_head_lm", run("ppo", "critic.dtensor.head=lm"), "critic.dtensor.head=lm: the critic needs a value head; set critic.dtensor.head=auto (or scalar)", {}),
     ("ppo_policy_head_scalar", run("ppo", "policy.dtensor.head=scalar"), "policy.dtensor.head=scalar: the PPO policy generates, so it needs its LM head", {}),
-    ("critic_micro_batch_too_large", run("ppo", "critic.train_micro_batch_size=512"), "critic.train_micro_batch_size=512 is larger than critic.train_global_batch_size=256", {}),
-    ("critic_batch_uneven", run("ppo", "critic.num_workers=3"), "critic.train_global_batch_size=256 does not split evenly over the 3 data-parallel ranks", {}),
+    ("critic_micro_batch_too_large", run("ppo", "critic.train_micro_batch_size=512"), "critic.train_micro_batch_size=512 is larger than critic.train_global_batch_size=64", {}),
+    ("critic_batch_uneven", run("ppo", "critic.num_workers=3"), "critic.train_global_batch_size=64 does not split evenly over the 3 data-parallel ranks", {}),
     ("ppo_group_baseline_switch", run("ppo", "ppo.use_leave_one_out_baseline=false"), "ppo: use_leave_one_out_baseline=False shapes GRPO's group baseline, and PPO's baseline is the critic", {}),
     ("critic_lr_negative", run("ppo", "critic.optimizer.lr=-1"), "critic.optimizer.lr must be > 0, got -1", {}),
     # issue 52, h-replay
