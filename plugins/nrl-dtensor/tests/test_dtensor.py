@@ -87,6 +87,16 @@ def full_params(group) -> dict[str, torch.Tensor]:
     return merged[0]
 
 
+def adapter_params(group) -> dict[str, torch.Tensor]:
+    """A LoRA policy's adapter tensors (PEFT's names: the state dict streamed to engines holds
+    the plain model's weights, adapters merged); checks both ranks agree."""
+    per_rank = group.run_all("lora_adapter_tensors")
+    assert per_rank[0].keys() == per_rank[1].keys()
+    for name in per_rank[0]:
+        torch.testing.assert_close(per_rank[0][name], per_rank[1][name], rtol=0, atol=0)
+    return per_rank[0]
+
+
 # Replicated weights are the CPU default; sharded ones as one FSDP unit (`auto` on CPU) or per
 # decoder block (the GPU default).
 LAYOUTS = {
@@ -503,11 +513,13 @@ def test_replicas_start_from_rank0s_weights_and_stay_equal(tiny_path, start_grou
     config = make_config(tiny_path)
     policy = group_policy(start_group, config, DTensorConfig(lora_rank=4))
     assert policy.group.run_all("is_sharded") == [False, False]
-    before = full_params(policy.group)  # asserts the two ranks agree
+    full_params(policy.group)  # asserts the two ranks agree on the (merged) weights
+    before = adapter_params(policy.group)  # ... and on the adapters
     random_init = [k for k in before if "lora_A" in k]  # lora_B starts at zero
     assert random_init and min(before[k].abs().max() for k in random_init) > 0
     policy.train(make_batch(8, seed=10), TokenMeanNLL())
-    after = full_params(policy.group)
+    full_params(policy.group)
+    after = adapter_params(policy.group)
     assert max((after[k] - before[k]).abs().max() for k in before if "lora_B" in k) > 1e-4
 
 
