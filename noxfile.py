@@ -180,6 +180,15 @@ def _plugin_session(distribution: str, extras: list[str]):
     return session_fn
 
 
+def _locked_version(name: str) -> str:
+    """``name``'s version in uv.lock."""
+    import tomllib
+
+    with open("uv.lock", "rb") as f:
+        packages = tomllib.load(f)["package"]
+    return next(p["version"] for p in packages if p["name"] == name)
+
+
 def _run_plugin(
     session: nox.Session,
     distribution: str,
@@ -221,6 +230,9 @@ def _run_plugin(
         # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the
         # arithmetic environment; both plugins are pure Python on top of nrl-core.
         session.install("--no-deps", "-e", "plugins/nrl-dtensor", "-e", "plugins/nrl-math-env")
+        # The LoRA refit test's policy runs in this interpreter: nrl-dtensor's `lora` extra
+        # (peft, at the lock's version; --no-deps above skipped it).
+        session.install(f"peft=={_locked_version('peft')}")
         # test_refit_wire.py round-trips refit messages through vLLM's msgpack (a dev tool).
         session.install("msgspec>=0.19")
         env["NRL_VLLM_CPU_TESTS"] = "1"
