@@ -58,6 +58,9 @@ def test_editable_plugin_outside_the_workspace_gets_an_actor_venv(tmp_path, ray_
         ),
         "NRL_VENV_DIR": str(venvs),
         "COLUMNS": "250",  # one line per venv
+        # Its venv holds torch (nrl-core's dependency), which this test never imports:
+        # compiling it at build would be most of the test's time.
+        "UV_COMPILE_BYTECODE": "0",
     }
     build = subprocess.run(
         [sys.executable, "-m", "nrl_core.cli", "venvs", "build", "echo_env"],
