@@ -184,10 +184,26 @@ def _has_experts(model_name: str) -> bool | None:
     return any(isinstance(sec.get(k), int) and sec[k] > 1 for sec in sections for k in keys)
 
 
+def _model_type(model_name: str) -> str | None:
+    """The Hugging Face ``model_type`` of ``model_name``: a tiny named size's architecture, a
+    local folder's ``config.json``; None when it cannot be known without the hub."""
+    from nrl_core.testing.tiny import NAMED_SIZES
+
+    if model_name in NAMED_SIZES:
+        return NAMED_SIZES[model_name].get("arch")
+    try:
+        data = json.loads((Path(model_name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = data.get("model_type") if isinstance(data, dict) else None
+    return found if isinstance(found, str) else None
+
+
 def check_router_replay(config: Any, registry: Registry) -> None:
     """``policy.moe.router_replay`` / ``record_routing`` need a mixture-of-experts model, a
-    policy backend that replays and measures routing (registered ``router_replay``) and a
-    generation backend whose engines record it (registered ``records_routing``)."""
+    policy backend that replays and measures routing (registered ``router_replay``; replay
+    itself only for the model types it registers as ``router_replay_models``, where it does)
+    and a generation backend whose engines record it (registered ``records_routing``)."""
     policy, generation = getattr(config, "policy", None), getattr(config, "generation", None)
     moe = getattr(policy, "moe", None)
     if moe is None or not moe.records_routing:
@@ -204,6 +220,15 @@ def check_router_replay(config: Any, registry: Registry) -> None:
         raise ConfigError(
             f"{key}=true, and policy.backend={policy.backend} cannot replay or compare the "
             f"engine's routing; use policy.backend=dtensor or set {key}=false"
+        )
+    replayable = backend.metadata.get("router_replay_models")
+    model_type = _model_type(policy.model_name)
+    if moe.router_replay and replayable and model_type and model_type not in replayable:
+        raise ConfigError(
+            f"policy.moe.router_replay=true, and policy.backend={policy.backend} replays the "
+            f"routers of {', '.join(replayable)} models only (policy.model_name="
+            f"{policy.model_name} is {model_type}); set policy.moe.router_replay=false "
+            "(policy.moe.record_routing=true still measures the routing agreement)"
         )
     if generation is None:
         return

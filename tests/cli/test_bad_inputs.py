@@ -551,6 +551,7 @@ CASES = [
     ("router_replay_megatron", run("grpo", "policy.model_name=tiny-moe", "policy.backend=megatron", "policy.moe.router_replay=true"), "policy.moe.router_replay=true, and policy.backend=megatron cannot replay or compare the engine's routing", {}),
     ("router_replay_sglang", run("grpo", "policy.model_name=tiny-moe", SGLANG, "policy.moe.router_replay=true"), "policy.moe.router_replay=true, and generation.backend=sglang does not record which experts it routes each token to", {}),
     ("router_replay_not_bool", run("grpo", "policy.moe.router_replay=maybe"), "policy.moe.router_replay: expected bool, got str 'maybe'", {}),
+    ("router_replay_unknown_router", run("grpo", "policy.model_name=tiny-gpt_oss", "policy.moe.router_replay=true"), "policy.moe.router_replay=true, and policy.backend=dtensor replays the routers of qwen3_moe, qwen3_5_moe models only (policy.model_name=tiny-gpt_oss is gpt_oss)", {}),
     # issue 52, h-lora
     ("lora_refit_unknown", run("grpo", "generation.lora_refit=deltas"), "generation.lora_refit must be one of auto, adapters, merged, got 'deltas'", {}),
     ("lora_refit_adapters_sglang", run("grpo", SGLANG, "policy.dtensor.lora_rank=8", "generation.lora_refit=adapters"), "generation.lora_refit=adapters: the sglang engine cannot take adapter-only LoRA refits; set generation.lora_refit=merged (or auto)", {}),

@@ -17,6 +17,9 @@ def nrl_register_policies(register):
         sequence_packing=True,
         # Replays the engine's expert choices of a MoE model (policy.moe.router_replay).
         router_replay=True,
+        # ... exactly, for these models' routers only (nrl_dtensor.moe._REPLAYABLE): others
+        # are refused before anything starts.
+        router_replay_models=("qwen3_moe", "qwen3_5_moe"),
         description="FSDP2/DTensor training of Hugging Face causal LMs (CPU with gloo, GPU with NCCL)",
     )
 
