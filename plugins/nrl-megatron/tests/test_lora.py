@@ -192,3 +192,64 @@ def test_resume_continues_the_adapters_exactly(tp, tiny_path, tmp_path, pool1, p
     adapters = run(group, "full_adapters")[0]
     for name, tensor in want_adapters.items():
         assert torch.equal(adapters[name], tensor), name
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_match_one(tiny_path, pool1, pool2, start_group):
+    """PP=2 vs one stage: the adapters start the same (their init follows whole-model layer
+    numbers), a step trains them the same, and every rank gathers every stage's adapters."""
+    from nrl_megatron.config import MegatronConfig
+
+    config = make_config(tiny_path, mbs=2)
+    batch = make_batch(8, seed=5)
+    runs = {}
+    for pp, pool in ((1, pool1), (2, pool2)):
+        options = MegatronConfig(pipeline_model_parallel_size=pp, lora_rank=8)
+        group, lora = start(start_group, pool, options, config, name=f"pp{pp}")
+        metrics = [lora.train(batch, TokenMeanNLL()) for _ in range(2)]
+        runs[pp] = metrics, lora.get_logprobs(batch), run(group, "full_adapters")
+    (want, want_lp, (want_adapters,)), (got, got_lp, got_adapters) = runs[1], runs[2]
+    for step in range(2):
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    for adapters in got_adapters:
+        assert adapters.keys() == want_adapters.keys()
+        for name, tensor in want_adapters.items():
+            torch.testing.assert_close(
+                adapters[name], tensor, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+@pytest.mark.slow
+def test_resume_across_a_change_of_tensor_parallelism(
+    tiny_path, tmp_path, pool1, pool2, start_group
+):
+    """A TP=2 checkpoint resumed on one rank (the adapters and their AdamW moments resharded:
+    column layers' B and row layers' A are the split ones) takes the uninterrupted run's
+    second step. Adapters within 1e-4 (as test_pipeline.py's resume across stages): the TP=2
+    step's rounding, through Adam's ``m / sqrt(v)`` of small gradients, reaches 1.6e-5 after
+    the second step (one element of 1024); a step moves them by ~1e-3 (lr)."""
+    config = make_config(tiny_path)
+    first, second = make_batch(8, seed=4), make_batch(8, seed=5)
+    group, straight = start(start_group, pool1, lora_options(), config, "straight")
+    straight.train(first, TokenMeanNLL())
+    want = straight.train(second, TokenMeanNLL())
+    want_adapters = run(group, "full_adapters")[0]
+
+    saving_group, saving = start(start_group, pool2, lora_options(tp=2), config, "saving")
+    saving.train(first, TokenMeanNLL())
+    saving.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = run(saving_group, "full_adapters")[0]
+    group, resumed = start(start_group, pool1, lora_options(), config, "resumed")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    got = resumed.train(second, TokenMeanNLL())
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    adapters = run(group, "full_adapters")[0]
+    for name, tensor in want_adapters.items():
+        torch.testing.assert_close(
+            adapters[name], tensor, rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # The second step moved the adapters by much more than that tolerance.
+    assert max((want_adapters[n] - saved[n]).abs().max() for n in saved) > 5e-4
