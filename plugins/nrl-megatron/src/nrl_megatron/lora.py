@@ -59,7 +59,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from nrl_megatron.config import LORA_TARGETS
 from nrl_megatron.errors import MegatronSetupError
 
 FUSED: dict[str, tuple[str, ...]] = {
@@ -301,11 +300,3 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]
     for name, module in model.named_modules():
         if isinstance(module, _LoraMixin):
             yield name, module
-
-
-def check_targets(targets: tuple[str, ...]) -> None:
-    """Every target is a projection this module adapts (MegatronConfig checked it already;
-    this guards a config built in code)."""
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown:
-        raise MegatronSetupError(f"unknown LoRA targets {unknown}")
