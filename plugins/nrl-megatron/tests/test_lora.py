@@ -106,19 +106,22 @@ def test_tensor_parallel_matches_one_rank(tiny_path, pool1, pool2, start_group):
             torch.testing.assert_close(rank_adapters[name], tensor, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("tp", "model"), [(1, "tiny_path"), (2, "tiny_path"), (1, "tiny_qwen2_path")]
+)
 def test_adapters_are_peft_adapters_and_export_merges_them(
-    tp, tiny_path, tmp_path, pool1, pool2, start_group
+    tp, model, request, tmp_path, pool1, pool2, start_group
 ):
     """After two steps (TP=1: one rank holds both query groups, whose q/k/v outputs the
-    adapter interleaves as linear_qkv does; TP=2: the tensors are gathered over the ranks):
-    ``lora_adapter_tensors`` loaded into peft on the HF base model,
+    adapter interleaves as linear_qkv does; TP=2: the tensors are gathered over the ranks;
+    Qwen2: q/k/v biases and tied embeddings): ``lora_adapter_tensors`` loaded into peft on the HF base model,
     and the merged ``export_hf`` folder, give the policy's logprobs; the ``base`` stream is
     the checkpoint's weights, bit for bit; the merged stream is the exported folder's."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    tiny_path = request.getfixturevalue(model)
     config = make_config(tiny_path)
     batch = make_batch(6, seed=3)
     targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]  # k and gate left out
