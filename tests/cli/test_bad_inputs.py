@@ -555,6 +555,12 @@ CASES = [
     # issue 52, h-lora
     ("lora_refit_unknown", run("grpo", "generation.lora_refit=deltas"), "generation.lora_refit must be one of auto, adapters, merged, got 'deltas'", {}),
     ("lora_refit_adapters_sglang", run("grpo", SGLANG, "policy.dtensor.lora_rank=8", "generation.lora_refit=adapters"), "generation.lora_refit=adapters: the sglang engine cannot take adapter-only LoRA refits; set generation.lora_refit=merged (or auto)", {}),
+    # issue 52, h-meglora
+    ("megatron_lora_rank", run("grpo", "policy.backend=megatron", "policy.megatron.lora_rank=-1"), "policy.megatron.lora_rank must be in [0, 65536], got -1", {}),
+    ("megatron_lora_alpha", run("grpo", "policy.backend=megatron", "policy.megatron.lora_alpha=0"), "policy.megatron.lora_alpha must be > 0, got 0", {}),
+    ("megatron_lora_dropout", run("sft", "policy.backend=megatron", "policy.megatron.lora_dropout=1"), "policy.megatron.lora_dropout must be in [0, 1), got 1", {}),
+    ("megatron_lora_unknown_target", run("grpo", "policy.backend=megatron", "policy.megatron.lora_rank=8", "policy.megatron.lora_target_modules=[q_proj,lm_head]"), "policy.megatron: lora_target_modules='lm_head' is not a projection of a Megatron decoder layer; use some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or all-linear", {}),
+    ("megatron_lora_transformer_engine", run("grpo", "policy.backend=megatron", "policy.megatron.lora_rank=8", "policy.megatron.transformer_engine=true"), "policy.megatron: LoRA (lora_rank > 0) runs on the local layer spec only", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

@@ -79,6 +79,35 @@ def test_tp_sharding_round_trip_and_fc1_layout(tiny_path):
     assert torch.equal(shard_for_tp(qkv, mg[qkv], 1, 2), mg[qkv][rows_per_group:])
 
 
+def test_lora_adapters_split_like_their_layers():
+    """A column layer's B is split by rows and a row layer's A by columns (each rank keeps its
+    slice of the base weight's split dim); the other factor is whole on every rank. The pieces
+    go back together exactly (what checkpoint resharding and the export gather rely on)."""
+    from nrl_megatron.convert import tp_split_dim
+
+    layer = "decoder.layers.1."
+    split = {
+        layer + "self_attention.linear_qkv.lora_B.k_proj": 0,
+        layer + "mlp.linear_fc1.lora_B.up_proj": 0,
+        layer + "self_attention.linear_proj.lora_A.o_proj": 1,
+        layer + "mlp.linear_fc2.lora_A.down_proj": 1,
+        layer + "self_attention.linear_qkv.lora_A.q_proj": None,
+        layer + "mlp.linear_fc1.lora_A.gate_proj": None,
+        layer + "self_attention.linear_proj.lora_B.o_proj": None,
+        layer + "mlp.linear_fc2.lora_B.down_proj": None,
+    }
+    for name, dim in split.items():
+        assert tp_split_dim(name) == dim, name
+        tensor = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+        shards = [shard_for_tp(name, tensor, r, 2) for r in range(2)]
+        if dim is None:
+            assert all(torch.equal(s, tensor) for s in shards), name
+        else:
+            # fc1's B is not the [gate; up] stack: a plain contiguous half of its rows.
+            assert torch.equal(shards[0], tensor.chunk(2, dim=dim)[0]), name
+        assert torch.equal(unshard_from_tp(name, shards), tensor), name
+
+
 def test_unsupported_architecture_is_a_user_error():
     class Config:
         model_type = "gpt2"

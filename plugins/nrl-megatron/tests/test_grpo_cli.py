@@ -260,3 +260,55 @@ def test_three_grpo_steps_over_two_pipeline_stages(tmp_path, pool1, start_group)
     assert converted.keys() == one_stage.keys()
     for name, tensor in one_stage.items():
         assert torch.equal(converted[name], tensor), name
+
+
+@pytest.mark.slow
+def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, start_group):
+    """Issue 52 item 2 (2 min 30 s on 2 shared cores, 2026-11-29): ``nrl run grpo`` with the Megatron policy at ``lora_rank=8`` and a
+    separate torch engine (``generation.lora_refit``'s ``auto``: adapters): each step's refit
+    moves the rank-8 adapters' float32 bytes, not the model's (the merged figure), and the
+    engine's logprobs, with the new adapter applied by peft, equal the trainer's. Then
+    ``nrl convert`` of the LoRA checkpoint writes the merged model, whose logprobs are those of
+    the policy that loads the checkpoint."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.testing.tiny import lora_adapter_bytes, resolve_model_name
+
+    root = _grpo(tmp_path, "policy.megatron.lora_rank=8", "generation.torch.colocated=false")
+    lines = (root / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines][1:]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    adapter_bytes = lora_adapter_bytes(rank=8)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_name("tiny"))
+    merged_bytes = sum(t.numel() * 4 for t in hf.state_dict().values())
+    print(f"refit/bytes adapters={adapter_bytes} merged={merged_bytes}")
+    assert adapter_bytes < merged_bytes / 5
+    for row in steps:
+        assert row["refit/bytes"] == adapter_bytes, row
+        assert row["train/gen_logprob_error_max"] < math.exp(1e-4), row
+        assert row["train/grad_norm"] > 0
+
+    out = root / "hf"
+    done = nrl(root, "convert", str(root / "ckpt"), "--to", "hf", str(out))
+    assert f"wrote {out}" in done.stdout
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    config = make_config("tiny")
+    options = megatron_options()
+    options.lora_rank = 8
+    group = start_group(pool2, WORKER, (options, context(config)))
+    group.run_all("load_checkpoint", str(root / "ckpt" / "step_3" / "policy"))
+    batch = make_batch(6, seed=7)
+    want = Policy.from_config(group, config.policy).get_logprobs(batch)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(exported(input_ids=ids).logits[:, :-1].float(), -1)
+    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        plain = torch.log_softmax(hf(input_ids=ids).logits[:, :-1].float(), -1)
+    plain = torch.nn.functional.pad(plain.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    plain = plain * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    assert (plain - want).abs().max() > 1e-5  # the adapters trained: not the base model

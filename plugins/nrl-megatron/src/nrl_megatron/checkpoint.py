@@ -49,6 +49,9 @@ class CheckpointMixin:
         state = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if self.on_gpu:
             state["cuda"] = torch.cuda.get_rng_state(self.device)
+        if self.lora_dropout is not None:
+            # LoRA's dropout masks have their own generator (nrl_megatron.lora.LoraDropout).
+            state["lora_dropout"] = self.lora_dropout.generator.get_state()
         return state
 
     def _parameter_state_file(self, path: str) -> str:
@@ -178,6 +181,8 @@ class CheckpointMixin:
         random.setstate(rng["python"])
         if "cuda" in rng and self.on_gpu:
             torch.cuda.set_rng_state(rng["cuda"], self.device)
+        if "lora_dropout" in rng and self.lora_dropout is not None:
+            self.lora_dropout.generator.set_state(rng["lora_dropout"])
 
     def _optimizer_param_names(self) -> list[str]:
         """The local names of the optimizer's parameters, in its order (CPU path)."""

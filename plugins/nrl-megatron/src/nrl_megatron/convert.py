@@ -389,7 +389,17 @@ _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def tp_split_dim(name: str) -> int | None:
-    """The dim along which tensor parallelism splits Megatron tensor ``name`` (None: replicated)."""
+    """The dim along which tensor parallelism splits Megatron tensor ``name`` (None: replicated).
+
+    LoRA adapters (:mod:`nrl_megatron.lora`, ``<layer>.lora_A.<proj>``/``lora_B.<proj>``):
+    a column-parallel layer's ``B`` is split along its rows, a row-parallel layer's ``A`` along
+    its columns, the other factor is replicated."""
+    if ".lora_B." in name and (".linear_qkv." in name or ".linear_fc1." in name):
+        return 0
+    if ".lora_A." in name and (".linear_proj." in name or ".linear_fc2." in name):
+        return 1
+    if ".lora_A." in name or ".lora_B." in name:
+        return None
     if name.endswith(_COLUMN) or name.endswith("linear_fc1.weight"):
         return 0
     if name.endswith(_ROW):

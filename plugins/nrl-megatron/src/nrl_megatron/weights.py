@@ -96,7 +96,7 @@ class WeightsMixin:
         """Megatron parameter name -> the Hugging Face names it exports to (for engines)."""
         return megatron_to_hf_names(self.shape, te=self.options.transformer_engine)
 
-    def _full_megatron_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _full_megatron_tensors(self, lora: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` of every Megatron parameter of the whole model, gathered over
         tensor parallelism and pipeline stages (a collective: every rank gets every tensor,
         each exactly once, under its whole-model name). With expert parallelism each local
@@ -105,9 +105,12 @@ class WeightsMixin:
 
         A stream: each tensor is gathered when the consumer asks for it, and this generator
         keeps no reference to what it yielded, so a consumer that drops each tensor holds one
-        at a time (not the whole model, nor, on a pipeline's sending stage, the whole stage)."""
+        at a time (not the whole model, nor, on a pipeline's sending stage, the whole stage).
+
+        ``lora``: the LoRA adapter tensors only (:mod:`nrl_megatron.lora`) instead of the
+        model's own (which never include them)."""
         if self.pp_size == 1:
-            yield from self._stage_tensors()
+            yield from self._stage_tensors(lora=lora)
             return
         from nrl_megatron.pipeline import layers_per_stage
 
@@ -119,9 +122,9 @@ class WeightsMixin:
         for stage in range(self.pp_size):
             source = dist.get_global_rank(self.pp_group, stage)
             sending = stage == self.pp_rank
-            header = [self._stage_header(offset=stage * per) if sending else None]
+            header = [self._stage_header(offset=stage * per, lora=lora) if sending else None]
             dist.broadcast_object_list(header, src=source, group=self.pp_group)
-            mine = self._stage_tensors(offset=stage * per) if sending else None
+            mine = self._stage_tensors(offset=stage * per, lora=lora) if sending else None
             for name, shape, dtype in header[0]:
                 if mine is not None:
                     gathered, tensor = next(mine)
@@ -136,15 +139,15 @@ class WeightsMixin:
             if mine is not None and next(mine, None) is not None:
                 raise RuntimeError(f"stage {stage} gathered more tensors than it announced")
 
-    def _stage_header(self, offset: int = 0) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    def _stage_header(
+        self, offset: int = 0, lora: bool = False
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """``(name, shape, dtype)`` of each tensor :meth:`_stage_tensors` yields, in the same
         order, from this rank's shards alone (no collective, nothing gathered)."""
         from nrl_megatron.pipeline import global_name
 
         header = []
-        for name, tensor in self.module.state_dict().items():
-            if name.endswith("_extra_state") or tensor is None:
-                continue
+        for name, tensor in self._stage_state(lora):
             shape = tuple(tensor.shape)
             if self.ep_size > 1 and expert_index(name) is not None:
                 local = self.shape.num_experts // self.ep_size
@@ -159,16 +162,25 @@ class WeightsMixin:
             header.append((global_name(name, offset), shape, tensor.dtype))
         return header
 
-    def _stage_tensors(self, offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stage_state(self, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's state-dict tensors: the model's own, or (``lora``) its LoRA adapters."""
+        from nrl_megatron.lora import is_lora_name
+
+        for name, tensor in self.module.state_dict().items():
+            if name.endswith("_extra_state") or tensor is None or is_lora_name(name) != lora:
+                continue
+            yield name, tensor
+
+    def _stage_tensors(
+        self, offset: int = 0, lora: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's parameters, gathered over tensor parallelism, named with their decoder
         layers shifted by ``offset`` (the stage's first layer in the whole model); one tensor
         gathered per step of the iteration."""
         from nrl_megatron.pipeline import global_name
 
         with torch.no_grad():
-            for name, tensor in self.module.state_dict().items():
-                if name.endswith("_extra_state") or tensor is None:
-                    continue
+            for name, tensor in self._stage_state(lora):
                 if self.ep_size > 1 and expert_index(name) is not None:
                     shards = [torch.empty_like(tensor) for _ in range(self.ep_size)]
                     dist.all_gather(shards, tensor.contiguous(), group=self.ep_group)
@@ -185,19 +197,88 @@ class WeightsMixin:
                 yield global_name(name, offset), tensor.detach()
                 del tensor
 
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    def lora_adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter tensors, full (gathered over tensor and pipeline parallelism) and
+        in PEFT's saved names of the Hugging Face model
+        (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``): what peft's
+        ``set_peft_model_state_dict`` loads into the HF model (:mod:`nrl_megatron.lora` says
+        why they are exactly peft's adapters). A collective."""
+        from nrl_megatron.lora import peft_name
+
+        self._require_lora("the adapter tensors")
+        return {peft_name(name): tensor for name, tensor in self._full_megatron_tensors(lora=True)}
+
+    def lora_adapter(self, version: int):
+        """This policy's :class:`~nrl_core.weight_sync.adapters.LoraAdapter` at ``version``."""
+        from nrl_core.weight_sync.adapters import LoraAdapter
+
+        self._require_lora("an adapter")
+        return LoraAdapter(
+            rank=self.options.lora_rank,
+            alpha=float(self.options.lora_alpha),
+            target_modules=tuple(sorted(self.options.lora_targets())),
+            version=version,
+        )
+
+    def push_adapters(self, sender, version: int):
+        """Send only the LoRA adapter (tensors and settings, at ``version``) to generation
+        engines through ``sender`` (adapter refits, ``generation.lora_refit=adapters``). A
+        collective: call on all ranks. Rank 0 returns the
+        :class:`~nrl_core.weight_sync.RefitStats`, others None."""
+        self._require_lora("an adapter refit")
+        tensors = self.lora_adapter_tensors()
+        if self.rank != 0:
+            return None
+        return sender.send_adapter(tensors, self.lora_adapter(version))
+
+    def _require_lora(self, what: str) -> None:
+        if self.options.lora_rank <= 0:
+            raise MegatronSetupError(f"{what} needs a LoRA policy (policy.megatron.lora_rank > 0)")
+
+    def _lora_updates(self) -> dict[str, torch.Tensor]:
+        """Hugging Face weight name -> its LoRA update ``B @ A * alpha / r`` (the full
+        adapters; empty without LoRA). A collective."""
+        if self.options.lora_rank <= 0:
+            return {}
+        tensors = self.lora_adapter_tensors()
+        scaling = self.options.lora_alpha / self.options.lora_rank
+        updates = {}
+        for name, a in tensors.items():
+            if ".lora_A." not in name:
+                continue
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            # peft's merge (merge_and_unload): W + (B @ A) * scaling.
+            updates[f"{module}.weight"] = (b @ a) * scaling
+        return updates
+
+    @staticmethod
+    def _merged(named, updates: dict[str, torch.Tensor]):
+        """``(HF name, tensor)`` pairs with each adapted weight plus its LoRA update."""
+        for name, tensor in named:
+            update = updates.get(name)
+            yield name, tensor if update is None else tensor + update.to(tensor)
+
     def state_dict_buckets(
-        self, bucket_bytes: int, layout: str = IN_MEMORY
+        self, bucket_bytes: int, layout: str = IN_MEMORY, lora_weights: str = "merged"
     ) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full state dict in Hugging Face names, in the weight ``layout`` an engine
         loads (``in_memory``: transformers' ``state_dict()`` names, experts stacked;
         ``checkpoint``: the published files', one tensor per expert, see
         :mod:`nrl_core.weight_sync.layout`), in buckets of at most ``bucket_bytes`` (a larger
-        tensor gets its own). A collective."""
+        tensor gets its own). Under LoRA the names are the plain model's, and ``lora_weights``
+        says whether the adapters are merged into the base weights (``merged``) or left out
+        (``base``). A collective."""
         from nrl_core.weight_sync import iter_buckets
 
         self._refuse_value_head_export()
         te = self.options.transformer_engine
+        updates = self._lora_updates() if lora_weights == "merged" else {}
         named = iter_megatron_to_hf(self._full_megatron_tensors(), self.shape, te)
+        if updates:
+            named = self._merged(named, updates)
         if layout != IN_MEMORY:
             named = in_layout(named, layout, self._hf_skeleton)
         yield from iter_buckets(named, bucket_bytes)
@@ -215,7 +296,9 @@ class WeightsMixin:
 
         from nrl_core.weight_sync import push_from_rank
 
-        buckets = self.state_dict_buckets(bucket_bytes, layout=sender.layout)
+        buckets = self.state_dict_buckets(
+            bucket_bytes, layout=sender.layout, lora_weights=sender.lora_weights
+        )
         return push_from_rank(sender, buckets, rank=self.rank)
 
     @cached_property
@@ -255,6 +338,7 @@ class WeightsMixin:
         from nrl_core.hf_export import write_hf_folder
 
         self._refuse_value_head_export()
+        updates = self._lora_updates()  # a collective: before rank 0 goes its own way
         gathered = self._full_megatron_tensors()
         if self.rank != 0:
             for _name, tensor in gathered:  # the gathers and sends are the collective part
@@ -264,8 +348,9 @@ class WeightsMixin:
         te = self.options.transformer_engine
         on_cpu = ((name, tensor.cpu()) for name, tensor in gathered)
         # vLLM, SGLang and other converters read the published (per-expert) layout.
-        named = in_layout(
-            iter_megatron_to_hf(on_cpu, self.shape, te), CHECKPOINT, self._hf_skeleton
-        )
+        named = iter_megatron_to_hf(on_cpu, self.shape, te)
+        # Under LoRA the exported model is the merged one (what the policy computes).
+        named = self._merged(named, {k: v.cpu() for k, v in updates.items()})
+        named = in_layout(named, CHECKPOINT, self._hf_skeleton)
         write_hf_folder(path, dict(named), self.hf_config, self.tokenizer, self.dtype)
         dist.barrier()

@@ -131,6 +131,7 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
                     f"tensor_model_parallel_size={self.tp_size} does not divide the {count} "
                     f"{what} heads; lower policy.megatron.tensor_model_parallel_size"
                 )
+        self.lora_dropout = None  # nrl_megatron.lora.LoraDropout with lora_dropout > 0
         self.model = self._build_model(self.model_path, trainable=True)
         # The frozen reference (KL penalties, DPO), built on first use.
         self.reference = LazyReference(
@@ -306,7 +307,43 @@ class MegatronPolicyWorker(ForwardMixin, OptimizerMixin, CheckpointMixin, Weight
         if not trainable:
             model.requires_grad_(False)
             return model.eval()
+        if self.options.lora_rank > 0:
+            self._apply_lora(model)
         return model.train()
+
+    def _apply_lora(self, model) -> None:
+        """Freeze ``model`` and add the LoRA adapters (:mod:`nrl_megatron.lora`)."""
+        from nrl_megatron.lora import LoraDropout, apply_lora
+
+        o = self.options
+        if self.shape.is_moe:
+            raise MegatronSetupError(
+                "LoRA on a mixture-of-experts model is not implemented by the megatron policy; "
+                "set policy.megatron.lora_rank=0 or use policy.backend=dtensor"
+            )
+        if self.value_head:
+            raise MegatronSetupError(
+                "LoRA on a PPO critic is not implemented by the megatron policy (its value "
+                "head would stay frozen); set critic.megatron.lora_rank=0"
+            )
+        if o.lora_dropout > 0:
+            # The same masks on tensor-parallel peers, other ones per data-parallel rank.
+            seed = self.context.seed * 7919 + 104729 * (self.dp_rank + 1)
+            self.lora_dropout = LoraDropout(o.lora_dropout, seed, self.device)
+        from nrl_megatron.pipeline import layers_per_stage
+
+        apply_lora(
+            model,
+            targets=o.lora_targets(),
+            rank=o.lora_rank,
+            alpha=o.lora_alpha,
+            dropout=self.lora_dropout,
+            seed=self.context.seed,
+            layer_offset=self.pp_rank * layers_per_stage(self.shape.num_layers, self.pp_size),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            num_query_groups=self.shape.num_kv_heads,
+        )
 
     def set_reference(self, model_path: str) -> None:
         """Convert the Hugging Face folder ``model_path`` (on next use) into the frozen
