@@ -18,7 +18,8 @@ then nrl, HF, ...), each timed in wall time and in process CPU time (steadier on
 machine). Printed per round and as medians over rounds: milliseconds per generated token, per
 sequence-token (time / (rows x new tokens)) and per decode step (time / new tokens). The last
 line is ``nrl_over_hf_per_token=<float>``: nrl's median CPU time per token over HF's.
-``--profile`` adds a ``torch.profiler`` table of each side's ops (one call each).
+``--profile`` adds a ``torch.profiler`` table of each side's ops (one call each);
+``--dynamic-cache`` a third side, nrl's generator on the model's own ``DynamicCache``.
 
 ``--engines`` adds the vLLM column: the same model and prompts through nrl's separate
 generation engines on a local Ray cluster (what ``generation.<backend>.colocated=false`` runs),
@@ -69,6 +70,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per row (>= 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
     parser.add_argument("--profile", action="store_true", help="print each side's op profile")
+    parser.add_argument(
+        "--dynamic-cache",
+        action="store_true",
+        help="add a side: nrl's generator on the model's own DynamicCache (no preallocation)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="--engines: timed calls each")
     parser.add_argument(
         "--engines",
@@ -138,12 +144,21 @@ def main() -> None:
             )
         return (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
 
+    def run_dynamic() -> int:
+        ours.preallocate_cache = False
+        try:
+            return run_ours()
+        finally:
+            ours.preallocate_cache = True
+
     sides = {"hf": run_hf, "nrl": run_ours}
+    if args.dynamic_cache:
+        sides["nrl-dynamic"] = run_dynamic
     for fn in sides.values():  # warm-up: allocator, first-call paths
         fn()
     times: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     for round_index in range(args.rounds):
-        order = ("hf", "nrl") if round_index % 2 == 0 else ("nrl", "hf")
+        order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
         for side in order:
             if device.type == "cuda":
                 torch.cuda.synchronize()
