@@ -31,18 +31,27 @@ class ResourceNeed:
         return self.num_workers * self.num_gpus_per_worker
 
 
-def cpu_threads_per_rank(total_cpus: float, num_ranks: int, busy_cpus: float = 0.0) -> int:
+def cpu_threads_per_rank(
+    total_cpus: float, num_ranks: int, busy_cpus: float = 0.0, other_load: float = 0.0
+) -> int:
     """Torch threads for each of ``num_ranks`` ranks that compute at the same time on a
     CPU-only cluster of ``total_cpus`` cores (>= 0), ``busy_cpus`` (>= 0) of which other
-    workers use while the ranks compute (separate generation engines):
-    ``floor((total_cpus - busy_cpus) / num_ranks)``, at least 1.
+    workers of the run use while the ranks compute (separate generation engines), and
+    ``other_load`` (>= 0) of which other processes keep busy (the load average the run found):
+    ``floor((total_cpus - busy_cpus) / num_ranks)``, lowered to the nearest whole number of
+    ``(total_cpus - busy_cpus - other_load) / num_ranks``, at least 1.
 
-    One rank on two cores gets two threads, two ranks one each: the ranks together use every
-    core and never more (more threads than cores make each OpenMP barrier wait for a
-    descheduled sibling, and the step time jumps). Environment actors, teachers and critics
-    are not counted: they compute while the policy waits.
+    One rank on two idle cores gets two threads, two ranks one each: the ranks together use
+    every core and never more. A thread more than the cores free makes each OpenMP barrier
+    wait for a descheduled sibling: on two cores under a load average of 10, one generation
+    call took 1.5 s on one thread and 4 to 29 s on two. Environment actors, teachers and
+    critics are not counted: they compute while the policy waits.
     """
-    return max(1, math.floor((total_cpus - busy_cpus) / max(1, num_ranks)))
+    ranks = max(1, num_ranks)
+    threads = math.floor((total_cpus - busy_cpus) / ranks)
+    if other_load > 0:
+        threads = min(threads, math.floor((total_cpus - busy_cpus - other_load) / ranks + 0.5))
+    return max(1, threads)
 
 
 def cpu_count() -> int:

@@ -29,6 +29,20 @@ def test_threads_per_rank_share_the_cores(cpus, ranks, busy, threads):
     assert cpu_threads_per_rank(cpus, ranks, busy) == threads
 
 
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "load", "threads"),
+    [
+        (2, 1, 0.2, 2),  # an idle machine: the driver's own start-up is no reason to drop one
+        (2, 1, 0.6, 1),  # other processes keep most of a core busy
+        (2, 1, 10.0, 1),
+        (8, 2, 3.0, 3),
+        (8, 3, 0.0, 2),  # the load only ever lowers the count from the cores
+    ],
+)
+def test_threads_per_rank_leave_the_cores_other_processes_keep_busy(cpus, ranks, load, threads):
+    assert cpu_threads_per_rank(cpus, ranks, 0.0, load) == threads
+
+
 def test_cpu_count_is_this_process_affinity():
     import os
 
@@ -38,9 +52,12 @@ def test_cpu_count_is_this_process_affinity():
 def test_policy_thread_env(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     two_cpus = ClusterResources(num_nodes=1, cpus_per_node=[2.0], gpus_per_node=[0.0])
-    assert policy_thread_env(two_cpus, 1, 0.0) == {"OMP_NUM_THREADS": "2"}
-    assert policy_thread_env(two_cpus, 2, 0.0) == {"OMP_NUM_THREADS": "1"}
-    assert policy_thread_env(two_cpus, 1, 0.5) == {"OMP_NUM_THREADS": "1"}
+    assert policy_thread_env(two_cpus, 1, 0.0, 0.0) == {"OMP_NUM_THREADS": "2"}
+    assert policy_thread_env(two_cpus, 2, 0.0, 0.0) == {"OMP_NUM_THREADS": "1"}
+    assert policy_thread_env(two_cpus, 1, 0.5, 0.0) == {"OMP_NUM_THREADS": "1"}
+    assert policy_thread_env(two_cpus, 1, 0.0, 5.0) == {"OMP_NUM_THREADS": "1"}
+    # By default the machine's load average counts (whatever it is now: 1 or 2 threads).
+    assert policy_thread_env(two_cpus, 1, 0.0)["OMP_NUM_THREADS"] in ("1", "2")
     gpus = ClusterResources(num_nodes=1, cpus_per_node=[2.0], gpus_per_node=[1.0])
     assert policy_thread_env(gpus, 1, 0.0) == {}
     # The user's own setting wins: nothing is passed, every worker inherits theirs.

@@ -35,20 +35,28 @@ CRITIC_CPUS_ON_CPU = 0.5
 trains while the policy waits, and the policy while it waits (the cores are shared)."""
 
 
-def policy_thread_env(resources: Any, num_workers: int, engine_cpus: float) -> dict[str, str]:
+def policy_thread_env(
+    resources: Any, num_workers: int, engine_cpus: float, other_load: float | None = None
+) -> dict[str, str]:
     """The policy ranks' ``OMP_NUM_THREADS`` on a CPU-only cluster: the cores the run has,
-    less those separate engines compute on meanwhile, shared by the ranks
-    (:func:`~nrl_core.distributed.resources.cpu_threads_per_rank`; one rank on two cores: 2).
-    Without it a rank gets what Ray gives an actor, the floor of its scheduling share (at most
-    1 CPU on CPU), so a lone rank left cores idle. Nothing on a GPU cluster, nor when the user
-    set ``OMP_NUM_THREADS`` (theirs wins in every worker)."""
+    less those separate engines compute on meanwhile and, on one node, those other processes
+    keep busy (``other_load``; default: this machine's 1-minute load average, taken before
+    the ranks compute), shared by the ranks
+    (:func:`~nrl_core.distributed.resources.cpu_threads_per_rank`; one rank on two idle
+    cores: 2). Without it a rank got what Ray gives an actor, the floor of its scheduling
+    share (at most 1 CPU on CPU), so a lone rank left a core idle. Nothing on a GPU cluster,
+    nor when the user set ``OMP_NUM_THREADS`` (theirs wins in every worker)."""
     import os
 
     if resources.total_gpus > 0 or "OMP_NUM_THREADS" in os.environ:
         return {}
     from nrl_core.distributed.resources import cpu_threads_per_rank
 
-    threads = cpu_threads_per_rank(resources.total_cpus, num_workers, engine_cpus)
+    if other_load is None:
+        # Other nodes' load is not visible from here; the driver's own start-up adds little
+        # to a 1-minute average.
+        other_load = os.getloadavg()[0] if resources.num_nodes == 1 else 0.0
+    threads = cpu_threads_per_rank(resources.total_cpus, num_workers, engine_cpus, other_load)
     return {"OMP_NUM_THREADS": str(threads)}
 
 
