@@ -11,7 +11,8 @@ sides (``min_new_tokens = max_new_tokens`` for HF, ``stop_at_eos=false`` for nrl
 produce 32 x 128 tokens. nrl's side is a :class:`~nrl_dtensor.generation.TorchGenerator` built
 as a 1-rank policy builds it (``DTensorPolicyWorker._get_generator``: the plain model, no
 synchronisation, seed stream 0) and called as the policy calls it (one ``generate`` of the whole
-batch). Threads: ``--threads`` (default 1, what a CPU policy rank gets; 0 keeps torch's default).
+batch). Threads: ``--threads`` (default 1: what a CPU policy rank gets beside another rank or on
+a busy machine, ``nrl_core.distributed.resources.cpu_threads_per_rank``; 0 keeps torch's).
 
 Both sides run in this process after a warm-up, in ``--rounds`` alternating rounds (HF, nrl,
 then nrl, HF, ...), each timed in wall time and in process CPU time (steadier on a shared
