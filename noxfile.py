@@ -27,6 +27,8 @@
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same tiny CPU workload (seconds per step; `-- --learning`: learning curves over 3 seeds);
   trl is installed into the session only, never into the project.
+- `bench-generation` (not run by default): `benchmarks/generation.py`, nrl's torch generation
+  against HF `generate` per generated token on the realistic model (issue 50).
 """
 
 import contextlib
@@ -126,6 +128,13 @@ def bench_trl(session: nox.Session) -> None:
         f.write("\n".join(pins) + "\n")
     session.install(TRL, "--constraint", constraints)
     session.run("python", "benchmarks/vs_trl.py", *session.posargs)
+
+
+@nox.session(name="bench-generation")
+def bench_generation(session: nox.Session) -> None:
+    """nrl's torch generation against HF generate, ms per token (`-- --rounds 5 ...`)."""
+    _sync(session)
+    session.run("python", "benchmarks/generation.py", *session.posargs)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,12 @@ def main() -> None:
     overhead = [overhead_fraction(r) for r in steady]
     print(f"tokens_per_s={statistics.median(r['throughput/tokens_per_s'] for r in steady):.1f}")
     print(f"steps_measured={len(steady)}")
+    # Steadiness (issue 50: one rank must vary by less than 25% between steps).
+    times = sorted(r["timing/step_s"] for r in steady)
+    print(
+        f"step_s min={times[0]:.4f} max={times[-1]:.4f} max_over_min={times[-1] / times[0]:.3f} "
+        f"spread={(times[-1] - times[0]) / step_s:.3f} (of the median)"
+    )
     print(f"step_s={step_s:.4f} overhead_frac={statistics.median(overhead):.4f}")
 
 

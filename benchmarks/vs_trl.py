@@ -54,6 +54,9 @@ MODEL = dict(
     intermediate_size=768,
     tie_word_embeddings=True,
 )
+# The realistic workload's model (issue 50): the same family, heads and tokenizer at hidden 512,
+# 10 layers, MLP 1536 (31.5M parameters). benchmarks/generation.py builds it from here.
+REALISTIC_MODEL = {**MODEL, "hidden_size": 512, "num_layers": 10, "intermediate_size": 1536}
 PROMPTS, GENERATIONS, MAX_NEW_TOKENS, LR, SEED = 8, 4, 16, 1e-4, 42
 BATCH = PROMPTS * GENERATIONS
 

@@ -12,7 +12,7 @@ exactly what the Ray path computes:
 * its own environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... as the Ray path
   sets them; the torch.distributed rendezvous listens on loopback only, as there);
 * its own torch thread count (what Ray gives an actor: ``OMP_NUM_THREADS`` = the worker's CPUs,
-  at least 1, unless set in the environment);
+  at least 1, unless the environment or the caller's ``env_vars`` set it);
 * copies of the arguments and results (Ray pickles them; a worker never sees the driver's
   objects, nor the driver the worker's);
 * a bound on environment steps (``env.step_timeout_s``): the step runs in a thread and a late
@@ -173,7 +173,9 @@ class InProcessCluster:
         if active() not in (None, self):
             raise ClusterError("an in-process cluster is already running in this process")
         config = getattr(self.context, "config", None)
-        cpus = getattr(getattr(config, "cluster", None), "num_cpus", None) or os.cpu_count() or 1
+        from nrl_core.distributed.resources import cpu_count
+
+        cpus = getattr(getattr(config, "cluster", None), "num_cpus", None) or cpu_count()
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, _on_sigterm)
         hosting_here.set_active(self)
@@ -316,9 +318,11 @@ class InProcessWorkerGroup:
                 from nrl_core.distributed.cluster import QUIET_WORKER_ENV
 
                 env.update({k: v for k, v in QUIET_WORKER_ENV.items() if k not in os.environ})
-            threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
-                math.floor(num_cpus_per_worker), 1
-            )
+            # The caller's OMP_NUM_THREADS (the policy's threads per rank) reaches a Ray actor
+            # through its environment, as here; the user's own setting wins over both.
+            threads = int(
+                os.environ.get("OMP_NUM_THREADS") or env.get("OMP_NUM_THREADS") or 0
+            ) or max(math.floor(num_cpus_per_worker), 1)
             group.slots.append(_Slot(rank, env, threads, *_fresh_random_state()))
             group.infos.append(_WorkerInfo(rank))
         try:

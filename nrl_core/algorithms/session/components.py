@@ -35,6 +35,31 @@ CRITIC_CPUS_ON_CPU = 0.5
 trains while the policy waits, and the policy while it waits (the cores are shared)."""
 
 
+def policy_thread_env(
+    resources: Any, num_workers: int, engine_cpus: float, other_load: float | None = None
+) -> dict[str, str]:
+    """The policy ranks' ``OMP_NUM_THREADS`` on a CPU-only cluster: the cores the run has,
+    less those separate engines compute on meanwhile and, on one node, those other processes
+    keep busy (``other_load``; default: this machine's 1-minute load average, taken before
+    the ranks compute), shared by the ranks
+    (:func:`~nrl_core.distributed.resources.cpu_threads_per_rank`; one rank on two idle
+    cores: 2). Without it a rank got what Ray gives an actor, the floor of its scheduling
+    share (at most 1 CPU on CPU), so a lone rank left a core idle. Nothing on a GPU cluster,
+    nor when the user set ``OMP_NUM_THREADS`` (theirs wins in every worker)."""
+    import os
+
+    if resources.total_gpus > 0 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    from nrl_core.distributed.resources import cpu_threads_per_rank
+
+    if other_load is None:
+        # Other nodes' load is not visible from here; the driver's own start-up adds little
+        # to a 1-minute average.
+        other_load = os.getloadavg()[0] if resources.num_nodes == 1 else 0.0
+    threads = cpu_threads_per_rank(resources.total_cpus, num_workers, engine_cpus, other_load)
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
 def loss_options(config: RunConfig, registry: Registry) -> Any:
     """The options of the run's loss, with the ``auto`` choices of the clipped PG loss resolved
     for this run (they depend on the generation backend and the batch sizes, which the loss
@@ -151,17 +176,19 @@ class Components:
         none for algorithms without generation), in the order their GPUs need."""
         shared = self.colocation_bundles(resources)
         engines = self.separate_engines()
+        engine_cpus = 0.0
         if engines and resources.total_gpus <= 0:
             # On a CPU-only machine the engines share the cores with the policy ranks.
             from nrl_core.generation import ENGINE_CPUS_ON_CPU
 
-            reserved_cpus += ENGINE_CPUS_ON_CPU * engines
+            engine_cpus = ENGINE_CPUS_ON_CPU * engines
+            reserved_cpus += engine_cpus
         if shared is not None:
             # Colocated engines first: they check at start-up that the GPU memory they were
             # told to use is free, which it is only before the policy loads its weights. They
             # release it (sleep) at the end of start-up, and the policy starts next.
             self.generate, self.refit = self.generation_backend(shared)
-        self.policy = self.start_policy(resources, reserved_cpus, shared)
+        self.policy = self.start_policy(resources, reserved_cpus, shared, engine_cpus)
         if hasattr(self.config, "generation") and shared is None:
             self.generate, self.refit = self.generation_backend(None)
         if hasattr(self.config, "generation"):
@@ -244,7 +271,11 @@ class Components:
         self._closers.append(lambda: remove_placement_group(bundles))
         return bundles
 
-    def start_policy(self, resources: Any, reserved_cpus: float, shared: Any = None):
+    def start_policy(
+        self, resources: Any, reserved_cpus: float, shared: Any = None, engine_cpus: float = 0.0
+    ):
+        """The policy's worker group (``engine_cpus``: the cores separate engines compute on
+        meanwhile, on a CPU-only cluster; see :func:`policy_thread_env`)."""
         from nrl_core.distributed.actor_env import actor_python
         from nrl_core.distributed.worker_group import WorkerGroup
         from nrl_core.generation import COLOCATED_SHARE
@@ -269,6 +300,7 @@ class Components:
             args=(policy.options_for(), self.context_for(spec)),
             name="policy",
             python=actor_python(spec, self.config, policy),
+            env_vars=policy_thread_env(resources, policy.num_workers, engine_cpus),
             num_cpus_per_worker=cpus,
             num_gpus_per_worker=gpus,
             placement_group=shared,

@@ -98,3 +98,46 @@ def test_stop_tokens_and_stop_strings(generator):
     assert out.token_ids[1] == greedy.token_ids[1][: len(out.token_ids[1])]
     assert stop not in tok.decode(out.token_ids[1][:-1])
     assert out.token_ids[0] == greedy.token_ids[0] and out.finish_reasons[0] == "length"
+
+
+@pytest.mark.parametrize("prompts", [[PROMPTS[0]] * 4, PROMPTS], ids=["same-length", "padded"])
+def test_sampling_equals_hf_generate_and_the_dynamic_cache_bit_for_bit(tiny_path, prompts):
+    """Temperature 1 without top-k/top-p, one seed: the preallocated KV cache, the model's
+    own DynamicCache (``preallocate_cache=False``) and HF ``generate`` (its DynamicCache,
+    multinomial on the seeded global stream) draw the same tokens, with bit-equal logprobs
+    (HF's: log_softmax of its scores), left-padded prompts included."""
+    from nrl_dtensor.config import TorchGenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    ours = TorchGenerator(
+        TorchGenerationConfig(stop_at_eos=False), model=model, tokenizer=tokenizer
+    )
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7)
+    pre = ours.generate(prompts, params)
+    ours.preallocate_cache = False
+    dynamic = ours.generate(prompts, params)
+    assert pre.token_ids == dynamic.token_ids and pre.logprobs == dynamic.logprobs
+
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    torch.manual_seed(7)  # HF samples from the global stream; ours from a Generator seeded 7
+    with torch.inference_mode():
+        hf = model.generate(
+            **batch,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=24,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = hf.sequences[:, batch["input_ids"].shape[1] :]
+    assert tokens.tolist() == pre.token_ids
+    logprobs = torch.stack(hf.scores, 1).log_softmax(-1).gather(-1, tokens[..., None])
+    assert logprobs.squeeze(-1).tolist() == pre.logprobs
+    assert len(set(map(tuple, pre.token_ids))) > 1  # really sampled: the rows differ

@@ -70,6 +70,11 @@ class TorchGenerator:
             dist.is_available() and dist.is_initialized() if synchronize is None else synchronize
         )
         self.seed_offset = seed_offset
+        self.preallocate_cache = True
+        """Decode into a KV cache preallocated for prompt + new tokens
+        (:func:`preallocated_cache`); False: the model's own ``DynamicCache``, which
+        concatenates the whole cache at every step (same tokens; the benchmark and the tests
+        compare the two)."""
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         """How the FSDP-sharded model's layers were set up (restored after a generation)."""
         self._recorder = self._routing_recorder(model)
@@ -258,7 +263,11 @@ class TorchGenerator:
         # (each token decodes to at least one character with the tokenizers we support).
         window = max((len(s) for row in stops for s in row), default=0) + 2
 
-        cache = preallocated_cache(self.model.config, width + max_new)
+        cache = (
+            preallocated_cache(self.model.config, width + max_new)
+            if self.preallocate_cache
+            else None
+        )
         cache_kw = cache_keyword(self.model)
         out = forward(
             input_ids=ids,
