@@ -132,6 +132,23 @@ def _dcp_offsets_checkpoint(d):
     write_manifest(step)
 
 
+def _checkpoint_without_lora(d):
+    """Issue 52 (h-dtlora): a step folder whose saved config is the sft recipe's, without LoRA
+    (its policy files are never read: `--lora adapters` is refused first)."""
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import write_manifest
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    step = d / "ckpt_no_lora" / "step_2"
+    _write(step / "trainer_state.json", json.dumps({"step": 2}))
+    _write(step / "config.yaml", dump_config(config, registry))
+    _write(step / "policy" / "__0_0.distcp", b"z" * 16)
+    write_manifest(step)
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """A folder of broken inputs (and a few good ones), shared by the cases."""
@@ -180,6 +197,7 @@ def d(tmp_path_factory):
     _damaged_checkpoints(d)
     _hostile_checkpoints(d)
     _dcp_offsets_checkpoint(d)
+    _checkpoint_without_lora(d)
     os.mkfifo(d / "fifo.yaml")
     os.mkfifo(d / "fifo.jsonl")
     _write(d / "dup.yaml", "grpo:\n  max_num_steps: 3\nseed: 1\ngrpo:\n  val_period: 2\n")
@@ -554,6 +572,9 @@ CASES = [
     # issue 52, h-lora
     ("lora_refit_unknown", run("grpo", "generation.lora_refit=deltas"), "generation.lora_refit must be one of auto, adapters, merged, got 'deltas'", {}),
     ("lora_refit_adapters_sglang", run("grpo", SGLANG, "policy.dtensor.lora_rank=8", "generation.lora_refit=adapters"), "generation.lora_refit=adapters: the sglang engine cannot take adapter-only LoRA refits; set generation.lora_refit=merged (or auto)", {}),
+    # issue 52, h-dtlora
+    ("convert_lora_adapters_without_lora", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "adapters"], "--lora adapters: {d}/ckpt_no_lora/step_2 is a policy without LoRA (policy.dtensor.lora_rank is 0), so it has no adapters to export; drop --lora", {}),
+    ("convert_lora_unknown", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "deltas"], "--lora: invalid choice: 'deltas'", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [
