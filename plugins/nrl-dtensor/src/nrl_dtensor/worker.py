@@ -73,7 +73,9 @@ class DTensorPolicyWorker(ModelBuilding):
         self.sharded: bool | None = None
         """Whether the weights are FSDP2-sharded (``data_parallel``, resolved on the first
         model built); ``False`` without torch.distributed."""
-        torch.manual_seed(context.seed + self.rank)
+        # Tensor-parallel peers share a stream: they run the same replicated computation, and
+        # a dropout (LoRA's) must drop the same entries of the input they share.
+        torch.manual_seed(context.seed + self.dp_rank)
 
         self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
         self.model = self._build_model(self.model_path, trainable=True)
