@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from nrl_dtensor.config import DTensorConfig
-from test_dtensor import WORKER, adapter_params, context, full_params, local_policy, make_config
+from test_dtensor import (
+    WORKER,
+    adapter_params,
+    context,
+    full_params,
+    local_policy,
+    local_worker,
+    make_config,
+)
 
 from nrl_core.policy import Policy
 from nrl_core.testing.batches import TokenMeanNLL, make_batch
@@ -124,6 +132,13 @@ def test_lora_under_tensor_parallelism_matches_one_process(tiny_path, start_grou
     for name, tensor in expected_merged.items():
         torch.testing.assert_close(merged[name], tensor, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(policy.get_logprobs(batch), expected_lp_after, rtol=0, atol=1e-5)
+
+    # The TP=2 checkpoint loads into one process (what `nrl convert` does) with its adapters.
+    policy.save_checkpoint(str(tmp_path / "ckpt"))
+    reloaded = local_worker(config, options)
+    reloaded.load_checkpoint(str(tmp_path / "ckpt"))
+    for name, tensor in reloaded.lora_adapter_tensors().items():
+        assert torch.equal(tensor, adapters[name]), name
 
     policy.export_hf(str(tmp_path / "tp"))
     ours = load_file(tmp_path / "tp" / "model.safetensors")
