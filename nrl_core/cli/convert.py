@@ -17,6 +17,14 @@ worker methods run either way, so the folder written is the same. Otherwise (a m
 checkpoint, a policy whose dependencies live only in its actor venv, or ``--num-workers``) the
 policy's workers start on Ray as in training.
 
+A LoRA policy's checkpoint converts to the merged model (``--lora merged``, the default: the
+policy's ``export_hf``) or to its adapters alone (``--lora adapters``): a PEFT folder
+(``adapter_config.json``, ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained(base_model, OUT_DIR)`` loads on the base model. The adapters
+come from the policy workers' ``lora_adapter_tensors()`` and ``lora_adapter(version)`` (the two
+methods every policy backend that trains adapters implements), so this module stays
+backend-neutral.
+
 Imports stay lazy: ``nrl --help`` must not import torch, ray or transformers.
 """
 
@@ -29,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 FORMATS = ("hf",)
+LORA_EXPORTS = ("merged", "adapters")
+"""``--lora`` values: the adapters merged into the base weights (a full model), or the
+adapters alone (a PEFT folder)."""
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,6 +55,14 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N folder")
     parser.add_argument("--to", choices=FORMATS, default="hf", help="output format (hf)")
     parser.add_argument("out", metavar="OUT_DIR", help="where to write the model folder")
+    parser.add_argument(
+        "--lora",
+        choices=LORA_EXPORTS,
+        default="merged",
+        help="for a LoRA policy: `merged` (default) writes the model with the adapters merged "
+        "into its base weights; `adapters` writes only the adapters, as a PEFT folder "
+        "(adapter_config.json, adapter_model.safetensors) for PeftModel.from_pretrained",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -82,6 +101,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
         quiet=bool(getattr(args, "quiet", False)),
         overwrite=args.overwrite,
+        lora=args.lora,
     )
     if not getattr(args, "quiet", False):
         print(f"wrote {out}")
@@ -97,8 +117,13 @@ def convert(
     num_workers: int | None = None,
     quiet: bool = True,
     overwrite: bool = False,
+    lora: str = "merged",
 ) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face folder ``out``; return ``out``.
+
+    ``lora`` (one of :data:`LORA_EXPORTS`): ``adapters`` writes only a LoRA policy's
+    adapters, as a PEFT folder; a checkpoint of a policy without LoRA refuses it (a
+    :class:`~nrl_core.errors.ConfigError`, before any worker starts).
 
     ``out`` must be new or an empty folder; with ``overwrite`` it may also be a folder that
     holds files, or a symbolic link to a folder: the export's files then replace those of
@@ -126,6 +151,7 @@ def convert(
     algorithm, config = saved_config(step, registry, config_file)
     if config_file is None:
         _warn_dropped_settings(step)
+    _check_lora_export(lora, config, step)
     fmt = detect_format(step, config.policy.backend)
     out = Path(out).resolve()
     policy = config.policy
@@ -142,7 +168,7 @@ def convert(
         num_workers = ranks
     spec = registry.get("policy", policy.backend, key="policy.backend")
     if num_workers is None and loads_in_process(fmt, spec, policy.options_for()):
-        _export_in_process(spec, config, step / POLICY_CHECKPOINT, out)
+        _export_in_process(spec, config, step / POLICY_CHECKPOINT, out, lora)
         return out
     from nrl_core.algorithms.runtime import RunSession  # imports Ray: only on this path
 
@@ -159,11 +185,46 @@ def convert(
             session.policy.load_checkpoint(str(step.resolve() / POLICY_CHECKPOINT))
             # Exported next to OUT and moved in: OUT never holds a half-written export.
             with _filled(out) as tmp:
-                session.policy.export_hf(str(tmp))
+                _export(session.policy, tmp, lora, config)
                 refuse_nonfinite_export(tmp, step)
         finally:
             session.close()
     return out
+
+
+def _check_lora_export(lora: str, config: Any, step: Path) -> None:
+    """Refuse ``--lora`` values that ``config``'s policy cannot give (said before any worker
+    starts)."""
+    from nrl_core.errors import ConfigError
+    from nrl_core.weight_sync.adapters import policy_lora_rank
+
+    if lora not in LORA_EXPORTS:
+        raise ConfigError(f"--lora {lora} is not one of {', '.join(LORA_EXPORTS)}")
+    if lora == "adapters" and policy_lora_rank(config) <= 0:
+        backend = config.policy.backend
+        raise ConfigError(
+            f"--lora adapters: {step} is a policy without LoRA (policy.{backend}.lora_rank is "
+            "0), so it has no adapters to export; drop --lora to convert the full model"
+        )
+
+
+def _export(policy: Any, folder: Path, lora: str, config: Any) -> None:
+    """Write the loaded ``policy`` (a :class:`~nrl_core.policy.Policy`) into ``folder``: its
+    ``export_hf``, or with ``lora="adapters"`` its adapters as a PEFT folder, from the
+    workers' ``lora_adapter_tensors()`` (a collective: every rank takes part; rank 0's full
+    tensors are written) and ``lora_adapter(version)`` (the settings)."""
+    if lora != "adapters":
+        policy.export_hf(str(folder))
+        return
+    from nrl_core.testing.tiny import resolve_model_name
+    from nrl_core.weight_sync.adapters import write_peft_folder
+
+    policy.onload()
+    tensors = policy.group.run_all("lora_adapter_tensors")[0]
+    # A version is what engines cache adapters by; a folder on disk has none of its own.
+    adapter = policy.group.run_one(0, "lora_adapter", 1)
+    base_model = resolve_model_name(config.policy.model_name)
+    write_peft_folder(folder, tensors, adapter, base_model=base_model)
 
 
 @contextlib.contextmanager
@@ -290,9 +351,12 @@ def loads_in_process(fmt: str, spec: Any, options: Any) -> bool:
     return True
 
 
-def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> None:
+def _export_in_process(
+    spec: Any, config: Any, checkpoint: Path, out: Path, lora: str = "merged"
+) -> None:
     """Load ``checkpoint`` into one worker of ``spec`` built here and write ``out`` with its
-    ``export_hf``: the calls the Ray path makes, through the same policy facade."""
+    ``export_hf`` (or its adapters, ``lora="adapters"``): the calls the Ray path makes,
+    through the same policy facade."""
     import warnings
 
     from nrl_core.checkpoint import refuse_nonfinite_export
@@ -310,7 +374,7 @@ def _export_in_process(spec: Any, config: Any, checkpoint: Path, out: Path) -> N
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             policy.load_checkpoint(str(checkpoint.resolve()))
         with _filled(out) as tmp:
-            policy.export_hf(str(tmp))
+            _export(policy, tmp, lora, config)
             refuse_nonfinite_export(tmp, checkpoint.parent)
     finally:
         policy.shutdown()

@@ -51,6 +51,12 @@ class LoraAdapter:
     version: int
     """The refit's number (>= 1, one more each refit of the same engines): engines that cache
     adapters by id (vLLM's ``lora_int_id``) must never reuse a stale one."""
+    task_type: str = "CAUSAL_LM"
+    """PEFT's ``task_type``: ``CAUSAL_LM``, or ``SEQ_CLS`` for a scalar-head (reward) model,
+    whose head then trains whole and travels with the adapters (``modules_to_save``)."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained whole next to the adapters (PEFT's ``modules_to_save``; a scalar
+    head's ``score``), whose full weights are among the adapter tensors; empty for none."""
 
     @property
     def name(self) -> str:
@@ -58,10 +64,11 @@ class LoraAdapter:
         return f"nrl-lora-v{self.version}"
 
     def peft_config(self, base_model: str = "") -> dict[str, Any]:
-        """PEFT's ``adapter_config.json`` for these settings."""
+        """PEFT's ``adapter_config.json`` for these settings (``base_model``: PEFT's
+        ``base_model_name_or_path``, the model the adapters apply to)."""
         return {
             "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
+            "task_type": self.task_type,
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": 0.0,
@@ -70,7 +77,7 @@ class LoraAdapter:
             "fan_in_fan_out": False,
             "use_rslora": False,
             "use_dora": False,
-            "modules_to_save": None,
+            "modules_to_save": list(self.modules_to_save) or None,
             "base_model_name_or_path": base_model,
         }
 
@@ -105,11 +112,17 @@ def inline_bucket(tensors: Mapping[str, torch.Tensor]) -> tuple[BucketMeta, Inli
 
 
 def write_peft_folder(
-    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], adapter: LoraAdapter
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    adapter: LoraAdapter,
+    *,
+    base_model: str = "",
 ) -> Path:
     """Write ``tensors`` (PEFT-named) and ``adapter``'s config as a PEFT adapter folder
     (``adapter_model.safetensors``, ``adapter_config.json``: no pickle) at ``path``, for an
-    engine that loads adapters from disk only. Returns the folder."""
+    engine that loads adapters from disk only and for ``nrl convert --lora adapters``
+    (``base_model``: the model the adapters apply to, PEFT's ``base_model_name_or_path``).
+    Returns the folder."""
     from safetensors.torch import save_file
 
     folder = Path(path)
@@ -118,7 +131,7 @@ def write_peft_folder(
         {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
         str(folder / ADAPTER_WEIGHTS),
     )
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter.peft_config(), indent=1))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter.peft_config(base_model), indent=1))
     return folder
 
 

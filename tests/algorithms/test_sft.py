@@ -147,6 +147,54 @@ def test_nrl_run_sft_on_cpu_decreases_the_loss(tmp_path, run_cli):
     assert (step / "config.yaml").is_file() and (step / "policy").is_dir()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three short runs on Ray: minutes on a loaded 2-core machine
+def test_a_lora_run_resumed_halfway_equals_the_uninterrupted_run(tmp_path):
+    """Issue 52: a LoRA `nrl run sft` on 2 ranks (rank 4, adapter dropout 0.1) stopped after
+    step 2 and resumed to step 4 takes the uninterrupted run's steps 3 and 4 exactly (the same
+    losses and gradient norms, compared with ==) and ends with the same adapters
+    (`nrl convert --lora adapters` of both step_4 checkpoints, tensor for tensor): the
+    adapters' AdamW moments, the schedule's position and each rank's dropout RNG resume."""
+    from safetensors.torch import load_file
+
+    from nrl_core.cli import main
+    from tests.algorithms.test_grpo_cli import metrics, run_nrl
+
+    base = [
+        "policy.num_workers=2",
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8",
+        "policy.optimizer.warmup_steps=3",
+        "policy.dtensor.lora_rank=4",
+        "policy.dtensor.lora_dropout=0.1",
+        "sft.val_period=0",
+        "checkpointing.save_period=2",
+        "cluster.num_cpus=2",
+    ]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    run_nrl(reference, "sft.max_num_steps=4", algorithm="sft", base=base)
+    run_nrl(stopped, "sft.max_num_steps=2", algorithm="sft", base=base)
+    run_nrl(stopped, "sft.max_num_steps=4", algorithm="sft", base=base)  # resume=auto
+    expected = {r["step"]: r for r in metrics(reference) if "train/loss" in r}
+    resumed = {r["step"]: r for r in metrics(stopped) if "train/loss" in r}
+    assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/lr"):
+            assert resumed[step][key] == expected[step][key], (step, key)
+    assert expected[4]["train/loss"] != expected[3]["train/loss"]  # it trains
+
+    adapters = {}
+    for run in (reference, stopped):
+        out = tmp_path / f"{run.name}-adapters"
+        assert main(["convert", str(run / "ckpt" / "step_4"), str(out), "--lora", "adapters"]) == 0
+        adapters[run.name] = load_file(out / "adapter_model.safetensors")
+    assert adapters["reference"].keys() == adapters["stopped"].keys()
+    lora_b = [name for name in adapters["reference"] if ".lora_B." in name]
+    assert lora_b and max(adapters["reference"][n].abs().max() for n in lora_b) > 0
+    for name, tensor in adapters["reference"].items():
+        assert torch.equal(adapters["stopped"][name], tensor), name
+
+
 class _NaNLoss(NLLLoss):
     """The NLL times NaN: every gradient is NaN (what NaN rewards or advantages give)."""
 

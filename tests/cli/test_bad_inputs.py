@@ -132,6 +132,23 @@ def _dcp_offsets_checkpoint(d):
     write_manifest(step)
 
 
+def _checkpoint_without_lora(d):
+    """Issue 52 (h-dtlora): a step folder whose saved config is the sft recipe's, without LoRA
+    (its policy files are never read: `--lora adapters` is refused first)."""
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import write_manifest
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    config = resolve_config("sft", None, [], registry, defaults=default_recipe("sft"))
+    step = d / "ckpt_no_lora" / "step_2"
+    _write(step / "trainer_state.json", json.dumps({"step": 2}))
+    _write(step / "config.yaml", dump_config(config, registry))
+    _write(step / "policy" / "__0_0.distcp", b"z" * 16)
+    write_manifest(step)
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """A folder of broken inputs (and a few good ones), shared by the cases."""
@@ -180,6 +197,7 @@ def d(tmp_path_factory):
     _damaged_checkpoints(d)
     _hostile_checkpoints(d)
     _dcp_offsets_checkpoint(d)
+    _checkpoint_without_lora(d)
     os.mkfifo(d / "fifo.yaml")
     os.mkfifo(d / "fifo.jsonl")
     _write(d / "dup.yaml", "grpo:\n  max_num_steps: 3\nseed: 1\ngrpo:\n  val_period: 2\n")
@@ -561,6 +579,9 @@ CASES = [
     ("megatron_lora_dropout", run("sft", "policy.backend=megatron", "policy.megatron.lora_dropout=1"), "policy.megatron.lora_dropout must be in [0, 1), got 1", {}),
     ("megatron_lora_unknown_target", run("grpo", "policy.backend=megatron", "policy.megatron.lora_rank=8", "policy.megatron.lora_target_modules=[q_proj,lm_head]"), "policy.megatron: lora_target_modules='lm_head' is not a projection of a Megatron decoder layer; use some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or all-linear", {}),
     ("megatron_lora_transformer_engine", run("grpo", "policy.backend=megatron", "policy.megatron.lora_rank=8", "policy.megatron.transformer_engine=true"), "policy.megatron: LoRA (lora_rank > 0) runs on the local layer spec only", {}),
+    # issue 52, h-dtlora
+    ("convert_lora_adapters_without_lora", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "adapters"], "--lora adapters: {d}/ckpt_no_lora/step_2 is a policy without LoRA (policy.dtensor.lora_rank is 0), so it has no adapters to export; drop --lora", {}),
+    ("convert_lora_unknown", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "deltas"], "--lora: invalid choice: 'deltas'", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

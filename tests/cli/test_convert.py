@@ -100,6 +100,79 @@ def test_dtensor_checkpoint_converts_in_process_to_the_policys_own_export(lora_r
     _assert_same_folder(tmp_path / "hf", tmp_path / "expected")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save
+@pytest.mark.parametrize("algorithm", ["sft", pytest.param("rm", marks=pytest.mark.slow)])
+def test_lora_adapters_convert_to_a_peft_folder_with_the_policys_logits(
+    algorithm, tmp_path, capsys
+):
+    """Issue 52: `nrl convert CKPT OUT --lora adapters` writes the adapters alone as a PEFT
+    folder (safetensors, no pickle) that `PeftModel.from_pretrained(base, OUT)` loads with the
+    policy's own logits (a reward model's: its score head, trained whole, travels with the
+    adapters). The default (`merged`): test_dtensor_checkpoint_converts_in_process_to_the_policys_own_export."""
+    import json
+
+    from nrl_dtensor.worker import DTensorPolicyWorker
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from nrl_core.algorithms.recipes import default_recipe
+    from nrl_core.checkpoint import CHECKPOINT_CONFIG, POLICY_CHECKPOINT, CheckpointManager
+    from nrl_core.config.loader import dump_config, resolve_config
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.plugins import PluginHost
+
+    registry = PluginHost.discover().registry()
+    overrides = ["policy.dtensor.lora_rank=4", "policy.dtensor.lora_alpha=8"]
+    defaults = default_recipe(algorithm)
+    config = resolve_config(algorithm, None, overrides, registry, defaults=defaults)
+    worker = DTensorPolicyWorker(config.policy.options_for(), ComponentContext(config, seed=1))
+    with torch.no_grad():  # trained-looking adapters: lora_B starts at zero
+        generator = torch.Generator().manual_seed(0)
+        for param in worker.model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+    def write(folder: Path) -> None:
+        worker.save_checkpoint(str(folder / POLICY_CHECKPOINT))
+        (folder / CHECKPOINT_CONFIG).write_text(dump_config(config, registry))
+
+    CheckpointManager(tmp_path / "ckpt").save(3, write, {})
+    out = tmp_path / "adapters"
+    rc, err = _convert(capsys, str(tmp_path / "ckpt"), str(out), "--lora", "adapters")
+    assert rc == 0, err[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    settings = json.loads((out / "adapter_config.json").read_text())
+    assert (settings["r"], settings["lora_alpha"], settings["peft_type"]) == (4, 8.0, "LORA")
+    assert settings["base_model_name_or_path"] == worker.model_path
+    assert settings["task_type"] == ("SEQ_CLS" if algorithm == "rm" else "CAUSAL_LM")
+
+    input_ids = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 11]])
+    worker.model.eval()
+    with torch.no_grad():
+        ours = worker.model(input_ids=input_ids).logits
+        if algorithm == "rm":
+            base = AutoModelForSequenceClassification.from_pretrained(
+                worker.model_path, num_labels=1, pad_token_id=worker.hf_config.pad_token_id
+            )
+        else:
+            base = AutoModelForCausalLM.from_pretrained(worker.model_path)
+        plain = base(input_ids=input_ids).logits
+        theirs = PeftModel.from_pretrained(base, str(out)).eval()(input_ids=input_ids).logits
+    assert (ours - plain).abs().max() > 1e-3  # the adapters change the logits...
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # ...and load exactly
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_lora_adapters_of_a_policy_without_lora_is_one_line_exit_2(sft_step, tmp_path, capsys):
+    rc, err = _convert(capsys, str(sft_step), str(tmp_path / "out"), "--lora", "adapters")
+    _assert_one_error_line(rc, err, "--lora adapters: ")
+    assert "policy.dtensor.lora_rank is 0" in err and "drop --lora" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_sft_checkpoint_round_trip_gives_identical_logits(tmp_path):
     from nrl_dtensor.worker import DTensorPolicyWorker

@@ -10,7 +10,9 @@ each cast to float32 shard by shard. Non-persistent buffers (rotary ``inv_freq``
 same stream, so they are real on every rank; a fresh reward head is drawn on the reader once.
 Peak host memory: the reader holds the checkpoint in its dtype plus its shards; every other
 rank its shards plus one tensor. LoRA adapters wrap whole weights, so with ``lora_rank > 0``
-each rank fills a whole float32 model (still one disk read) before LoRA and sharding.
+each rank fills a whole float32 model (still one disk read) before LoRA and sharding; under
+tensor parallelism the adapters are split like the weights they adapt
+(:mod:`nrl_dtensor.lora`).
 
 Without ``torch.distributed`` the single process loads the checkpoint in float32 directly.
 """
@@ -154,11 +156,6 @@ class ModelBuilding:
                 "'nrl-dtensor[lora]' into it, or set policy.actor_env=system to run the policy "
                 "in the driver's environment"
             ) from None
-        if self.options.tensor_parallel_size > 1:
-            raise DTensorSetupError(
-                "LoRA does not combine with tensor_parallel_size > 1 yet; set "
-                "policy.dtensor.tensor_parallel_size=1 or lora_rank=0"
-            )
         targets = self.options.lora_target_modules
         config = LoraConfig(
             r=self.options.lora_rank,
@@ -167,7 +164,13 @@ class ModelBuilding:
             target_modules="all-linear" if targets == ["all-linear"] else list(targets),
             task_type="SEQ_CLS" if self.scalar_head else "CAUSAL_LM",
         )
-        return get_peft_model(model, config)
+        # The new adapters are drawn from the run's seed, not from this rank's stream: every
+        # rank, and every layout (replicas, FSDP2 shards, tensor-parallel peers, one process),
+        # starts from the same adapters.
+        devices = [self.device] if self.device_type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.context.seed)
+            return get_peft_model(model, config)
 
     def _build_model(self, path: str, trainable: bool):
         if self.distributed:
@@ -233,6 +236,9 @@ class ModelBuilding:
             parallelize_module,
         )
 
+        if self.options.lora_rank > 0:
+            # The plan names the transformers model's modules; peft's wrapper holds it.
+            model = model.get_base_model()
         config = model.config
         layers = getattr(getattr(model, "model", None), "layers", None)
         from nrl_dtensor.moe import is_moe_model
@@ -262,8 +268,11 @@ class ModelBuilding:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         }
+        from nrl_dtensor.lora import lora_tensor_parallel_plan
+
         for layer in layers:
-            parallelize_module(layer, self.tp_mesh, plan)
+            # LoRA: each adapted projection's base weight and adapter, split to match.
+            parallelize_module(layer, self.tp_mesh, lora_tensor_parallel_plan(layer, plan))
         lm_head = getattr(model, "lm_head", None)
         if isinstance(lm_head, torch.nn.Linear) and not getattr(
             config, "tie_word_embeddings", False

@@ -73,7 +73,9 @@ class DTensorPolicyWorker(ModelBuilding):
         self.sharded: bool | None = None
         """Whether the weights are FSDP2-sharded (``data_parallel``, resolved on the first
         model built); ``False`` without torch.distributed."""
-        torch.manual_seed(context.seed + self.rank)
+        # Tensor-parallel peers share a stream: they run the same replicated computation, and
+        # a dropout (LoRA's) must drop the same entries of the input they share.
+        torch.manual_seed(context.seed + self.dp_rank)
 
         self.model_path, self.tokenizer = model_and_tokenizer(self.policy)
         self.model = self._build_model(self.model_path, trainable=True)
@@ -647,14 +649,16 @@ class DTensorPolicyWorker(ModelBuilding):
 
     def lora_adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter tensors, full and in PEFT's saved names
-        (``base_model.model.<module>.lora_A.weight``). A collective under sharding."""
+        (``base_model.model.<module>.lora_A.weight``), with the modules trained whole beside
+        them (a scalar head's ``score``: PEFT's ``modules_to_save``). A collective under
+        sharding."""
         from peft import get_peft_model_state_dict
 
         with torch.no_grad():
             full = {
                 name: _full(tensor).detach()
                 for name, tensor in self.model.state_dict().items()
-                if ".lora_" in name
+                if ".lora_" in name or ".modules_to_save." in name
             }
         return get_peft_model_state_dict(self.model, state_dict=full)
 
@@ -665,11 +669,14 @@ class DTensorPolicyWorker(ModelBuilding):
         peft_config = self.model.peft_config["default"]
         targets = peft_config.target_modules
         targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+        task_type = peft_config.task_type
         return LoraAdapter(
             rank=int(peft_config.r),
             alpha=float(peft_config.lora_alpha),
             target_modules=targets,
             version=version,
+            task_type=str(getattr(task_type, "value", task_type)),
+            modules_to_save=tuple(sorted(peft_config.modules_to_save or ())),
         )
 
     def push_weights(self, sender, bucket_bytes: int):
