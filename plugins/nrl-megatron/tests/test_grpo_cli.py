@@ -268,8 +268,9 @@ def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, sta
     separate torch engine (``generation.lora_refit``'s ``auto``: adapters): each step's refit
     moves the rank-8 adapters' float32 bytes, not the model's (the merged figure), and the
     engine's logprobs, with the new adapter applied by peft, equal the trainer's. Then
-    ``nrl convert`` of the LoRA checkpoint writes the merged model, whose logprobs are those of
-    the policy that loads the checkpoint."""
+    ``nrl convert`` of the LoRA checkpoint writes the merged model, and with ``--lora adapters``
+    a PEFT folder that peft loads on the base model: both give the logprobs of the policy that
+    loads the checkpoint."""
     import math
 
     from transformers import AutoModelForCausalLM
@@ -312,3 +313,20 @@ def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, sta
     plain = torch.nn.functional.pad(plain.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
     plain = plain * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
     assert (plain - want).abs().max() > 1e-5  # the adapters trained: not the base model
+
+    # The adapters alone (issue 52: `nrl convert` exports adapters from both backends).
+    from peft import PeftModel
+
+    adapters = root / "adapters"
+    nrl(root, "convert", str(root / "ckpt"), str(adapters), "--lora", "adapters")
+    assert {p.name for p in adapters.iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_name("tiny"), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, adapters).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(peft_model(input_ids=ids).logits[:, :-1].float(), -1)
+    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
