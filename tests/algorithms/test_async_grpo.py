@@ -81,6 +81,31 @@ def test_age_one_trains_nothing_older_than_one_step_and_overlaps(tmp_path):
         assert 0 <= (sample["step"] - 1) - runs[0][0] <= 1
 
 
+@pytest.mark.slow
+def test_groups_stream_one_call_each_across_two_engines(tmp_path):
+    """Streaming at its finest grain through the real CLI: one prompt per generate call, two
+    torch engines with a call in flight each, age bound 1; every step trains a full batch
+    within the bound and its samples carry their tokens' versions."""
+    run_nrl(
+        tmp_path,
+        "generation.colocated=false",
+        "generation.num_engines=2",
+        "grpo.max_num_steps=4",
+        "grpo.async.enabled=true",
+        "grpo.async.max_trajectory_age_steps=1",
+        "grpo.async.groups_per_call=1",
+    )
+    trained = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
+    assert len(trained) == 4
+    assert all(0 <= r["async/trajectory_age_max"] <= 1 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    for sample in (s for s in samples if s["split"] == "train"):
+        assert all(0 <= (sample["step"] - 1) - v <= 1 for v, _ in sample["weight_versions"])
+
+
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
     result = run_nrl(tmp_path, "grpo.async.enabled=true", check=False)
     assert result.returncode == 2
