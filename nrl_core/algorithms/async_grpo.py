@@ -82,9 +82,10 @@ class WeightGate:
         """Wait on the gate's condition (held) for ``predicate``, at most ``wait_timeout_s``."""
         if not self._cv.wait_for(predicate, timeout=self.wait_timeout_s):
             raise StuckEngineError(
-                f"{what} waited {self.wait_timeout_s:g} s for generate calls in flight that did "
-                "not return: a generation engine is stuck (raise grpo.async.wait_timeout_s if "
-                "its calls are this slow)"
+                f"{what} waited {self.wait_timeout_s:g} s for the generation engines ("
+                f"{self._in_flight} generate calls in flight, refit running: {self._refitting}) "
+                "and they did not return: a generation engine is stuck (raise "
+                "grpo.async.wait_timeout_s if its calls are this slow)"
             )
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -494,7 +495,8 @@ class GroupProducer:
                 stale = [g for g in self._ready if (step - 1) - g.version > self.max_age]
                 if stale:
                     dropped += len(stale)
-                    self._ready = [g for g in self._ready if g not in stale]
+                    gone = {id(g) for g in stale}
+                    self._ready = [g for g in self._ready if id(g) not in gone]
                     self._slot -= len(stale)  # their slots are drawn again
                     self._cv.notify_all()
                 if len(self._ready) >= self._per_step:
