@@ -41,6 +41,10 @@ import attrs
 
 from nrl_core.errors import NrlError
 
+STOP_JOIN_S = 5.0
+"""How long stopping a producer waits for its threads: the run's error line (a stuck engine)
+must not wait for a call that will never return."""
+
 
 class WeightGate:
     """``generate`` and ``refit`` of a generation backend, kept apart, with the version of the
@@ -319,10 +323,12 @@ class RolloutProducer:
             return len(dropped)
 
     def stop(self) -> None:
+        """Start nothing more; wait a few seconds for the thread (an idle one ends at once; one
+        stuck in a generate call is a daemon and ends with the process)."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=STOP_JOIN_S)
 
 
 @attrs.define
@@ -569,11 +575,14 @@ class GroupProducer:
             return dropped
 
     def stop(self) -> None:
+        """Start nothing more; wait a few seconds for the threads (idle ones end at once; one
+        stuck in a generate call is a daemon and ends with the process)."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+        deadline = time.monotonic() + STOP_JOIN_S
         for thread in self._threads:
-            thread.join(timeout=600)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _bounded_wait(

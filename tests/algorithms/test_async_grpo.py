@@ -282,7 +282,8 @@ def test_a_stuck_engine_is_one_named_error_not_a_hang():
             producer.take(1)
         with pytest.raises(StuckEngineError, match=r"a refit waited 0\.3 s"):
             gate.ensure(1)
-        assert time.monotonic() - started < 5
+        producer.stop()  # the trainer's way out: returns although the call never does
+        assert time.monotonic() - started < 10
     finally:
         release.set()
         producer.stop()
