@@ -249,6 +249,11 @@ class GenerationOutput:
     routing_weights: list[Any] | None = None
     """The gate weights of :attr:`routed_experts`' experts, per sample a float array of the
     same shape, when the engine gives them (the torch engine; vLLM returns ids only)."""
+    weight_versions: list[list[int]] | None = None
+    """Per sample, the version of the weights (optimizer steps in them, >= 0) that generated
+    each of its :attr:`token_ids`. An engine that refits while a call runs fills it; otherwise
+    :class:`~nrl_core.algorithms.async_grpo.WeightGate` does (a refit waits for the calls in
+    flight, so one call has one version). None when unknown (no refit yet)."""
 
     @staticmethod
     def concat(parts: Sequence[GenerationOutput]) -> GenerationOutput:
@@ -268,6 +273,11 @@ class GenerationOutput:
             routing_weights=(
                 [w for part in weights for w in part]
                 if parts and all(w is not None for w in weights)
+                else None
+            ),
+            weight_versions=(
+                [v for part in parts for v in part.weight_versions]
+                if parts and all(part.weight_versions is not None for part in parts)
                 else None
             ),
         )

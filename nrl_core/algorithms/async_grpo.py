@@ -1,14 +1,17 @@
 """Asynchronous GRPO: separate engines generate the next steps' rollouts while the trainer
 trains (``grpo.async``).
 
-Two pieces, both in the driver:
+Three pieces, all in the driver:
 
 * :class:`WeightGate` stands between the generation backend and everyone who calls it. It
-  serialises ``generate`` calls and refits, and knows which weights the engines hold (the
-  *version*: the number of optimizer steps in them). A refit waits for the call in flight,
-  which therefore finishes on the old weights; so the version read when a batch starts is the
-  oldest version any of its calls used.
-* :class:`RolloutProducer` is a background thread that runs the trainer's own ``collect`` for
+  keeps refits apart from ``generate`` calls (and, unless ``concurrent``, the calls apart from
+  one another), and knows which weights the engines hold (the *version*: the number of
+  optimizer steps in them). A refit waits for the calls in flight, which therefore finish on
+  the old weights; so the version read when a call starts is the version of every token it
+  generates (the gate records it per token: ``GenerationOutput.weight_versions``).
+* :class:`GroupProducer` (the default) streams finished *groups* to the trainer, which
+  trains a step as soon as it holds ``num_prompts_per_step`` of them (see its docstring).
+* :class:`RolloutProducer` (with DAPO dynamic sampling) is a background thread that runs the trainer's own ``collect`` for
   step after step. It starts the batch of step ``k`` only when the engines hold weights of
   step ``k - 1 - max_trajectory_age_steps`` or newer and fewer than ``max_buffer_size``
   batches wait; finished batches wait in a buffer keyed by step. With
@@ -38,53 +41,115 @@ import attrs
 
 from nrl_core.errors import NrlError
 
+STOP_JOIN_S = 5.0
+"""How long stopping a producer waits for its threads: the run's error line (a stuck engine)
+must not wait for a call that will never return."""
+
 
 class WeightGate:
-    """``generate`` and ``refit`` of a generation backend, serialised, with the version of the
+    """``generate`` and ``refit`` of a generation backend, kept apart, with the version of the
     weights the engines hold (``None`` until the first refit) and the seconds spent
     generating (for the engines' idle fraction).
 
     ``holds_weights`` says whether the engines still hold their last refit's weights
     (:attr:`nrl_core.generation.GenerationEngines.holds_weights`: False once colocated engines
     slept with their weights dropped); when it is False, :meth:`ensure` refits even for the
-    version it recorded. Default: always (generation inside the policy workers)."""
+    version it recorded. Default: always (generation inside the policy workers).
+
+    ``concurrent``: generate calls may overlap one another (a refit still excludes them all);
+    only for backends that are safe to call from several threads (separate engines, which
+    serialise what they must themselves). ``wait_timeout_s``: the longest a refit waits for
+    the calls in flight (> 0; None: no bound) before it raises :class:`StuckEngineError`."""
 
     def __init__(
         self,
         generate: Callable[..., Any],
         refit: Callable[[], float],
         holds_weights: Callable[[], bool] = lambda: True,
+        *,
+        concurrent: bool = False,
+        wait_timeout_s: float | None = None,
     ) -> None:
         self._generate = generate
         self._refit = refit
         self._holds_weights = holds_weights
-        self._lock = threading.Lock()
+        self.concurrent = concurrent
+        self.wait_timeout_s = wait_timeout_s
+        self._cv = threading.Condition()
+        self._in_flight = 0
+        self._refitting = False
         self.version: int | None = None
         self.busy_s = 0.0
         self.on_change: Callable[[], None] = lambda: None
 
+    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait on the gate's condition (held) for ``predicate``, at most ``wait_timeout_s``."""
+        if not self._cv.wait_for(predicate, timeout=self.wait_timeout_s):
+            raise StuckEngineError(
+                f"{what} waited {self.wait_timeout_s:g} s for the generation engines ("
+                f"{self._in_flight} generate calls in flight, refit running: {self._refitting}) "
+                "and they did not return: a generation engine is stuck (raise "
+                "grpo.async.wait_timeout_s if its calls are this slow)"
+            )
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            started = time.perf_counter()
-            try:
-                return self._generate(*args, **kwargs)
-            finally:
+        with self._cv:
+            if self.concurrent:
+                self._wait(lambda: not self._refitting, "generate")
+            else:
+                self._wait(lambda: not self._refitting and self._in_flight == 0, "generate")
+            self._in_flight += 1
+            version = self.version  # no refit until this call returns: its only version
+        started = time.perf_counter()
+        try:
+            return _tag_versions(self._generate(*args, **kwargs), version)
+        finally:
+            with self._cv:
+                self._in_flight -= 1
                 self.busy_s += time.perf_counter() - started
+                self._cv.notify_all()
 
     def ensure(self, version: int) -> float:
         """Refit the engines to the policy's current weights, which hold ``version`` optimizer
-        steps, unless they already do; returns the refit's seconds (0 when none ran)."""
+        steps, unless they already do; returns the refit's seconds (0 when none ran). The
+        refit waits for the generate calls in flight, which finish on the old weights."""
         if self.version == version and self._holds_weights():
             return 0.0
-        with self._lock:
+        with self._cv:
+            self._wait(lambda: not self._refitting, "a refit")
+            self._refitting = True
+            try:
+                self._wait(lambda: self._in_flight == 0, "a refit")
+            except BaseException:
+                self._refitting = False
+                self._cv.notify_all()
+                raise
+        try:
             seconds = self._refit()
             self.version = version
+        finally:
+            with self._cv:
+                self._refitting = False
+                self._cv.notify_all()
         self.on_change()
         return seconds
 
     def invalidate(self) -> None:
         """Forget the version: the next :meth:`ensure` refits whatever the engines hold."""
         self.version = None
+
+
+def _tag_versions(output: Any, version: int | None) -> Any:
+    """``output`` with :attr:`~nrl_core.interfaces.GenerationOutput.weight_versions` set to
+    ``version`` for every token, unless the engine recorded them (or no version is known)."""
+    if version is None or getattr(output, "weight_versions", False) is not None:
+        return output
+    versions = [[version] * len(ids) for ids in output.token_ids]
+    return attrs.evolve(output, weight_versions=versions)
+
+
+class StuckEngineError(NrlError):
+    """A bounded wait of the asynchronous loop ran out (``grpo.async.wait_timeout_s``)."""
 
 
 @attrs.define
@@ -113,6 +178,7 @@ class RolloutProducer:
         first_step, last_step: the steps to produce.
         max_age: ``grpo.async.max_trajectory_age_steps``.
         max_buffer: ``grpo.async.max_buffer_size``.
+        wait_timeout_s: the longest :meth:`take` and :meth:`paused` wait (None: no bound).
     """
 
     def __init__(
@@ -126,8 +192,10 @@ class RolloutProducer:
         last_step: int,
         max_age: int,
         max_buffer: int,
+        wait_timeout_s: float | None = None,
     ) -> None:
         self._collect = collect
+        self.wait_timeout_s = wait_timeout_s
         self._no_signal = no_signal
         self._gate = gate
         self._stream = stream
@@ -199,15 +267,14 @@ class RolloutProducer:
     def take(self, step: int) -> Produced:
         """Wait for the batch of ``step``; a failure of the producer is raised here."""
         with self._cv:
-            while step not in self._ready:
-                if self._error is not None:
-                    raise self._error
-                if not self._thread.is_alive():
-                    raise NrlError("the rollout producer stopped without a batch for this step")
-                self._cv.wait(timeout=1.0)
+            self._bounded_wait(lambda: step in self._ready, f"waited for the batch of step {step}")
             produced = self._ready.pop(step)
             self._cv.notify_all()  # room in the buffer
             return produced
+
+    def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
+        _bounded_wait(self, predicate, what, [self._thread], lambda: int(self._busy))
 
     def regenerate(self, step: int) -> None:
         """Produce ``step`` again, before anything else (its batch was too old)."""
@@ -226,7 +293,13 @@ class RolloutProducer:
         """Let the batch in flight finish, start nothing new meanwhile."""
         with self._cv:
             self._paused = True
-            self._cv.wait_for(lambda: not self._busy)
+            try:
+                self._bounded_wait(
+                    lambda: not self._busy, "paused the producer (validation, checkpoint)"
+                )
+            except BaseException:
+                self._paused = False
+                raise
         try:
             yield
         finally:
@@ -250,7 +323,289 @@ class RolloutProducer:
             return len(dropped)
 
     def stop(self) -> None:
+        """Start nothing more; wait a few seconds for the thread (an idle one ends at once; one
+        stuck in a generate call is a daemon and ends with the process)."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=STOP_JOIN_S)
+
+
+@attrs.define
+class Group:
+    """One prompt's finished group from the :class:`GroupProducer`."""
+
+    index: int
+    """The prompt's place in the order the producer drew prompts (since it last started)."""
+    episodes: Any
+    """The group's rolled-out episodes (whatever ``roll`` returned for it)."""
+    version: int
+    """The weights' version when the call that generated it started."""
+    seconds: float
+    """How long that call took."""
+
+
+@attrs.define
+class TakenGroups:
+    """One step's groups from :meth:`GroupProducer.take`, ordered by prompt index."""
+
+    groups: list[Group]
+    dropped: int
+    """Groups found older than the age bound and dropped on the way (counted, regenerated)."""
+
+
+class GroupProducer:
+    """Sample-level streaming (``grpo.async``): background threads generate *groups* and hand
+    each finished one to the trainer, which trains a step as soon as it has
+    ``groups_per_step`` of them, whichever calls they came from; a call of long samples holds
+    back no group of a call that finished before it.
+
+    Prompts are drawn in order, ``groups_per_call`` at a time (a call never spans two steps):
+    the prompt of slot ``j`` (its place among the groups still to train) is meant for step
+    ``first_step + j // groups_per_step``, and its call starts only once the engines hold
+    weights of that step ``- 1 - max_age`` or newer (admission, as :class:`RolloutProducer`
+    does for batches) and fewer than ``max_buffer * groups_per_step`` groups are waiting or
+    in flight. The trainer takes the oldest finished groups first; a group that finished so
+    late that it would be older than the bound is dropped (counted in
+    :attr:`TakenGroups.dropped`) and its slot drawn again. With ``max_age=0`` every call of
+    step ``k`` starts after the refit that ends step ``k - 1`` and the step is exactly its own
+    prompts in prompt order; with ``groups_per_call = groups_per_step`` that is one call per
+    step, the synchronous loop's.
+
+    Args:
+        draw: ``draw(count)`` takes the next ``count`` prompts from the data stream (called
+            in prompt order, under the producer's lock).
+        roll: ``roll(step, offset, drawn)`` generates one call's groups (one per drawn
+            prompt, in order) for ``step``; ``offset`` is the first one's place in its step
+            (for the call's seed).
+        gate, stream: as for :class:`RolloutProducer`.
+        groups_per_step: ``grpo.num_prompts_per_step``.
+        groups_per_call: prompts per generate call (1 to ``groups_per_step``).
+        calls_in_flight: generate calls the producer keeps running at once (>= 1; they
+            overlap only when the gate is ``concurrent``).
+        wait_timeout_s: the longest :meth:`take` and :meth:`paused` wait (None: no bound).
+    """
+
+    def __init__(
+        self,
+        draw: Callable[[int], Any],
+        roll: Callable[[int, int, Any], list],
+        gate: WeightGate,
+        stream: Any,
+        *,
+        first_step: int,
+        last_step: int,
+        max_age: int,
+        max_buffer: int,
+        groups_per_step: int,
+        groups_per_call: int,
+        calls_in_flight: int = 1,
+        wait_timeout_s: float | None = None,
+    ) -> None:
+        if not 1 <= groups_per_call <= groups_per_step:
+            raise ValueError(f"groups_per_call {groups_per_call} not in 1..{groups_per_step}")
+        self._draw = draw
+        self._roll = roll
+        self._gate = gate
+        self._stream = stream
+        self._last_step = last_step
+        self.max_age = max_age
+        self._per_step = groups_per_step
+        self._per_call = groups_per_call
+        self._max_groups = max_buffer * groups_per_step
+        self.wait_timeout_s = wait_timeout_s
+        self._cv = threading.Condition()
+        self._ready: list[Group] = []
+        self._states: dict[int, dict] = {}  # first index of a call in the buffer -> stream state
+        self._first_step = first_step
+        self._slot = 0  # the next prompt's slot among the groups still to train
+        self._index = 0  # the next prompt's index
+        self._in_flight = 0  # groups being generated
+        self._paused = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        gate.on_change = self._wake
+        self._threads = [
+            threading.Thread(target=self._run, name=f"nrl-groups-{i}", daemon=True)
+            for i in range(calls_in_flight)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _startable(self) -> tuple[int, int, int] | None:
+        """``(step, offset, count)`` of the next call, if admission and the buffer allow it."""
+        if self._stopped or self._paused or self._error is not None:
+            return None
+        step = self._first_step + self._slot // self._per_step
+        offset = self._slot % self._per_step
+        count = min(self._per_call, self._per_step - offset)
+        version = self._gate.version
+        if step > self._last_step or version is None:
+            return None
+        if len(self._ready) + self._in_flight + count > self._max_groups:
+            return None
+        return (step, offset, count) if version >= step - 1 - self.max_age else None
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._stopped or self._startable() is not None)
+                    if self._stopped:
+                        return
+                    start = self._startable()
+                    assert start is not None
+                    step, offset, count = start
+                    first, version = self._index, self._gate.version
+                    assert version is not None
+                    state = self._stream.state()
+                    drawn = self._draw(count)
+                    self._slot += count
+                    self._index += count
+                    self._in_flight += count
+                started = time.perf_counter()
+                try:
+                    rolled = self._roll(step, offset, drawn)
+                finally:
+                    with self._cv:
+                        self._in_flight -= count
+                        self._cv.notify_all()
+                seconds = time.perf_counter() - started
+                with self._cv:
+                    self._states[first] = state
+                    self._ready.extend(
+                        Group(first + i, episodes, version, seconds)
+                        for i, episodes in enumerate(rolled)
+                    )
+                    self._cv.notify_all()
+        except BaseException as exc:  # handed to the trainer, which raises it
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+    def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
+        _bounded_wait(self, predicate, what, self._threads, lambda: self._in_flight)
+
+    def take(self, step: int) -> TakenGroups:
+        """Wait for ``groups_per_step`` finished groups young enough for ``step`` (the
+        weights of ``step - 1`` train them), the oldest prompts first; drop older ones."""
+        dropped = 0
+        with self._cv:
+            while True:
+                self._ready.sort(key=lambda g: g.index)
+                stale = [g for g in self._ready if (step - 1) - g.version > self.max_age]
+                if stale:
+                    dropped += len(stale)
+                    gone = {id(g) for g in stale}
+                    self._ready = [g for g in self._ready if id(g) not in gone]
+                    self._slot -= len(stale)  # their slots are drawn again
+                    self._cv.notify_all()
+                if len(self._ready) >= self._per_step:
+                    break
+                self._bounded_wait(
+                    lambda: len(self._ready) >= self._per_step or self._error is not None,
+                    f"waited for the rollouts of step {step}",
+                )
+                if self._error is not None:
+                    raise self._error
+            taken = self._ready[: self._per_step]
+            del self._ready[: self._per_step]
+            # Keep the stream state of the call of the oldest group still waiting (discard).
+            if self._ready:
+                oldest = self._ready[0].index
+                keep = max(i for i in self._states if i <= oldest)
+                self._states = {i: st for i, st in self._states.items() if i >= keep}
+            else:
+                self._states.clear()
+            self._slot -= self._per_step
+            self._first_step = step + 1
+            self._cv.notify_all()  # room in the buffer
+            return TakenGroups(taken, dropped)
+
+    @property
+    def buffered(self) -> int:
+        """Finished groups waiting for the trainer."""
+        with self._cv:
+            return len(self._ready)
+
+    def waiting(self) -> list[int]:
+        """The prompt indices of the finished groups waiting for the trainer, in order."""
+        with self._cv:
+            return sorted(g.index for g in self._ready)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Let the calls in flight finish, start nothing new meanwhile."""
+        with self._cv:
+            self._paused = True
+            try:
+                self._bounded_wait(
+                    lambda: self._in_flight == 0, "paused the producer (validation, checkpoint)"
+                )
+            except BaseException:
+                self._paused = False
+                raise
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused = False
+                self._cv.notify_all()
+
+    def discard(self, next_step: int) -> int:
+        """Drop every finished group (call while :meth:`paused`) and rewind the data stream to
+        where the call of the oldest of them began, so that production restarts at
+        ``next_step`` from there (groups of that call that were trained already are drawn
+        again). Returns how many groups were dropped."""
+        with self._cv:
+            dropped = len(self._ready)
+            if self._ready:
+                oldest = min(g.index for g in self._ready)
+                first = max(i for i in self._states if i <= oldest)
+                self._stream.load_state(self._states[first])
+            self._ready.clear()
+            self._states.clear()
+            self._first_step, self._slot = next_step, 0
+            self._gate.invalidate()
+            return dropped
+
+    def stop(self) -> None:
+        """Start nothing more; wait a few seconds for the threads (idle ones end at once; one
+        stuck in a generate call is a daemon and ends with the process)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        deadline = time.monotonic() + STOP_JOIN_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _bounded_wait(
+    producer: Any,
+    predicate: Callable[[], bool],
+    what: str,
+    threads: list[threading.Thread],
+    in_flight: Callable[[], int],
+) -> None:
+    """Wait on ``producer._cv`` (held) for ``predicate``; raise the producer's failure, a
+    producer that died, or :class:`StuckEngineError` after ``producer.wait_timeout_s``."""
+    timeout = producer.wait_timeout_s
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not predicate():
+        if producer._error is not None:
+            raise producer._error
+        if not any(t.is_alive() for t in threads):
+            raise NrlError(f"the rollout producer stopped while the trainer {what}")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise StuckEngineError(
+                f"the trainer {what} for {timeout:g} s and no rollout came ({in_flight()} "
+                "generate calls or groups in flight): a generation engine is stuck (raise "
+                "grpo.async.wait_timeout_s if its calls are this slow)"
+            )
+        producer._cv.wait(timeout=1.0 if left is None else min(1.0, left))

@@ -27,7 +27,7 @@ from nrl_core.algorithms.advantages import (
     overlong_sample_mask,
     reinforce_plus_plus_advantages,
 )
-from nrl_core.algorithms.async_grpo import RolloutProducer, WeightGate
+from nrl_core.algorithms.async_grpo import GroupProducer, RolloutProducer, TakenGroups, WeightGate
 from nrl_core.algorithms.rollout import (
     Episode,
     apply_trajectory,
@@ -98,7 +98,7 @@ class GRPOTrainer:
         self.config: GRPOConfig = session.config
         self.grpo = self.config.grpo
         self.gate: WeightGate = session.gate
-        self.producer: RolloutProducer | None = None
+        self.producer: RolloutProducer | GroupProducer | None = None
         self.async_options = self.grpo.async_
 
     # -- one step ---------------------------------------------------------------------------
@@ -160,6 +160,27 @@ class GRPOTrainer:
                 break
         if not episodes:  # dynamic sampling found no group with signal; train on nothing
             raise _NoSignal()
+        return self.step_data(episodes, generation_s)
+
+    def roll_groups(self, step: int, offset: int, samples: list) -> list[list[Episode]]:
+        """Roll out one generate call's groups for ``step`` (the streaming producer's unit:
+        :class:`~nrl_core.algorithms.async_grpo.GroupProducer`): one group per sample, in
+        order. ``offset`` is the first prompt's place in its step: the call's seed moves with
+        it, so offset 0 samples what :meth:`collect` samples for the same prompts."""
+        s, grpo = self.session, self.grpo
+        params = sampling_params(self.config, s.tokenizer, step=step)
+        if params.seed is not None and offset:
+            params = attrs.evolve(params, seed=params.seed + 104_729 * offset)
+        episodes = start_episodes(samples, s.codec, grpo.num_generations_per_prompt)
+        self.roll_out(episodes, params)
+        groups: dict[int, list[Episode]] = {}
+        for episode in episodes:
+            groups.setdefault(episode.group, []).append(episode)
+        return [groups[g] for g in sorted(groups)]
+
+    def step_data(self, episodes: list[Episode], generation_s: float) -> StepData:
+        """One step's :class:`StepData` from its rolled-out episodes (groups numbered)."""
+        grpo = self.grpo
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
         groups = [e.group for e in episodes]
         if grpo.advantage_estimator == "grpo":
@@ -187,11 +208,53 @@ class GRPOTrainer:
         data = self.collect(step)
         return self.train_on(step, data, step_start=step_start, refit_s=refit_s)
 
+    def streaming_step(self, step: int) -> dict[str, float]:
+        """One asynchronous step with group streaming: refit, take ``num_prompts_per_step``
+        finished groups from the producer (each generated with weights at most
+        ``max_trajectory_age_steps`` older), train on them in prompt order."""
+        producer = self.producer
+        assert isinstance(producer, GroupProducer)
+        step_start = time.perf_counter()
+        busy_before = self.gate.busy_s
+        refit_s = self.gate.ensure(step - 1)
+        waited = time.perf_counter()
+        taken: TakenGroups = producer.take(step)
+        waited = time.perf_counter() - waited
+        buffered = producer.buffered
+        episodes: list[Episode] = []
+        ages: list[float] = []
+        for number, group in enumerate(taken.groups):
+            for episode in group.episodes:
+                episode.group = number
+                episodes.append(episode)
+                ages.append(float((step - 1) - group.version))
+        data = self.step_data(episodes, waited)
+        metrics = self.train_on(
+            step, data, step_start=step_start, refit_s=refit_s, generation_s=waited
+        )
+        step_s = metrics["timing/step_s"]
+        size = self.grpo.num_generations_per_prompt
+        metrics.update(
+            {
+                "async/trajectory_age_mean": sum(ages) / len(ages),
+                "async/trajectory_age_max": max(ages),
+                "async/dropped_stale": float(taken.dropped * size),
+                "async/buffer_size": float(buffered * size),
+                "async/generation_s": max(g.seconds for g in taken.groups),
+                "async/engine_idle_fraction": max(
+                    0.0, 1.0 - (self.gate.busy_s - busy_before) / step_s
+                )
+                if step_s > 0
+                else 0.0,
+            }
+        )
+        return metrics
+
     def async_step(self, step: int) -> dict[str, float]:
         """One asynchronous step: refit, take the producer's batch for this step (generated
         meanwhile, with weights at most ``max_trajectory_age_steps`` older), train on it."""
         producer = self.producer
-        assert producer is not None
+        assert isinstance(producer, RolloutProducer)
         step_start = time.perf_counter()
         busy_before = self.gate.busy_s
         refit_s = self.gate.ensure(step - 1)
@@ -540,16 +603,7 @@ class GRPOTrainer:
                     )
             self.log_start(metrics)
         if self.async_options.enabled:
-            self.producer = RolloutProducer(
-                self.collect,
-                _NoSignal,
-                self.gate,
-                s.train_stream,
-                first_step=start_step + 1,
-                last_step=grpo.max_num_steps,
-                max_age=self.async_options.max_trajectory_age_steps,
-                max_buffer=self.async_options.max_buffer_size,
-            )
+            self.producer = self.start_producer(start_step)
         try:
             self._steps(start_step)
         finally:
@@ -557,6 +611,50 @@ class GRPOTrainer:
                 self.producer.stop()
         s.summary()
         return 0
+
+    @property
+    def streams_groups(self) -> bool:
+        """Whether the async producer streams groups (:class:`GroupProducer`): not with DAPO
+        dynamic sampling, nor for a trainer with a ``collect`` of its own (whole batches)."""
+        return not getattr(self.grpo, "dynamic_sampling", False) and (
+            type(self).collect is GRPOTrainer.collect
+        )
+
+    def start_producer(self, start_step: int) -> RolloutProducer | GroupProducer:
+        """The background producer of ``grpo.async`` (see nrl_core.algorithms.async_grpo)."""
+        s, grpo, options = self.session, self.grpo, self.async_options
+        # Separate engines serialise what they must themselves: calls may overlap there.
+        engines = getattr(s, "generation_engines", None)
+        self.gate.concurrent = engines is not None
+        self.gate.wait_timeout_s = options.wait_timeout_s
+        if self.streams_groups:
+            per_step = grpo.num_prompts_per_step
+            per_call = min(options.groups_per_call or per_step, per_step)
+            return GroupProducer(
+                s.train_stream.take,
+                self.roll_groups,
+                self.gate,
+                s.train_stream,
+                first_step=start_step + 1,
+                last_step=grpo.max_num_steps,
+                max_age=options.max_trajectory_age_steps,
+                max_buffer=options.max_buffer_size,
+                groups_per_step=per_step,
+                groups_per_call=per_call,
+                calls_in_flight=max(1, engines.num_engines if engines is not None else 1),
+                wait_timeout_s=options.wait_timeout_s,
+            )
+        return RolloutProducer(
+            self.collect,
+            _NoSignal,
+            self.gate,
+            s.train_stream,
+            first_step=start_step + 1,
+            last_step=grpo.max_num_steps,
+            max_age=options.max_trajectory_age_steps,
+            max_buffer=options.max_buffer_size,
+            wait_timeout_s=options.wait_timeout_s,
+        )
 
     def log_start(self, metrics: dict[str, float]) -> None:
         """Log step 0 (a fresh run's warm-up and first validation, ``metrics``) with what loading
@@ -568,7 +666,12 @@ class GRPOTrainer:
 
     def _steps(self, start_step: int) -> None:
         s, grpo, producer = self.session, self.grpo, self.producer
-        step_fn = self.train_step if producer is None else self.async_step
+        if producer is None:
+            step_fn = self.train_step
+        else:
+            step_fn = (
+                self.streaming_step if isinstance(producer, GroupProducer) else self.async_step
+            )
         with s.progress(grpo.max_num_steps, start_step, self.honest_fields()) as advance:
             for step in range(start_step + 1, grpo.max_num_steps + 1):
                 try:

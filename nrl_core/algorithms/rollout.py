@@ -242,6 +242,10 @@ class Episode:
     routing_weights: Any = None
     """The engine's gate weights of those experts (float32, same shape), or None when it gave
     none."""
+    weight_versions: list[int] = attrs.field(factory=list)
+    """The weights' version (optimizer steps, :attr:`~nrl_core.interfaces.GenerationOutput.
+    weight_versions`) of each generated token, in order (the tokens where ``loss_mask`` is 1
+    that the rollout generated); empty when the engine's versions are unknown."""
 
     def __attrs_post_init__(self) -> None:
         if not self.loss_mask:
@@ -338,6 +342,8 @@ def rollout(
             if len(ids) > budget:
                 ids, logprobs, reason = ids[:budget], logprobs[:budget], "length"
             episode.append(ids, generated=True, logprobs=logprobs)
+            if output.weight_versions is not None:
+                episode.weight_versions.extend(output.weight_versions[index][: len(ids)])
             if output.routed_experts is not None:
                 weights = output.routing_weights
                 episode.record_routing(

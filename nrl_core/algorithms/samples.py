@@ -18,7 +18,9 @@ def sample_records(
     before the response), ``completion`` (the response text; a multi-turn one as ``role:
     content`` lines with the observations between), ``answer`` (the sample's reference, None
     without one), ``reward``, ``advantage`` (when ``advantages``, aligned with ``episodes``, are
-    given) and ``finish_reason``."""
+    given), ``finish_reason`` and ``weight_versions`` (the versions of the weights that
+    generated the response's tokens, as ``[version, tokens]`` runs in token order; empty when
+    unknown)."""
     records = []
     for index, e in enumerate(episodes):
         cut = response_start(e.messages)
@@ -37,6 +39,7 @@ def sample_records(
         if advantages is not None:
             record["advantage"] = float(advantages[index])
         record["finish_reason"] = e.finish_reason
+        record["weight_versions"] = version_runs(e.weight_versions)
         records.append(record)
     return records
 
@@ -59,3 +62,14 @@ def response_start(messages: Sequence[dict[str, Any]]) -> int:
     while cut > 0 and messages[cut - 1].get("role") == "assistant":
         cut -= 1
     return cut
+
+
+def version_runs(versions: Sequence[int]) -> list[list[int]]:
+    """``versions`` as ``[version, count]`` runs, in order: ``[3, 3, 4]`` -> ``[[3, 2], [4, 1]]``."""
+    runs: list[list[int]] = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(version), 1])
+    return runs

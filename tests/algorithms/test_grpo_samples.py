@@ -40,7 +40,7 @@ def generated(content, role="assistant"):
 
 
 def test_records_split_prompt_and_completion_and_carry_answer_reward_and_advantage():
-    single = episode(generated("7"), reward=1.0)
+    single = episode(generated("7"), reward=1.0, weight_versions=[3, 3, 4])
     multi = episode(
         generated("let me check"), generated("it is 7", role="user"), generated("7"), reward=0.5
     )
@@ -62,7 +62,9 @@ def test_records_split_prompt_and_completion_and_carry_answer_reward_and_advanta
         "reward": 1.0,
         "advantage": 1.5,
         "finish_reason": "stop",
+        "weight_versions": [[3, 2], [4, 1]],  # two tokens of version 3, then one of 4
     }
+    assert records[1]["weight_versions"] == []  # unknown: no version recorded
     assert records[1]["prompt"] == PROMPT
     assert records[1]["completion"] == "assistant: let me check\nuser: it is 7\nassistant: 7"
     assert records[1]["advantage"] == -0.5

@@ -45,6 +45,23 @@ class AsyncSection:
         "producer pauses when the buffer is full.",
         validator=ge(1),
     )
+    groups_per_call: int = option(
+        0,
+        "Prompts (groups) per generate call of the producer (0 or more; 0: "
+        "`grpo.num_prompts_per_step`, one call per step as the synchronous loop makes; larger "
+        "values are capped there). Each finished call hands its groups to the trainer at once, "
+        "which trains a step as soon as it holds `num_prompts_per_step` groups: smaller calls "
+        "keep a long-tailed call from holding back groups that are done. Not with "
+        "`grpo.dynamic_sampling` (whole-step batches).",
+        validator=ge(0),
+    )
+    wait_timeout_s: float = option(
+        1800.0,
+        "The longest the trainer waits for rollouts, and a refit or pause for the generate "
+        "calls in flight, in seconds (> 0); past it the run stops with one line naming the "
+        "stuck engine wait instead of hanging.",
+        validator=gt(0),
+    )
 
 
 @attrs.define

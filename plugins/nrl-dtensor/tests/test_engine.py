@@ -210,3 +210,55 @@ def test_lora_refits_send_only_the_adapters_and_the_engine_follows_the_trainer(
     finally:
         adapters.shutdown()
         merged.shutdown()
+
+
+# -- in-flight refits and per-token weight versions (issue 51 item 2) ---------------------------
+
+
+def test_a_refit_lands_between_decode_steps_of_a_call_in_flight(tiny_path):
+    """A refit sent while a call generates (from another thread, after the call's fourth
+    forward) is staged and swapped in before the fifth: every row's first four tokens are
+    version 0's (what the old weights generate alone) and carry version 0, the rest carry
+    version 1, and afterwards the engine holds the new weights."""
+    import threading
+
+    from nrl_dtensor.engine import TorchEngine
+
+    from nrl_core.weight_sync.shm import send_shm
+
+    config = make_config(tiny_path)
+    engine = TorchEngine(TorchGenerationConfig(colocated=False, stop_at_eos=False), context(config))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    assert engine.generate(PROMPTS, greedy).weight_versions is None  # version unknown yet
+    engine.set_weight_version(0)
+    old = engine.generate(PROMPTS, greedy)
+    assert old.weight_versions == [[0] * 10] * len(PROMPTS)
+    new_state = {n: t * 1.5 if t.is_floating_point() else t for n, t in engine.state_dict().items()}
+
+    def refit() -> None:
+        engine.begin_weight_update()
+        send_shm(new_state, engine.receive_bucket, lambda received: received)
+        engine.finish_weight_update()
+
+    forwards = []
+
+    def refit_after_fourth_forward(module, args) -> None:
+        forwards.append(1)
+        if len(forwards) == 4:  # the refit runs to its end before this forward returns
+            thread = threading.Thread(target=refit)
+            thread.start()
+            thread.join(30)
+
+    hook = engine.model.register_forward_pre_hook(refit_after_fourth_forward)
+    try:
+        mixed = engine.generate(PROMPTS, greedy)
+    finally:
+        hook.remove()
+    assert mixed.weight_versions == [[0] * 4 + [1] * 6] * len(PROMPTS)
+    assert [row[:4] for row in mixed.token_ids] == [row[:4] for row in old.token_ids]
+    assert mixed.token_ids != old.token_ids  # the new weights generated the rest
+    assert engine.weight_version == 1
+    held = engine.state_dict()
+    assert all(torch.equal(held[n], new_state[n]) for n in new_state)
+    after = engine.generate(PROMPTS, greedy)
+    assert after.weight_versions == [[1] * 10] * len(PROMPTS)

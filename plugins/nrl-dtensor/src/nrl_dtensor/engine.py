@@ -10,12 +10,21 @@ buckets. On CPU it makes that whole path run for real.
 Engine ``e`` samples with seed stream ``e`` (the stream colocated rank ``e`` uses), so
 ``num_engines`` engines given the weights of a policy with as many ranks sample exactly what
 colocated generation samples.
+
+In-flight refits (issue 51 item 2): a refit that arrives while a call generates (an actor
+that takes calls concurrently) is staged and swapped in between two decode steps; once the
+engine knows its weights' version (:meth:`TorchEngine.set_weight_version`), every generated
+token records the version that produced it (``GenerationOutput.weight_versions``). The KV
+cache of the tokens before the swap keeps the old weights' keys and values, as in vLLM's
+in-flight updates.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from nrl_core import memory_contract
@@ -52,6 +61,55 @@ class TorchEngine:
         """The version of the last LoRA adapter applied (0: none)."""
         self.memory = memory_contract.EngineMemory(f"torch engine {context.rank}")
         """Sleep state under the memory contract (see :meth:`sleep`)."""
+        self.weight_version: int | None = None
+        """The version (optimizer steps, >= 0) of the weights the model holds; None: unknown
+        (then generate leaves ``weight_versions`` to the driver's gate)."""
+        self._swap = threading.Lock()  # guards the staged refit and the generating count
+        self._generating = 0
+        self._staged: dict[str, torch.Tensor] | None = None  # a refit arriving mid-call
+        self._pending: tuple[dict[str, torch.Tensor], int | None] | None = None
+        self._forward_versions: list[int | None] = []
+        self._call_versions: list[list[int]] = []
+        model.register_forward_pre_hook(self._between_steps)
+        # The generator's chunk loop, wrapped here (not in generation.py) to map each
+        # chunk's forwards to its tokens.
+        self._generate_chunk = self.generator._generate_chunk
+        self.generator._generate_chunk = self._versioned_chunk
+
+    def set_weight_version(self, version: int) -> None:
+        """Record that the weights now held are ``version`` (>= 0; the driver calls it after
+        a refit); later refits without a version count on from it."""
+        with self._swap:
+            self.weight_version = int(version)
+
+    def _between_steps(self, module, args) -> None:
+        """Before every forward (prefill or decode step): swap in a staged refit, then note
+        the version this forward runs on."""
+        with self._swap:
+            if self._pending is not None:
+                self._apply(*self._pending)
+                self._pending = None
+            self._forward_versions.append(self.weight_version)
+
+    def _apply(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self._parameters.get(name, self._buffers.get(name)).copy_(tensor)
+        self.weight_version = version
+
+    def _versioned_chunk(self, forward, prompts, *args):
+        """One chunk of :meth:`TorchGenerator.generate`, recording each token's version: the
+        chunk's last ``S`` forwards produced its ``S`` decode steps (token ``i`` of every row
+        came from forward ``F - S + i``; the forwards before are the prefill)."""
+        self._forward_versions = []
+        ids, lps, why = self._generate_chunk(forward, prompts, *args)
+        steps, forwards = max((len(row) for row in ids), default=0), self._forward_versions
+        first = len(forwards) - steps
+        for row in ids:
+            versions = forwards[first : first + len(row)] if first >= 0 else []
+            known = len(versions) == len(row) and all(v is not None for v in versions)
+            self._call_versions.append(list(versions) if known else None)
+        return ids, lps, why
 
     def generate(
         self,
@@ -64,7 +122,21 @@ class TorchEngine:
         dropped (memory contract)."""
         self.memory.wake_up(sorted(self.memory.sleeping))
         self.memory.check_generate()
-        return self.generator.generate(prompts, params, stop_strings)
+        with self._swap:
+            self._generating += 1
+        self._call_versions = []
+        try:
+            output = self.generator.generate(prompts, params, stop_strings)
+        finally:
+            with self._swap:
+                self._generating -= 1
+                if self._pending is not None and not self._generating:
+                    self._apply(*self._pending)  # arrived after the last decode step
+                    self._pending = None
+        versions = self._call_versions
+        if len(versions) == len(output.token_ids) and all(v is not None for v in versions):
+            return attrs.evolve(output, weight_versions=versions)
+        return output
 
     def sleep(self) -> bool:
         """Torch engines share no GPU with the policy (``colocated=false`` is what makes them),
@@ -92,6 +164,9 @@ class TorchEngine:
             self.memory.wake_up(["weights"])
         self.memory.begin_refit()
         self._loaded = set()
+        with self._swap:
+            # A call generates: stage the weights, swap them in between two decode steps.
+            self._staged = {} if self._generating else None
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
         """Copy one bucket into the model's tensors of the same names (bit-exact: the copy
@@ -111,20 +186,35 @@ class TorchEngine:
                             f"the policy sent {name!r} with shape {tuple(tensor.shape)}; this "
                             f"engine's model has {tuple(target.shape)}"
                         )
-                    target.copy_(tensor)
+                    if self._staged is not None:
+                        self._staged[name] = tensor.clone()
+                    else:
+                        target.copy_(tensor)
                     self._loaded.add(name)
 
         return receive_into(meta, handle, load)
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, version: int | None = None) -> None:
         """Refuse a refit that left parameters untouched: the engine would generate from a mix
-        of old and new weights."""
+        of old and new weights. ``version`` (>= 0): the new weights' version (default: one
+        more than the last known, unknown if none is); a refit staged during a call takes
+        effect at its next decode step."""
         missing = sorted(set(self._parameters) - self._loaded)
         if missing:
             raise WeightSyncError(
                 f"a refit sent no value for {len(missing)} of this engine's parameters "
                 f"(first: {missing[0]}); the policy must send its full state dict"
             )
+        with self._swap:
+            if version is None and self.weight_version is not None:
+                version = self.weight_version + 1
+            staged, self._staged = self._staged, None
+            if staged is None:
+                self.weight_version = version
+            elif self._generating:
+                self._pending = (staged, version)
+            else:  # the call ended meanwhile
+                self._apply(staged, version)
         self.memory.finish_refit()
 
     # -- adapter-only LoRA refits (nrl_core.weight_sync.adapters) ---------------------------
