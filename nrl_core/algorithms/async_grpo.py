@@ -167,7 +167,62 @@ class Produced:
     """How long generating the batch took."""
 
 
-class RolloutProducer:
+class _Producer:
+    """What both producers share: the lock, the threads, pausing, stopping and bounded waits.
+    A subclass sets ``_cv``, ``_threads``, ``_paused``, ``_stopped``, ``_error`` and
+    ``wait_timeout_s`` and says what is in flight (:meth:`_in_flight_count`)."""
+
+    _cv: threading.Condition
+    _threads: list[threading.Thread]
+    _paused: bool
+    _stopped: bool
+    _error: BaseException | None
+    wait_timeout_s: float | None
+
+    def _in_flight_count(self) -> int:
+        """Batches or groups being generated now (lock held)."""
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
+        _bounded_wait(self, predicate, what, self._threads, self._in_flight_count)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Let the generation in flight finish, start nothing new meanwhile."""
+        with self._cv:
+            self._paused = True
+            try:
+                self._bounded_wait(
+                    lambda: self._in_flight_count() == 0,
+                    "paused the producer (validation, checkpoint)",
+                )
+            except BaseException:
+                self._paused = False
+                raise
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused = False
+                self._cv.notify_all()
+
+    def stop(self) -> None:
+        """Start nothing more; wait a few seconds for the threads (idle ones end at once; one
+        stuck in a generate call is a daemon and ends with the process)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        deadline = time.monotonic() + STOP_JOIN_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class RolloutProducer(_Producer):
     """The background rollout thread (see the module docstring).
 
     Args:
@@ -211,14 +266,13 @@ class RolloutProducer:
         self._stopped = False
         self._error: BaseException | None = None
         gate.on_change = self._wake
-        self._thread = threading.Thread(target=self._run, name="nrl-rollouts", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name="nrl-rollouts", daemon=True)]
+        self._threads[0].start()
 
     # -- the producer thread --------------------------------------------------------------------
 
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+    def _in_flight_count(self) -> int:
+        return int(self._busy)
 
     def _startable(self) -> int | None:
         """The step to produce next, if the age bound and the buffer allow it now."""
@@ -272,10 +326,6 @@ class RolloutProducer:
             self._cv.notify_all()  # room in the buffer
             return produced
 
-    def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
-        _bounded_wait(self, predicate, what, [self._thread], lambda: int(self._busy))
-
     def regenerate(self, step: int) -> None:
         """Produce ``step`` again, before anything else (its batch was too old)."""
         with self._cv:
@@ -287,25 +337,6 @@ class RolloutProducer:
         """Finished batches waiting for the trainer."""
         with self._cv:
             return len(self._ready)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Let the batch in flight finish, start nothing new meanwhile."""
-        with self._cv:
-            self._paused = True
-            try:
-                self._bounded_wait(
-                    lambda: not self._busy, "paused the producer (validation, checkpoint)"
-                )
-            except BaseException:
-                self._paused = False
-                raise
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._paused = False
-                self._cv.notify_all()
 
     def discard(self, next_step: int) -> int:
         """Drop every finished batch (call while :meth:`paused`) and rewind the data stream to
@@ -321,14 +352,6 @@ class RolloutProducer:
             # As in a run resumed here: nothing is generated before the next refit.
             self._gate.invalidate()
             return len(dropped)
-
-    def stop(self) -> None:
-        """Start nothing more; wait a few seconds for the thread (an idle one ends at once; one
-        stuck in a generate call is a daemon and ends with the process)."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        self._thread.join(timeout=STOP_JOIN_S)
 
 
 @attrs.define
@@ -354,7 +377,7 @@ class TakenGroups:
     """Groups found older than the age bound and dropped on the way (counted, regenerated)."""
 
 
-class GroupProducer:
+class GroupProducer(_Producer):
     """Sample-level streaming (``grpo.async``): background threads generate *groups* and hand
     each finished one to the trainer, which trains a step as soon as it has
     ``groups_per_step`` of them, whichever calls they came from; a call of long samples holds
@@ -432,9 +455,8 @@ class GroupProducer:
         for thread in self._threads:
             thread.start()
 
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+    def _in_flight_count(self) -> int:
+        return self._in_flight
 
     def _startable(self) -> tuple[int, int, int] | None:
         """``(step, offset, count)`` of the next call, if admission and the buffer allow it."""
@@ -487,10 +509,6 @@ class GroupProducer:
                 self._error = exc
                 self._cv.notify_all()
 
-    def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
-        _bounded_wait(self, predicate, what, self._threads, lambda: self._in_flight)
-
     def take(self, step: int) -> TakenGroups:
         """Wait for ``groups_per_step`` finished groups young enough for ``step`` (the
         weights of ``step - 1`` train them), the oldest prompts first; drop older ones."""
@@ -538,25 +556,6 @@ class GroupProducer:
         with self._cv:
             return sorted(g.index for g in self._ready)
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Let the calls in flight finish, start nothing new meanwhile."""
-        with self._cv:
-            self._paused = True
-            try:
-                self._bounded_wait(
-                    lambda: self._in_flight == 0, "paused the producer (validation, checkpoint)"
-                )
-            except BaseException:
-                self._paused = False
-                raise
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._paused = False
-                self._cv.notify_all()
-
     def discard(self, next_step: int) -> int:
         """Drop every finished group (call while :meth:`paused`) and rewind the data stream to
         where the call of the oldest of them began, so that production restarts at
@@ -573,16 +572,6 @@ class GroupProducer:
             self._first_step, self._slot = next_step, 0
             self._gate.invalidate()
             return dropped
-
-    def stop(self) -> None:
-        """Start nothing more; wait a few seconds for the threads (idle ones end at once; one
-        stuck in a generate call is a daemon and ends with the process)."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        deadline = time.monotonic() + STOP_JOIN_S
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _bounded_wait(
