@@ -355,6 +355,9 @@ def nrl_workload(model_dir: Path, new_tokens: int = MAX_NEW_TOKENS) -> list[str]
         "grpo.num_prompts_per_step=8",
         "grpo.num_generations_per_prompt=4",
         f"generation.max_new_tokens={new_tokens}",
+        # Room for the prompt (the default's 32 tokens) on top of the new tokens: 48, the
+        # default, for the tiny workload.
+        f"policy.max_total_sequence_length={32 + new_tokens}",
         "generation.temperature=1.0",
         f"policy.train_global_batch_size={BATCH}",
         f"policy.train_micro_batch_size={BATCH}",

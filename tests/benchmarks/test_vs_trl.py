@@ -35,6 +35,10 @@ def test_workload_sets_model_and_new_tokens(vs_trl):
     assert vs_trl.parse_args(["--workload", "realistic", "--new-tokens", "256"]).new_tokens == 256
     assert vs_trl.parse_args([]).new_tokens == vs_trl.MAX_NEW_TOKENS == 16
     assert vs_trl.WORKLOADS["realistic"][0]["hidden_size"] == 512
+    # nrl's sequence budget grows with the new tokens (its preflight rejects 128 in 48).
+    workload = vs_trl.nrl_workload(Path("model"), 256)
+    assert "generation.max_new_tokens=256" in workload
+    assert "policy.max_total_sequence_length=288" in workload
     # The async configuration is the separate-engine one of async_grpo.py, on vLLM at age 1.
     assert "grpo.async.max_trajectory_age_steps=1" in vs_trl.NRL_CONFIGS["async"]
     assert "generation.num_engines=1" in vs_trl.NRL_CONFIGS["async"]
