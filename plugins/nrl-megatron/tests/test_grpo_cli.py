@@ -116,6 +116,16 @@ def nrl(root: Path, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+def hf_logprobs(model, batch) -> torch.Tensor:
+    """A Hugging Face model's logprobs of ``batch``'s tokens, laid out as the policy's
+    ``get_logprobs`` gives them (0 at position 0 and past each row's length)."""
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    return got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+
+
 def install_fixture_plugin(root: Path) -> None:
     """The fixture plugin (prompts and reward) as a dist-info folder under ``root / "site"``,
     which :func:`nrl` puts on PYTHONPATH."""
@@ -199,11 +209,7 @@ def test_convert_exports_the_same_logits(grpo_run, pool2, start_group):
     batch = make_batch(6, seed=7)
     want = Policy.from_config(group, config.policy).get_logprobs(batch)
 
-    ids = batch["input_ids"]
-    with torch.no_grad():
-        lp = torch.log_softmax(exported(input_ids=ids).logits[:, :-1].float(), -1)
-    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    got = hf_logprobs(exported, batch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
     # A megatron checkpoint does not reshard: a different rank count is a one-line error.
@@ -302,16 +308,9 @@ def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, sta
     group.run_all("load_checkpoint", str(root / "ckpt" / "step_3" / "policy"))
     batch = make_batch(6, seed=7)
     want = Policy.from_config(group, config.policy).get_logprobs(batch)
-    ids = batch["input_ids"]
-    with torch.no_grad():
-        lp = torch.log_softmax(exported(input_ids=ids).logits[:, :-1].float(), -1)
-    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    got = hf_logprobs(exported, batch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    with torch.no_grad():
-        plain = torch.log_softmax(hf(input_ids=ids).logits[:, :-1].float(), -1)
-    plain = torch.nn.functional.pad(plain.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-    plain = plain * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    plain = hf_logprobs(hf, batch)
     assert (plain - want).abs().max() > 1e-5  # the adapters trained: not the base model
 
     # The adapters alone (issue 52: `nrl convert` exports adapters from both backends).
@@ -325,8 +324,5 @@ def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, sta
     }
     base = AutoModelForCausalLM.from_pretrained(resolve_model_name("tiny"), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, adapters).eval()
-    with torch.no_grad():
-        lp = torch.log_softmax(peft_model(input_ids=ids).logits[:, :-1].float(), -1)
-    got = torch.nn.functional.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-    got = got * (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None])
+    got = hf_logprobs(peft_model, batch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
