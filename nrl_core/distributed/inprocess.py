@@ -271,9 +271,11 @@ class InProcessWorkerGroup:
         placement_group: Any = None,
         layout: Any = None,
         timeout_s: float = 600,
+        rendezvous: bool = True,
     ) -> InProcessWorkerGroup:
         """Build ``target(*args, **kwargs)`` ``num_workers`` times in this process, each with
-        the environment a Ray actor of that rank would get (see the module's docstring)."""
+        the environment a Ray actor of that rank would get (see the module's docstring;
+        ``rendezvous`` as for :meth:`WorkerGroup.start`)."""
         from nrl_core.distributed.worker_actor import _serve_store
         from nrl_core.distributed.worker_group import ParallelLayout
         from nrl_core.registry import resolve_target
@@ -290,11 +292,11 @@ class InProcessWorkerGroup:
             )
         group = cls(name, layout, timeout_s)
         group.dp_size = layout.dp_size(num_workers)
-        served = _serve_store(LOOPBACK)
+        served = _serve_store(LOOPBACK) if rendezvous else None
         port = None
         if served is not None:
             group._store, port = served
-        else:
+        elif rendezvous:
             import socket
 
             with socket.socket() as sock:
@@ -309,9 +311,9 @@ class InProcessWorkerGroup:
                 "WORLD_SIZE": str(num_workers),
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(num_workers),
-                "MASTER_ADDR": LOOPBACK,
-                "MASTER_PORT": str(port),
             }
+            if rendezvous:
+                env.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
             if served is not None:
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             if quiet:

@@ -242,12 +242,15 @@ class WorkerGroup:
         placement_group: PlacementGroup | None = None,
         layout: ParallelLayout | None = None,
         timeout_s: float = 600,
+        rendezvous: bool = True,
     ) -> WorkerGroup:
         """Start ``num_workers`` actors and build ``target(*args, **kwargs)`` in each.
 
         Resources are checked before any actor starts. ``python`` is the actors' interpreter
         (an actor venv, see :mod:`nrl_core.distributed.actor_env`); ``env_vars`` are set in
-        each actor's environment.
+        each actor's environment. ``rendezvous=False`` for workers that never form a
+        ``torch.distributed`` group (environments, agents): no store and no ``MASTER_*``
+        variables, so their actors never import torch for it (about 1.5 CPU-s each).
         """
         from nrl_core.distributed import hosting_here
 
@@ -257,6 +260,7 @@ class WorkerGroup:
                 target, num_workers, args, kwargs, name=name, env_vars=env_vars, python=python,
                 num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker,
                 placement_group=placement_group, layout=layout, timeout_s=timeout_s,
+                rendezvous=rendezvous,
             )  # fmt: skip
         layout = layout or ParallelLayout()
         layout.dp_size(num_workers)  # fails early on an impossible layout
@@ -301,13 +305,13 @@ class WorkerGroup:
         infos = [_WorkerInfo(rank) for rank in range(num_workers)]
         group = cls(name, actors, infos, layout, timeout_s, placement_group, owns_pg)
         try:
-            group._setup(target, args, kwargs or {})
+            group._setup(target, args, kwargs or {}, rendezvous=rendezvous)
         except BaseException:
             group.shutdown(timeout_s=5)
             raise
         return group
 
-    def _setup(self, target: str, args: tuple, kwargs: dict) -> None:
+    def _setup(self, target: str, args: tuple, kwargs: dict, *, rendezvous: bool = True) -> None:
         described = self._gather([a.describe.remote() for a in self.actors], "start")
         for info, desc in zip(self.infos, described, strict=True):
             info.node_ip, info.pid, info.logs = desc["node_ip"], desc["pid"], desc["logs"]
@@ -318,10 +322,10 @@ class WorkerGroup:
         self.is_local = all(d["node_id"] == driver_node for d in described)
         self.master_addr = LOOPBACK if self.is_local else described[0]["node_ip"]
         port = None
-        if self.is_local:
+        if self.is_local and rendezvous:
             port = self._gather([self.actors[0].host_store.remote(LOOPBACK)], "start", ranks=[0])[0]
         hosted = port is not None
-        if port is None:
+        if port is None and rendezvous:
             host = LOOPBACK if self.is_local else ""
             port = self._gather([self.actors[0].free_port.remote(host)], "start", ranks=[0])[0]
         local_ranks: dict[str, int] = {}
@@ -340,9 +344,9 @@ class WorkerGroup:
                 "WORLD_SIZE": str(self.num_workers),
                 "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(per_node[desc["node_id"]]),
-                "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(port),
             }
+            if rendezvous:
+                env.update(MASTER_ADDR=self.master_addr, MASTER_PORT=str(port))
             if hosted:  # the ranks are clients of rank 0's loopback store (see _serve_store)
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             if self.is_local:

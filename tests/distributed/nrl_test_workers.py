@@ -112,3 +112,11 @@ class SegmentWorker:
 
         self._mapped.append(_attach_shm(name))
         return name
+
+
+def loaded(worker, *modules: str) -> dict:
+    """Run on a worker (a group call's function): which of ``modules`` its process imported,
+    and its ``MASTER_ADDR``."""
+    return {name: name in sys.modules for name in modules} | {
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR")
+    }

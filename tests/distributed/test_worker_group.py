@@ -45,6 +45,70 @@ def test_allreduce_over_gloo_and_rank_env(ray_cluster, worker_env):
         group.shutdown()
 
 
+def test_the_local_head_prestarts_no_idle_python_workers(ray_cluster):
+    """nrl starts actors only, each with its own runtime environment: the raylet's idle
+    default workers (one per CPU, titled ``ray::IDLE``) would never run anything
+    (``RAYLET_ENV``)."""
+    from pathlib import Path
+
+    import ray
+
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+
+    def idle_children() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text()
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except (OSError, ValueError):
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == raylet and title == b"ray::IDLE":
+                found.append(int(entry.name))
+        return found
+
+    deadline = time.monotonic() + 8  # the raylet prestarts within seconds of its start
+    while time.monotonic() < deadline:
+        assert idle_children() == []
+        time.sleep(2)
+
+
+def test_an_environment_group_without_rendezvous_never_imports_torch(
+    ray_cluster, worker_env, monkeypatch
+):
+    """Environments and agents form no torch.distributed group: started with
+    ``rendezvous=False`` (as a run starts them), their actors host no store, get no
+    ``MASTER_*`` variables and never import torch (1.2-1.8 CPU-s per actor per run)."""
+    monkeypatch.syspath_prepend(worker_env["PYTHONPATH"])  # the function goes by reference
+    from nrl_test_workers import loaded
+
+    from nrl_core.distributed.worker_group import WorkerGroup
+    from nrl_core.environments import ENV_ACTOR_TARGET
+
+    def start(rendezvous: bool):
+        return WorkerGroup.start(
+            ENV_ACTOR_TARGET,
+            1,
+            args=("nrl_math_env.arithmetic:ArithmeticEnvironment", None, ComponentContext(None)),
+            name="env-arithmetic",
+            env_vars=worker_env,
+            num_cpus_per_worker=0.25,
+            timeout_s=120,
+            rendezvous=rendezvous,
+        )
+
+    plain, rendezvoused = start(False), start(True)
+    try:
+        assert plain.run_all(loaded, "torch") == [{"torch": False, "MASTER_ADDR": None}]
+        # The default still hosts the store (and so imports torch) for groups that need it.
+        assert rendezvoused.run_all(loaded, "torch") == [
+            {"torch": True, "MASTER_ADDR": "127.0.0.1"}
+        ]
+    finally:
+        plain.shutdown()
+        rendezvoused.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tp2_group(ray_cluster, worker_env):
     from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup

@@ -449,6 +449,7 @@ class Components:
             python=actor_python(spec, self.config, env),
             num_cpus_per_worker=ENV_CPUS_PER_WORKER,
             timeout_s=self.config.cluster.worker_timeout_s,
+            rendezvous=False,  # no torch.distributed: the actor need not import torch
         )
         self._closers.append(group.shutdown)
         return group
@@ -516,6 +517,7 @@ class Components:
                 python=actor_python(spec, self.config, agent_config),
                 num_cpus_per_worker=ENV_CPUS_PER_WORKER,
                 timeout_s=self.config.cluster.worker_timeout_s,
+                rendezvous=False,  # no torch.distributed: the actor need not import torch
             )
             group.set_call_timeout("run", agent_config.run_timeout_s, "agent.run_timeout_s")
             groups[name] = group
