@@ -46,6 +46,13 @@ TINY = [
 ]
 
 
+IN_PROCESS = ["policy.num_workers=1"]
+"""For runs that test what the driver does with the environment's results: one policy rank,
+so `cluster.backend=auto` runs everything in the `nrl` process, without Ray (a 3-step run: 6.6
+CPU-s instead of 20, measured in a cpuacct cgroup). Ray's own paths have their tests
+(tests/distributed)."""
+
+
 def run_nrl(
     tmp_path: Path,
     *overrides: str,
@@ -314,6 +321,7 @@ def test_environment_exceptions_are_counted_and_the_run_continues(tmp_path):
     run_nrl(
         tmp_path,
         "env.name=flaky",
+        *IN_PROCESS,
         "grpo.max_num_steps=2",
         "grpo.val_period=0",
         "checkpointing.enabled=false",
@@ -368,7 +376,7 @@ def test_a_nan_reward_stops_the_run_naming_the_environment_and_nothing_is_saved(
     verification, and died at step 2 blaming generation. The step is not applied; the run
     stops in one line naming the environment and the first bad sample; no checkpoint."""
     env = _plugin_site(tmp_path, "nan", NAN_ENV)
-    overrides = ["env.name=nan_reward", "grpo.max_num_steps=2", "grpo.val_period=0"]
+    overrides = ["env.name=nan_reward", *IN_PROCESS, "grpo.max_num_steps=2", "grpo.val_period=0"]
     overrides += ["grpo.sft_warmup_steps=0", "checkpointing.save_period=1"]
     result = run_nrl(tmp_path, *overrides, env=env, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -415,7 +423,8 @@ def test_an_environment_that_always_fails_is_counted_warned_about_and_can_stop_t
     step logs the failed shares, warns on the console, and env.stop_failed_fraction stops the
     run in one line naming the environment and what failed."""
     env = _plugin_site(tmp_path, "raising", RAISING_ENV)
-    overrides = ["env.name=always_raises", "grpo.max_num_steps=2", "grpo.val_period=0"]
+    overrides = ["env.name=always_raises", *IN_PROCESS, "grpo.max_num_steps=2"]
+    overrides += ["grpo.val_period=0"]
     overrides += ["grpo.sft_warmup_steps=0", "checkpointing.enabled=false"]
     result = run_nrl(tmp_path, *overrides, env=env)
     records = [r for r in metrics(tmp_path) if r["step"] > 0]
