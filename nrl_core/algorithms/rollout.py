@@ -252,6 +252,12 @@ class Episode:
     turn_tokens: int = 0
     """Tokens generated so far in a turn that is not over (a partial rollout waiting to be
     continued); 0 between turns."""
+    age: int | None = None
+    """How many optimizer steps the weights that train this episode are ahead of the oldest
+    weights that generated it (asynchronous GRPO; None elsewhere)."""
+    is_weight: dict[str, float] | None = None
+    """The importance weights ``exp(old - gen)`` of its trained tokens, summarised (``mean``,
+    ``min``, ``max``), when the step computed the trainer's logprobs; None otherwise."""
     loss_excluded: list[int] = attrs.field(factory=list)
     """Positions in ``token_ids`` kept out of the loss although generated (tokens of weights
     older than the age bound, ``grpo.async.over_age=mask``): :func:`episodes_to_batch` zeroes

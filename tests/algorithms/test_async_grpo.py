@@ -263,6 +263,102 @@ def test_with_age_zero_a_step_is_its_own_prompts_in_order_after_the_refit():
     assert all(version == step - 1 for step, version in calls)
 
 
+@pytest.mark.parametrize("drop_stale", [False, True])
+def test_a_group_that_ends_over_age_is_trained_unless_dropping_is_asked(drop_stale):
+    """Age bound 1: prompt 0's call (version 0) hangs through steps 1 and 2 and ends when step
+    3 trains on version 2 (age 2). By default (``over_age`` mask / train) it is handed to the
+    trainer, nothing dropped; with ``drop_stale`` (``over_age=drop``) it is dropped, counted,
+    and its slot drawn again."""
+    gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
+    stream = _Stream()
+    release = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
+        if drawn == [0]:
+            assert release.wait(10)
+        return [[prompt] for prompt in drawn]
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=1,
+        groups_per_call=1,
+        calls_in_flight=3,
+        wait_timeout_s=10,
+        drop_stale=drop_stale,
+    )
+    try:
+        for step in (1, 2):
+            gate.ensure(step - 1)
+            assert 0 not in [g.index for g in producer.take(step).groups]
+        release.set()
+        deadline = time.monotonic() + 10
+        while 0 not in producer.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.ensure(2)
+        third = producer.take(3)
+        indices = [g.index for g in third.groups]
+        if drop_stale:
+            assert third.dropped == 1 and 0 not in indices
+        else:
+            assert third.dropped == 0 and indices[0] == 0
+            assert (3 - 1) - third.groups[0].version == 2  # over the bound, trained all the same
+    finally:
+        release.set()
+        producer.stop()
+
+
+def test_a_partial_group_is_continued_and_handed_over_only_when_finished():
+    """Partial rollouts: prompt 0 needs three calls. Its group waits off the buffer while
+    step 1 trains on later prompts; the next calls continue it (the weights changed between
+    them) before anything new is drawn, and step 2 gets it, finished, with its calls counted
+    and its first call's version."""
+    gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
+    stream = _Stream()
+    proceed = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[dict]]:
+        return [
+            [{"prompt": p, "left": 2 if p == 0 else 0, "versions": [gate.version]}] for p in drawn
+        ]
+
+    def resume(step: int, calls: int, groups: list[list[dict]]) -> None:
+        assert proceed.wait(10)
+        for group in groups:
+            for sample in group:
+                assert sample["left"] > 0  # only unfinished groups are continued
+                sample["left"] -= 1
+                sample["versions"].append(gate.version)
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=1,
+        groups_per_call=3,
+        calls_in_flight=2,
+        wait_timeout_s=10,
+        resume=resume,
+        finished=lambda episodes: all(e["left"] == 0 for e in episodes),
+    )
+    try:
+        gate.ensure(0)
+        first = producer.take(1)
+        assert [g.index for g in first.groups] == [1, 2, 3]  # prompt 0 is not finished
+        assert all(g.calls == 1 for g in first.groups)
+        gate.ensure(1)  # new weights while prompt 0 waits to be continued
+        proceed.set()
+        second = producer.take(2)
+        assert [g.index for g in second.groups] == [0, 4, 5]
+        zero = second.groups[0]
+        assert zero.calls == 3 and zero.version == 0 and zero.episodes[0]["left"] == 0
+        assert zero.episodes[0]["versions"][0] == 0 and zero.episodes[0]["versions"][-1] == 1
+    finally:
+        proceed.set()
+        producer.stop()
+
+
 def test_a_stuck_engine_is_one_named_error_not_a_hang():
     """A generate call that never returns: the trainer's wait for rollouts and a refit's wait
     for the call in flight both end after the bound with StuckEngineError."""
