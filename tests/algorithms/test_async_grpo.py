@@ -7,8 +7,11 @@ import json
 import math
 import threading
 import time
+from types import SimpleNamespace
 
+import attrs
 import pytest
+import torch
 
 from nrl_core.algorithms.async_grpo import (
     GroupProducer,
@@ -16,7 +19,13 @@ from nrl_core.algorithms.async_grpo import (
     StuckEngineError,
     WeightGate,
 )
+from nrl_core.algorithms.grpo import GRPOTrainer
+from nrl_core.algorithms.rollout import Episode, episodes_to_batch
+from nrl_core.config.schema import AsyncSection, GRPOConfig, GRPOSection
+from nrl_core.losses.clipped_pg import ClippedPGLoss
+from nrl_core.losses.config import ClippedPGConfig
 from tests.algorithms.test_grpo_cli import metrics, run_nrl
+from tests.losses.helpers import global_stats
 
 SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
 
@@ -104,6 +113,34 @@ def test_groups_stream_one_call_each_across_two_engines(tmp_path):
     ]
     for sample in (s for s in samples if s["split"] == "train"):
         assert all(0 <= (sample["step"] - 1) - v <= 1 for v, _ in sample["weight_versions"])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_through_the_cli(tmp_path):
+    """``grpo.async.max_tokens_per_call=4`` of 12 new tokens: samples longer than 4 tokens are
+    continued in later calls; the run finishes, some trained samples were partial (metric and
+    samples.jsonl), every one records its age and versions, and nothing was dropped."""
+    run_nrl(
+        tmp_path,
+        *SEPARATE,
+        "grpo.max_num_steps=2",
+        "generation.max_new_tokens=12",
+        "grpo.async.enabled=true",
+        "grpo.async.max_tokens_per_call=4",
+    )
+    trained = [r for r in metrics(tmp_path) if "async/partial_fraction" in r]
+    assert len(trained) == 2
+    assert any(r["async/partial_fraction"] > 0 for r in trained)
+    assert all(r["async/dropped_stale"] == 0 for r in trained)
+    assert all(0 <= r["async/age_max"] <= 1 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    train = [s for s in samples if s["split"] == "train"]
+    assert train and any(s["partial"] for s in train)
+    for sample in train:
+        assert sample["age"] == (sample["step"] - 1) - min(v for v, _ in sample["weight_versions"])
 
 
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
@@ -433,3 +470,53 @@ def test_the_gate_tags_every_generated_token_with_the_version_that_made_it():
     parts = [gate.generate([[1]]), GenerationOutput([[7]], [[0.0]], ["stop"])]
     assert GenerationOutput.concat(parts).weight_versions is None  # not every part knows
     assert GenerationOutput.concat(parts[:1] * 2).weight_versions == [[4], [4]]
+
+
+def _episode(group: int, versions: list[int], *, partial: bool = False) -> Episode:
+    """Two prompt tokens, then four generated ones (generation logprob -1 each)."""
+    return Episode(
+        group=group,
+        task="default",
+        messages=[],
+        metadata={},
+        token_ids=[1, 2, 3, 4, 5, 6],
+        prompt_length=2,
+        loss_mask=[0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+        gen_logprobs=[0.0, 0.0, -1.0, -1.0, -1.0, -1.0],
+        weight_versions=versions,
+        partial=partial,
+    )
+
+
+@pytest.mark.parametrize("over_age", ["mask", "train"])
+def test_over_age_tokens_are_masked_or_trained_through_the_importance_weight(over_age):
+    """Step 3 trains on version 2 with age bound 1: a partial sample whose first two tokens
+    came from version 0 is trained, not dropped. ``mask``: those two tokens are out of the
+    loss (no gradient), its other tokens in; ``train``: every token is in, its gradient scaled
+    by the token's IS weight exp(old - gen), as the loss does for every token."""
+    async_ = AsyncSection(enabled=True, max_trajectory_age_steps=1, over_age=over_age)
+    config = attrs.evolve(GRPOConfig(), grpo=GRPOSection(async_=async_))
+    trainer = GRPOTrainer(SimpleNamespace(config=config, gate=None))
+    late, young = _episode(0, [0, 0, 1, 2], partial=True), _episode(1, [2, 2, 2, 2])
+
+    found = trainer.mark_staleness(3, [late, young], [0, 2])
+
+    assert (late.age, young.age) == (2, 0)
+    assert found["async/age_max"] == 2 and found["async/age_mean"] == 1
+    assert found["async/partial_fraction"] == 0.5
+    assert found["async/dropped_stale_tokens"] == (2 if over_age == "mask" else 0)
+    assert late.response_length == 4  # the episode's own mask (its metrics) is unchanged
+    batch = episodes_to_batch([late, young], torch.tensor([1.0, 1.0]), 0)
+    trained = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0] if over_age == "mask" else late.loss_mask
+    assert batch["loss_mask"][0].tolist() == trained
+    assert batch["loss_mask"][1].tolist() == young.loss_mask
+
+    loss_fn = ClippedPGLoss(ClippedPGConfig(is_correction="token_truncate", is_truncate_c=10.0))
+    logprobs = torch.full((2, 6), -0.5, requires_grad=True)
+    batch["prev_logprobs"] = logprobs.detach().clone()  # the trainer's: ratio 1
+    loss, _ = loss_fn(logprobs, batch, global_stats(batch))
+    loss.backward()
+    tokens = float(batch["loss_mask"].sum())
+    weight = math.exp(-0.5 - -1.0)  # exp(old - gen)
+    expected = [0.0, 0.0] + [-weight / tokens * m for m in trained[2:]]
+    assert torch.allclose(logprobs.grad[0], torch.tensor(expected), atol=1e-6)
