@@ -520,3 +520,33 @@ def test_over_age_tokens_are_masked_or_trained_through_the_importance_weight(ove
     weight = math.exp(-0.5 - -1.0)  # exp(old - gen)
     expected = [0.0, 0.0] + [-weight / tokens * m for m in trained[2:]]
     assert torch.allclose(logprobs.grad[0], torch.tensor(expected), atol=1e-6)
+
+
+def test_mismatch_is_reported_per_version_gap_and_each_sample_keeps_its_is_weights():
+    """Step 3 (trainer version 2): ``async/gen_logprob_error_gap<k>`` is the mean of
+    exp(|old - gen|) over the trained tokens k versions old; masked tokens and tokens of
+    unknown version are left out; each sample's IS weights exp(old - gen) are summarised."""
+    config = attrs.evolve(GRPOConfig(), grpo=GRPOSection(async_=AsyncSection(enabled=True)))
+    trainer = GRPOTrainer(SimpleNamespace(config=config, gate=None))
+    late, young = _episode(0, [0, 1, 1, 2]), _episode(1, [])  # young: versions unknown
+    late.loss_excluded = [2]  # the version-0 token, masked
+    batch = episodes_to_batch([late, young], torch.tensor([1.0, 1.0]), 0)
+    old = torch.tensor([[0.0, 0.0, -3.0, -0.5, -1.5, -1.0], [0.0, 0.0, -2.0, -2.0, -2.0, -2.0]])
+    data = SimpleNamespace(episodes=[late, young])
+
+    found = trainer.mismatch_by_version_gap(3, batch, data, old)
+
+    # gen is -1 everywhere: |old - gen| is 0.5, 0.5 at gap 1 and 0 at gap 0.
+    assert found == pytest.approx(
+        {"async/gen_logprob_error_gap1": math.exp(0.5), "async/gen_logprob_error_gap0": 1.0}
+    )
+    assert late.is_weight == pytest.approx(
+        {
+            "mean": (math.exp(0.5) + math.exp(-0.5) + 1) / 3,
+            "min": math.exp(-0.5),
+            "max": math.exp(0.5),
+        }
+    )
+    assert young.is_weight == pytest.approx(
+        {"mean": math.exp(-1), "min": math.exp(-1), "max": math.exp(-1)}
+    )
