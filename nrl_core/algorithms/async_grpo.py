@@ -18,9 +18,10 @@ Three pieces, all in the driver:
   ``max_trajectory_age_steps=0`` it can start batch ``k`` only after the refit that ends step
   ``k - 1``, which is exactly the synchronous loop.
 
-The trainer takes batch ``k`` at step ``k``; a batch older than the bound there (it cannot
-happen by construction, but a producer that ran ahead would make it so) is dropped, counted in
-``async/dropped_stale``, and generated again.
+The trainer takes batch ``k`` at step ``k``; a batch or group older than the bound there (a
+long-tailed group, a partial rollout continued later; for whole batches it cannot happen by
+construction) is trained with its old tokens masked or IS-weighted (``grpo.async.over_age``),
+or, with ``over_age=drop``, dropped, counted in ``async/dropped_stale``, and generated again.
 
 Checkpoints: the buffer is **discarded**, not saved. The checkpoint records the data stream
 where the oldest discarded batch began, so a resumed run draws the same prompts again and
@@ -536,12 +537,16 @@ class GroupProducer(_Producer):
                 started = time.perf_counter()
                 try:
                     rolled = self._roll(step, offset, drawn)
-                finally:
+                except BaseException:
                     with self._cv:
                         self._in_flight -= count
                         self._cv.notify_all()
+                    raise
                 seconds = time.perf_counter() - started
+                # Out of flight and into the buffer at once: a pause that sees nothing in
+                # flight must see these groups (a discard drops them).
                 with self._cv:
+                    self._in_flight -= count
                     self._states[first] = state
                     self._place(
                         Group(first + i, episodes, version, seconds, step)
@@ -569,18 +574,17 @@ class GroupProducer(_Producer):
         try:
             self._resume(groups[0].step, groups[0].calls, [g.episodes for g in groups])
         finally:
+            seconds = time.perf_counter() - started
+            # Out of flight and back among the waiting groups at once (see _run).
             with self._cv:
                 self._in_flight -= len(groups)
                 gone = {id(g) for g in groups}
                 self._resuming = [g for g in self._resuming if id(g) not in gone]
+                for group in groups:
+                    group.calls += 1
+                    group.seconds += seconds
+                self._place(groups)
                 self._cv.notify_all()
-        seconds = time.perf_counter() - started
-        with self._cv:
-            for group in groups:
-                group.calls += 1
-                group.seconds += seconds
-            self._place(groups)
-            self._cv.notify_all()
 
     def _oldest_state(self) -> int | None:
         """The first index of the call of the oldest group not yet trained (lock held)."""

@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -269,7 +269,7 @@ class GRPOTrainer:
         return metrics
 
     def mark_staleness(
-        self, step: int, episodes: list[Episode], group_versions: list[int]
+        self, step: int, episodes: list[Episode], group_versions: Mapping[int, int] | list[int]
     ) -> dict[str, float]:
         """Set each episode's ``age`` (the weights of ``step - 1`` train it) and, with
         ``grpo.async.over_age=mask``, keep its tokens older than the age bound out of the loss
@@ -360,7 +360,9 @@ class GRPOTrainer:
         if produced.data is None:
             raise _NoSignal()
         episodes = produced.data.episodes
-        staleness = self.mark_staleness(step, episodes, [produced.version] * len(episodes))
+        staleness = self.mark_staleness(
+            step, episodes, {e.group: produced.version for e in episodes}
+        )
         metrics = self.train_on(
             step, produced.data, step_start=step_start, refit_s=refit_s, generation_s=waited
         )
