@@ -22,10 +22,11 @@ from nrl_core.algorithms.async_grpo import (
 from nrl_core.algorithms.grpo import GRPOTrainer
 from nrl_core.algorithms.rollout import Episode, episodes_to_batch
 from nrl_core.config.schema import AsyncSection, GRPOConfig, GRPOSection
+from nrl_core.data import VERSION_GAPS
 from nrl_core.losses.clipped_pg import ClippedPGLoss
 from nrl_core.losses.config import ClippedPGConfig
 from tests.algorithms.test_grpo_cli import metrics, run_nrl
-from tests.losses.helpers import global_stats
+from tests.losses.helpers import global_stats, loss_and_grad
 
 SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
 
@@ -523,23 +524,31 @@ def test_over_age_tokens_are_masked_or_trained_through_the_importance_weight(ove
 
 
 def test_mismatch_is_reported_per_version_gap_and_each_sample_keeps_its_is_weights():
-    """Step 3 (trainer version 2): ``async/gen_logprob_error_gap<k>`` is the mean of
-    exp(|old - gen|) over the trained tokens k versions old; masked tokens and tokens of
-    unknown version are left out; each sample's IS weights exp(old - gen) are summarised."""
+    """Step 3 (trainer version 2): the loss, over two micro batches, gives the additive shares
+    per version gap, and ``async/gen_logprob_error_gap<k>`` is the mean of exp(|old - gen|)
+    over the trained tokens k versions old; masked tokens and tokens of unknown version are
+    left out. Each sample's IS weights exp(old - gen) are summarised."""
     config = attrs.evolve(GRPOConfig(), grpo=GRPOSection(async_=AsyncSection(enabled=True)))
     trainer = GRPOTrainer(SimpleNamespace(config=config, gate=None))
     late, young = _episode(0, [0, 1, 1, 2]), _episode(1, [])  # young: versions unknown
     late.loss_excluded = [2]  # the version-0 token, masked
     batch = episodes_to_batch([late, young], torch.tensor([1.0, 1.0]), 0)
+    batch[VERSION_GAPS] = trainer.version_gaps(3, [late, young], 6)
+    assert batch[VERSION_GAPS].tolist() == [[-1, -1, 2, 1, 1, 0], [-1] * 6]
     old = torch.tensor([[0.0, 0.0, -3.0, -0.5, -1.5, -1.0], [0.0, 0.0, -2.0, -2.0, -2.0, -2.0]])
-    data = SimpleNamespace(episodes=[late, young])
+    batch["prev_logprobs"] = old
 
-    found = trainer.mismatch_by_version_gap(3, batch, data, old)
+    loss_fn = ClippedPGLoss(ClippedPGConfig(is_correction="token_truncate"))
+    parts = [batch.slice(0, 1), batch.slice(1, 2)]
+    _, _, train = loss_and_grad(loss_fn, old, parts, global_stats(batch))
+    found = GRPOTrainer.mismatch_by_version_gap(train)
 
     # gen is -1 everywhere: |old - gen| is 0.5, 0.5 at gap 1 and 0 at gap 0.
     assert found == pytest.approx(
         {"async/gen_logprob_error_gap1": math.exp(0.5), "async/gen_logprob_error_gap0": 1.0}
     )
+    assert not any("_gap" in key for key in train)  # the shares are taken out
+    GRPOTrainer.summarise_is_weights(batch, SimpleNamespace(episodes=[late, young]), old)
     assert late.is_weight == pytest.approx(
         {
             "mean": (math.exp(0.5) + math.exp(-0.5) + 1) / 3,
@@ -547,6 +556,5 @@ def test_mismatch_is_reported_per_version_gap_and_each_sample_keeps_its_is_weigh
             "max": math.exp(0.5),
         }
     )
-    assert young.is_weight == pytest.approx(
-        {"mean": math.exp(-1), "min": math.exp(-1), "max": math.exp(-1)}
-    )
+    one = math.exp(-1)
+    assert young.is_weight == pytest.approx({"mean": one, "min": one, "max": one})
