@@ -450,6 +450,54 @@ def test_group_discard_rewinds_the_stream_to_the_oldest_waiting_call():
         producer.stop()
 
 
+def test_discard_drops_unfinished_groups_too_and_rewinds_to_their_call():
+    """A checkpoint while prompt 0 is still being continued (partial) and prompts 1 and 2 wait
+    finished: the discard drops all three and rewinds the stream to their call, so the
+    resumed production draws prompts 0, 1, 2 again."""
+    gate = WeightGate(lambda: None, lambda: 0.0)
+    stream = _Stream()
+    proceed = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[dict]]:
+        return [[{"prompt": p, "left": 1 if p == 0 else 0}] for p in drawn]
+
+    def resume(step: int, calls: int, groups: list[list[dict]]) -> None:
+        time.sleep(0.01)
+        if proceed.is_set():
+            for group in groups:
+                for sample in group:
+                    sample["left"] = 0
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=3,
+        max_buffer=1,
+        groups_per_call=3,
+        wait_timeout_s=10,
+        resume=resume,
+        finished=lambda episodes: all(e["left"] == 0 for e in episodes),
+    )
+    try:
+        gate.ensure(0)
+        deadline = time.monotonic() + 10
+        while producer.waiting() != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert producer.waiting() == [1, 2]  # prompt 0 keeps being continued meanwhile
+        with producer.paused():
+            assert producer.discard(next_step=1) == 3
+            assert stream.position == 0
+        proceed.set()
+        gate.ensure(0)
+        taken = producer.take(1)
+        assert [g.episodes[0]["prompt"] for g in taken.groups] == [0, 1, 2]
+        assert taken.groups[0].calls == 2  # drawn again, then continued once
+    finally:
+        proceed.set()
+        producer.stop()
+
+
 def test_the_gate_tags_every_generated_token_with_the_version_that_made_it():
     """Versions per token: the gate's version at the call (a refit waits for the call, so it
     is the call's only version); an engine's own versions (an in-flight refit) are kept."""
