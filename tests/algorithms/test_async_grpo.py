@@ -338,7 +338,7 @@ def test_a_group_that_ends_over_age_is_trained_unless_dropping_is_asked(drop_sta
         third = producer.take(3)
         indices = [g.index for g in third.groups]
         if drop_stale:
-            assert third.dropped == 1 and 0 not in indices
+            assert third.dropped >= 1 and 0 not in indices  # prompt 0 (and any other of v0)
         else:
             assert third.dropped == 0 and indices[0] == 0
             assert (3 - 1) - third.groups[0].version == 2  # over the bound, trained all the same
@@ -376,6 +376,7 @@ def test_a_partial_group_is_continued_and_handed_over_only_when_finished():
         max_age=1,
         groups_per_call=3,
         calls_in_flight=2,
+        last_step=2,  # nothing drawn for step 3: step 2 must wait for prompt 0
         wait_timeout_s=10,
         resume=resume,
         finished=lambda episodes: all(e["left"] == 0 for e in episodes),
