@@ -31,6 +31,16 @@ engine ran it (as a prompt token in a prefill or as the input of a decode step),
 router's order; :data:`NOT_RECORDED` where the engine never ran the token (each turn's last
 generated token, padding). Sharded, micro-batched and packed with the other per-token fields."""
 
+VERSION_GAPS = "version_gaps"
+"""The rollout batch's key (asynchronous GRPO) for how many optimizer steps older than the
+trainer's weights the weights that generated each token were: integer ``[B, T]``, aligned with
+``loss_mask``; -1 where unknown (prompt, observation and padding positions, or an engine that
+recorded no versions). The clipped PG loss reports its mismatch per gap from it."""
+
+VERSION_GAP_BUCKETS = 4
+"""Gaps 0 .. this - 2 are reported one by one, this - 1 and more together (fixed keys: every
+micro batch and rank reports the same metrics)."""
+
 ROUTING_WEIGHTS = "routing_weights"
 """The rollout batch's key for the engine's gate weights of :data:`ROUTED_EXPERTS`' experts
 (float32, same shape and order), present when the engine gives them (the torch engine; vLLM's

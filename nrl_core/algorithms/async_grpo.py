@@ -18,9 +18,10 @@ Three pieces, all in the driver:
   ``max_trajectory_age_steps=0`` it can start batch ``k`` only after the refit that ends step
   ``k - 1``, which is exactly the synchronous loop.
 
-The trainer takes batch ``k`` at step ``k``; a batch older than the bound there (it cannot
-happen by construction, but a producer that ran ahead would make it so) is dropped, counted in
-``async/dropped_stale``, and generated again.
+The trainer takes batch ``k`` at step ``k``; a batch or group older than the bound there (a
+long-tailed group, a partial rollout continued later; for whole batches it cannot happen by
+construction) is trained with its old tokens masked or IS-weighted (``grpo.async.over_age``),
+or, with ``over_age=drop``, dropped, counted in ``async/dropped_stale``, and generated again.
 
 Checkpoints: the buffer is **discarded**, not saved. The checkpoint records the data stream
 where the oldest discarded batch began, so a resumed run draws the same prompts again and
@@ -363,9 +364,13 @@ class Group:
     episodes: Any
     """The group's rolled-out episodes (whatever ``roll`` returned for it)."""
     version: int
-    """The weights' version when the call that generated it started."""
+    """The weights' version when the first call that generated it started (the oldest)."""
     seconds: float
-    """How long that call took."""
+    """How long its calls took (all of them, for a partial rollout)."""
+    step: int = 0
+    """The step its prompt was drawn for."""
+    calls: int = 1
+    """How many generate calls it took (> 1: a partial rollout, continued in later calls)."""
 
 
 @attrs.define
@@ -374,7 +379,8 @@ class TakenGroups:
 
     groups: list[Group]
     dropped: int
-    """Groups found older than the age bound and dropped on the way (counted, regenerated)."""
+    """Groups found older than the age bound and dropped on the way (counted, regenerated;
+    only with ``drop_stale``)."""
 
 
 class GroupProducer(_Producer):
@@ -389,8 +395,14 @@ class GroupProducer(_Producer):
     weights of that step ``- 1 - max_age`` or newer (admission, as :class:`RolloutProducer`
     does for batches) and fewer than ``max_buffer * groups_per_step`` groups are waiting or
     in flight. The trainer takes the oldest finished groups first; a group that finished so
-    late that it would be older than the bound is dropped (counted in
-    :attr:`TakenGroups.dropped`) and its slot drawn again. With ``max_age=0`` every call of
+    late that it is older than the bound is handed over all the same (the trainer masks or
+    IS-weights its old tokens: ``grpo.async.over_age``), or, with ``drop_stale``, dropped
+    (counted in :attr:`TakenGroups.dropped`) and its slot drawn again.
+
+    Partial rollouts (``resume`` given): a group whose samples are not all ``finished`` after
+    a call waits, off the buffer, for a later call that continues it (``resume``, before any
+    new prompt is drawn; admission does not apply, it was admitted when drawn) and is handed
+    to the trainer only once every sample finished. With ``max_age=0`` every call of
     step ``k`` starts after the refit that ends step ``k - 1`` and the step is exactly its own
     prompts in prompt order; with ``groups_per_call = groups_per_step`` that is one call per
     step, the synchronous loop's.
@@ -407,6 +419,12 @@ class GroupProducer(_Producer):
         calls_in_flight: generate calls the producer keeps running at once (>= 1; they
             overlap only when the gate is ``concurrent``).
         wait_timeout_s: the longest :meth:`take` and :meth:`paused` wait (None: no bound).
+        drop_stale: drop groups older than the bound in :meth:`take` (``over_age=drop``).
+        resume: ``resume(step, calls, groups)`` continues unfinished groups (their episodes,
+            in place) in one generate call; ``step`` is the first group's, ``calls`` the
+            calls it took so far (for the call's seed). None: no partial rollouts.
+        finished: ``finished(episodes)`` says whether a group's samples are all done
+            (default: always).
     """
 
     def __init__(
@@ -424,6 +442,9 @@ class GroupProducer(_Producer):
         groups_per_call: int,
         calls_in_flight: int = 1,
         wait_timeout_s: float | None = None,
+        drop_stale: bool = True,
+        resume: Callable[[int, int, list], Any] | None = None,
+        finished: Callable[[Any], bool] = lambda episodes: True,
     ) -> None:
         if not 1 <= groups_per_call <= groups_per_step:
             raise ValueError(f"groups_per_call {groups_per_call} not in 1..{groups_per_step}")
@@ -437,8 +458,13 @@ class GroupProducer(_Producer):
         self._per_call = groups_per_call
         self._max_groups = max_buffer * groups_per_step
         self.wait_timeout_s = wait_timeout_s
+        self.drop_stale = drop_stale
+        self._resume = resume
+        self._finished = finished
         self._cv = threading.Condition()
         self._ready: list[Group] = []
+        self._pending: list[Group] = []  # unfinished groups waiting to be continued
+        self._resuming: list[Group] = []  # unfinished groups being continued now
         self._states: dict[int, dict] = {}  # first index of a call in the buffer -> stream state
         self._first_step = first_step
         self._slot = 0  # the next prompt's slot among the groups still to train
@@ -468,39 +494,62 @@ class GroupProducer(_Producer):
         version = self._gate.version
         if step > self._last_step or version is None:
             return None
-        if len(self._ready) + self._in_flight + count > self._max_groups:
+        # Groups being continued count once, in flight.
+        if len(self._ready) + len(self._pending) + self._in_flight + count > self._max_groups:
             return None
         return (step, offset, count) if version >= step - 1 - self.max_age else None
+
+    def _resumable(self) -> bool:
+        """Whether an unfinished group waits to be continued and may be now (lock held)."""
+        return bool(self._pending) and not (
+            self._stopped or self._paused or self._error is not None
+        )
 
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: self._stopped or self._startable() is not None)
+                    self._cv.wait_for(
+                        lambda: self._stopped or self._resumable() or self._startable() is not None
+                    )
                     if self._stopped:
                         return
-                    start = self._startable()
-                    assert start is not None
-                    step, offset, count = start
-                    first, version = self._index, self._gate.version
-                    assert version is not None
-                    state = self._stream.state()
-                    drawn = self._draw(count)
-                    self._slot += count
-                    self._index += count
-                    self._in_flight += count
+                    if self._resumable():  # unfinished groups first: they hold their steps
+                        resumed = self._pending[: self._per_call]
+                        del self._pending[: len(resumed)]
+                        self._resuming.extend(resumed)
+                        self._in_flight += len(resumed)
+                    else:
+                        resumed = []
+                        start = self._startable()
+                        assert start is not None
+                        step, offset, count = start
+                        first, version = self._index, self._gate.version
+                        assert version is not None
+                        state = self._stream.state()
+                        drawn = self._draw(count)
+                        self._slot += count
+                        self._index += count
+                        self._in_flight += count
+                if resumed:
+                    self._continue(resumed)
+                    continue
                 started = time.perf_counter()
                 try:
                     rolled = self._roll(step, offset, drawn)
-                finally:
+                except BaseException:
                     with self._cv:
                         self._in_flight -= count
                         self._cv.notify_all()
+                    raise
                 seconds = time.perf_counter() - started
+                # Out of flight and into the buffer at once: a pause that sees nothing in
+                # flight must see these groups (a discard drops them).
                 with self._cv:
+                    self._in_flight -= count
                     self._states[first] = state
-                    self._ready.extend(
-                        Group(first + i, episodes, version, seconds)
+                    self._place(
+                        Group(first + i, episodes, version, seconds, step)
                         for i, episodes in enumerate(rolled)
                     )
                     self._cv.notify_all()
@@ -509,14 +558,55 @@ class GroupProducer(_Producer):
                 self._error = exc
                 self._cv.notify_all()
 
+    def _place(self, groups: Iterator[Group] | list[Group]) -> None:
+        """Finished groups to the buffer, unfinished ones to wait for a later call (lock
+        held)."""
+        for group in groups:
+            if self._resume is not None and not self._finished(group.episodes):
+                self._pending.append(group)
+            else:
+                self._ready.append(group)
+
+    def _continue(self, groups: list[Group]) -> None:
+        """One call continuing the unfinished ``groups`` (taken off ``_pending``)."""
+        assert self._resume is not None
+        started = time.perf_counter()
+        try:
+            self._resume(groups[0].step, groups[0].calls, [g.episodes for g in groups])
+        finally:
+            seconds = time.perf_counter() - started
+            # Out of flight and back among the waiting groups at once (see _run).
+            with self._cv:
+                self._in_flight -= len(groups)
+                gone = {id(g) for g in groups}
+                self._resuming = [g for g in self._resuming if id(g) not in gone]
+                for group in groups:
+                    group.calls += 1
+                    group.seconds += seconds
+                self._place(groups)
+                self._cv.notify_all()
+
+    def _oldest_state(self) -> int | None:
+        """The first index of the call of the oldest group not yet trained (lock held)."""
+        waiting = [g.index for g in (*self._ready, *self._pending, *self._resuming)]
+        if not waiting:
+            return None
+        oldest = min(waiting)
+        return max(i for i in self._states if i <= oldest)
+
     def take(self, step: int) -> TakenGroups:
-        """Wait for ``groups_per_step`` finished groups young enough for ``step`` (the
-        weights of ``step - 1`` train them), the oldest prompts first; drop older ones."""
+        """Wait for ``groups_per_step`` finished groups for ``step`` (the weights of
+        ``step - 1`` train them), the oldest prompts first; with ``drop_stale``, drop the
+        ones older than the bound on the way."""
         dropped = 0
         with self._cv:
             while True:
                 self._ready.sort(key=lambda g: g.index)
-                stale = [g for g in self._ready if (step - 1) - g.version > self.max_age]
+                stale = [
+                    g
+                    for g in self._ready
+                    if self.drop_stale and (step - 1) - g.version > self.max_age
+                ]
                 if stale:
                     dropped += len(stale)
                     gone = {id(g) for g in stale}
@@ -533,10 +623,10 @@ class GroupProducer(_Producer):
                     raise self._error
             taken = self._ready[: self._per_step]
             del self._ready[: self._per_step]
-            # Keep the stream state of the call of the oldest group still waiting (discard).
-            if self._ready:
-                oldest = self._ready[0].index
-                keep = max(i for i in self._states if i <= oldest)
+            # Keep the stream state of the call of the oldest group still waiting (discard);
+            # calls in flight add theirs when they finish.
+            keep = self._oldest_state()
+            if keep is not None:
                 self._states = {i: st for i, st in self._states.items() if i >= keep}
             else:
                 self._states.clear()
@@ -557,17 +647,17 @@ class GroupProducer(_Producer):
             return sorted(g.index for g in self._ready)
 
     def discard(self, next_step: int) -> int:
-        """Drop every finished group (call while :meth:`paused`) and rewind the data stream to
-        where the call of the oldest of them began, so that production restarts at
-        ``next_step`` from there (groups of that call that were trained already are drawn
-        again). Returns how many groups were dropped."""
+        """Drop every finished and unfinished group (call while :meth:`paused`) and rewind the
+        data stream to where the call of the oldest of them began, so that production
+        restarts at ``next_step`` from there (groups of that call that were trained already
+        are drawn again). Returns how many groups were dropped."""
         with self._cv:
-            dropped = len(self._ready)
-            if self._ready:
-                oldest = min(g.index for g in self._ready)
-                first = max(i for i in self._states if i <= oldest)
+            dropped = len(self._ready) + len(self._pending)
+            first = self._oldest_state()
+            if first is not None:
                 self._stream.load_state(self._states[first])
             self._ready.clear()
+            self._pending.clear()
             self._states.clear()
             self._first_step, self._slot = next_step, 0
             self._gate.invalidate()

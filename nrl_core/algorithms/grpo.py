@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -39,7 +39,7 @@ from nrl_core.algorithms.runtime import PROGRESS_FIELDS, RunSession, train_in_se
 from nrl_core.algorithms.samples import sample_records
 from nrl_core.algorithms.warmup import answer_warmup
 from nrl_core.config.schema import GRPOConfig
-from nrl_core.data import Batch
+from nrl_core.data import VERSION_GAP_BUCKETS, VERSION_GAPS, Batch
 from nrl_core.errors import NonFiniteError, NrlError
 from nrl_core.interfaces import SamplingParams
 from nrl_core.losses.clipped_pg import kl_penalty
@@ -103,11 +103,15 @@ class GRPOTrainer:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def roll_out(self, episodes: list[Episode], params: SamplingParams) -> list[Episode]:
+    def roll_out(
+        self, episodes: list[Episode], params: SamplingParams, max_tokens_per_call: int = 0
+    ) -> list[Episode]:
         """Roll ``episodes`` out in place, each task by its agent: the core's own generate /
         ``env.step`` loop (:data:`~nrl_core.agents.BUILTIN_AGENT`) on token ids, or a
         registered agent calling the run's policy endpoint, whose trajectories become the
-        episodes' sequences (:func:`~nrl_core.algorithms.rollout.apply_trajectory`)."""
+        episodes' sequences (:func:`~nrl_core.algorithms.rollout.apply_trajectory`).
+        ``max_tokens_per_call`` > 0: the core's episodes may come back unfinished (partial
+        rollouts, see :func:`~nrl_core.algorithms.rollout.rollout`); agents' always finish."""
         s = self.session
         max_total_length = self.config.policy.max_total_sequence_length
         by_agent: dict[str, list[Episode]] = {}
@@ -123,6 +127,7 @@ class GRPOTrainer:
                     params,
                     max_turns=self.grpo.max_rollout_turns,
                     max_total_length=max_total_length,
+                    max_tokens_per_call=max_tokens_per_call,
                 )
                 continue
             # Agents sample through the endpoint: it holds them to this call's settings.
@@ -172,11 +177,22 @@ class GRPOTrainer:
         if params.seed is not None and offset:
             params = attrs.evolve(params, seed=params.seed + 104_729 * offset)
         episodes = start_episodes(samples, s.codec, grpo.num_generations_per_prompt)
-        self.roll_out(episodes, params)
+        self.roll_out(episodes, params, self.async_options.max_tokens_per_call)
         groups: dict[int, list[Episode]] = {}
         for episode in episodes:
             groups.setdefault(episode.group, []).append(episode)
         return [groups[g] for g in sorted(groups)]
+
+    def resume_groups(self, step: int, calls: int, groups: list[list[Episode]]) -> None:
+        """Continue the unfinished samples of ``groups`` (partial rollouts,
+        ``grpo.async.max_tokens_per_call``) in one generate call, in place. The seed moves
+        with ``calls`` (the calls the first group took so far): a continuation does not replay
+        the random draws of the call before it."""
+        params = sampling_params(self.config, self.session.tokenizer, step=step)
+        if params.seed is not None:
+            params = attrs.evolve(params, seed=params.seed + 1_000_033 * calls)
+        unfinished = [e for group in groups for e in group if not e.done]
+        self.roll_out(unfinished, params, self.async_options.max_tokens_per_call)
 
     def step_data(self, episodes: list[Episode], generation_s: float) -> StepData:
         """One step's :class:`StepData` from its rolled-out episodes (groups numbered)."""
@@ -228,12 +244,14 @@ class GRPOTrainer:
                 episode.group = number
                 episodes.append(episode)
                 ages.append(float((step - 1) - group.version))
+        staleness = self.mark_staleness(step, episodes, [g.version for g in taken.groups])
         data = self.step_data(episodes, waited)
         metrics = self.train_on(
             step, data, step_start=step_start, refit_s=refit_s, generation_s=waited
         )
         step_s = metrics["timing/step_s"]
         size = self.grpo.num_generations_per_prompt
+        metrics.update(staleness)
         metrics.update(
             {
                 "async/trajectory_age_mean": sum(ages) / len(ages),
@@ -250,6 +268,86 @@ class GRPOTrainer:
         )
         return metrics
 
+    def mark_staleness(
+        self, step: int, episodes: list[Episode], group_versions: Mapping[int, int] | list[int]
+    ) -> dict[str, float]:
+        """Set each episode's ``age`` (the weights of ``step - 1`` train it) and, with
+        ``grpo.async.over_age=mask``, keep its tokens older than the age bound out of the loss
+        (``loss_excluded``); returns ``async/age_mean``, ``async/age_max``,
+        ``async/partial_fraction`` and ``async/dropped_stale_tokens`` (tokens masked).
+
+        A token's version is its own (:attr:`Episode.weight_versions`) or, where the engine
+        recorded none, the version its group's first call started with
+        (``group_versions[episode.group]``). Over-age tokens kept (``over_age=train``) go
+        through the loss's importance-sampling correction like every other token."""
+        options = self.async_options
+        trainer_version = step - 1
+        oldest_allowed = trainer_version - options.max_trajectory_age_steps
+        masked = 0
+        ages: list[int] = []
+        for episode in episodes:
+            positions = [i for i, m in enumerate(episode.loss_mask) if m > 0]
+            versions = list(episode.weight_versions)
+            if len(versions) != len(positions):  # unknown (or an agent's): the group's call
+                versions = [group_versions[episode.group]] * len(positions)
+            oldest = min(versions, default=group_versions[episode.group])
+            episode.age = trainer_version - oldest
+            ages.append(episode.age)
+            if options.over_age == "mask" and oldest < oldest_allowed:
+                episode.loss_excluded = [
+                    p for p, v in zip(positions, versions, strict=True) if v < oldest_allowed
+                ]
+                masked += len(episode.loss_excluded)
+        return {
+            "async/age_mean": sum(ages) / len(ages),
+            "async/age_max": float(max(ages)),
+            "async/partial_fraction": sum(e.partial for e in episodes) / len(episodes),
+            "async/dropped_stale_tokens": float(masked),
+        }
+
+    def version_gaps(self, step: int, episodes: Sequence[Episode], width: int) -> torch.Tensor:
+        """:data:`~nrl_core.data.VERSION_GAPS` of a step's batch (``[len(episodes), width]``):
+        for each generated token, how many versions older than the trainer's (``step - 1``)
+        the weights that made it were; -1 elsewhere and where the engine recorded none."""
+        gaps = torch.full((len(episodes), width), -1, dtype=torch.long)
+        for row, episode in enumerate(episodes):
+            positions = [i for i, m in enumerate(episode.loss_mask) if m > 0]
+            if positions and len(episode.weight_versions) == len(positions):
+                versions = torch.tensor(episode.weight_versions, dtype=torch.long)
+                gaps[row, positions] = (step - 1) - versions
+        return gaps
+
+    @staticmethod
+    def mismatch_by_version_gap(train: dict[str, float]) -> dict[str, float]:
+        """``async/gen_logprob_error_gap<k>`` (the loss's ``train/gen_logprob_error`` over the
+        tokens generated ``k`` versions before the trainer's weights; the last bucket, ``k =
+        VERSION_GAP_BUCKETS - 1``, that many or more) from the loss's additive shares, which
+        are taken out of ``train``; a gap with no token is left out."""
+        found: dict[str, float] = {}
+        for k in range(VERSION_GAP_BUCKETS):
+            error = train.pop(f"gen_logprob_error_gap{k}", None)
+            tokens = train.pop(f"gen_logprob_tokens_gap{k}", None)
+            if error is not None and tokens:
+                found[f"async/gen_logprob_error_gap{k}"] = error / tokens
+        return found
+
+    @staticmethod
+    def summarise_is_weights(batch: Batch, data: StepData, old: torch.Tensor) -> None:
+        """Set each episode's :attr:`~Episode.is_weight`: ``mean``, ``min``, ``max`` of the
+        importance weights ``exp(old - gen)`` of its trained tokens (for ``samples.jsonl``),
+        from the trainer's logprobs ``old`` of the step (when the step computed them)."""
+        mask = batch["loss_mask"] * batch["sample_mask"][:, None]
+        log_w = (old.float() - batch["gen_logprobs"].float()).clamp(-20.0, 20.0)
+        for row, episode in enumerate(data.episodes):
+            trained = mask[row] > 0
+            if bool(trained.any()):
+                weights = torch.exp(log_w[row][trained])
+                episode.is_weight = {
+                    "mean": float(weights.mean()),
+                    "min": float(weights.min()),
+                    "max": float(weights.max()),
+                }
+
     def async_step(self, step: int) -> dict[str, float]:
         """One asynchronous step: refit, take the producer's batch for this step (generated
         meanwhile, with weights at most ``max_trajectory_age_steps`` older), train on it."""
@@ -264,18 +362,23 @@ class GRPOTrainer:
             produced = producer.take(step)
             waited = time.perf_counter() - waited
             age = (step - 1) - produced.version
-            if age <= producer.max_age:
+            if age <= producer.max_age or self.async_options.over_age != "drop":
                 break
             dropped += 1  # too old for the bound: generate it again with newer weights
             producer.regenerate(step)
         buffered = producer.buffered
         if produced.data is None:
             raise _NoSignal()
+        episodes = produced.data.episodes
+        staleness = self.mark_staleness(
+            step, episodes, {e.group: produced.version for e in episodes}
+        )
         metrics = self.train_on(
             step, produced.data, step_start=step_start, refit_s=refit_s, generation_s=waited
         )
         step_s = metrics["timing/step_s"]
         trajectories = float(len(produced.data.episodes))
+        metrics.update(staleness)
         metrics.update(
             {
                 "async/trajectory_age_mean": float(age),
@@ -318,6 +421,10 @@ class GRPOTrainer:
             return self.close_step(step, data, metrics, step_start=step_start, timings=timings)
         batch = episodes_to_batch(data.episodes, data.advantages, s.tokenizer.pad_token_id)
         batch["sample_mask"] = data.sample_mask
+        if self.producer is not None:  # the loss reports its mismatch per version gap
+            batch[VERSION_GAPS] = self.version_gaps(
+                step, data.episodes, batch["input_ids"].shape[1]
+            )
 
         start = time.perf_counter()
         reward_kl = self.token_level_estimator and self.grpo.reward_kl_coef > 0
@@ -329,6 +436,8 @@ class GRPOTrainer:
         if self.needs_reference:
             batch["ref_logprobs"] = s.policy.get_logprobs(batch, reference=True)
         logprobs_s = time.perf_counter() - start
+        if old is not None and self.producer is not None:
+            self.summarise_is_weights(batch, data, old)
         estimator_metrics = (
             self.token_advantages(batch, data, old) if self.token_level_estimator else {}
         )
@@ -348,7 +457,8 @@ class GRPOTrainer:
         # Without a reference model (kl_coef = 0) the KL is not measured: null, never a fake 0.
         train.setdefault("kl", float("nan"))
         train.update(estimator_metrics)
-        return self.end_step(
+        gap_metrics = self.mismatch_by_version_gap(train)
+        metrics = self.end_step(
             step,
             data,
             train,
@@ -356,6 +466,8 @@ class GRPOTrainer:
             generation_s=generation_s,
             timings={"logprobs_s": logprobs_s, "train_s": train_s, "refit_s": refit_s},
         )
+        metrics.update(gap_metrics)
+        return metrics
 
     def train_policy(self, step: int, batch: Batch) -> dict[str, float]:
         """The policy's optimizer steps on one step's batch (its advantages set); their metrics
@@ -643,6 +755,9 @@ class GRPOTrainer:
                 groups_per_call=per_call,
                 calls_in_flight=max(1, engines.num_engines if engines is not None else 1),
                 wait_timeout_s=options.wait_timeout_s,
+                drop_stale=options.over_age == "drop",
+                resume=self.resume_groups if options.max_tokens_per_call > 0 else None,
+                finished=lambda episodes: all(e.done for e in episodes),
             )
         return RolloutProducer(
             self.collect,

@@ -246,6 +246,22 @@ class Episode:
     """The weights' version (optimizer steps, :attr:`~nrl_core.interfaces.GenerationOutput.
     weight_versions`) of each generated token, in order (the tokens where ``loss_mask`` is 1
     that the rollout generated); empty when the engine's versions are unknown."""
+    partial: bool = False
+    """Whether a response of this episode was cut by ``max_tokens_per_call`` and continued in
+    a later call (a partial rollout, :func:`rollout`)."""
+    turn_tokens: int = 0
+    """Tokens generated so far in a turn that is not over (a partial rollout waiting to be
+    continued); 0 between turns."""
+    age: int | None = None
+    """How many optimizer steps the weights that train this episode are ahead of the oldest
+    weights that generated it (asynchronous GRPO; None elsewhere)."""
+    is_weight: dict[str, float] | None = None
+    """The importance weights ``exp(old - gen)`` of its trained tokens, summarised (``mean``,
+    ``min``, ``max``), when the step computed the trainer's logprobs; None otherwise."""
+    loss_excluded: list[int] = attrs.field(factory=list)
+    """Positions in ``token_ids`` kept out of the loss although generated (tokens of weights
+    older than the age bound, ``grpo.async.over_age=mask``): :func:`episodes_to_batch` zeroes
+    their ``loss_mask``; the episode's own ``loss_mask`` (its response length) is unchanged."""
 
     def __attrs_post_init__(self) -> None:
         if not self.loss_mask:
@@ -313,8 +329,18 @@ def rollout(
     *,
     max_turns: int,
     max_total_length: int,
+    max_tokens_per_call: int = 0,
 ) -> list[Episode]:
     """Roll ``episodes`` out in place until every one is done; returns them.
+
+    Partial rollouts (``max_tokens_per_call`` > 0): no episode generates more than that many
+    tokens in this call; one that reaches it before its turn is over (a stop, the turn's
+    ``params.max_new_tokens``, the sequence budget) stays not ``done``, marked ``partial``,
+    with ``turn_tokens`` generated, and a later ``rollout`` of it continues the turn: its
+    prompt is its ``token_ids`` so far (exactly the ids generated, as between turns), its
+    budget what is left of ``max_new_tokens``, the continuation is appended to the same
+    assistant message, and the environment sees the turn only once it is over. Episodes
+    continued and episodes starting may share one call.
 
     No episode grows past ``max_total_length`` tokens: generation is cut to the budget left,
     an observation that would fill it ends the episode, and an episode with no budget left
@@ -323,25 +349,38 @@ def rollout(
     carries no loss either way). Without an environment (``env_pool`` None) every episode
     ends after its first turn with reward 0.
     """
-    for turn in range(max_turns):
+    paused: set[int] = set()  # episodes cut by max_tokens_per_call in this call
+    while True:
         for episode in episodes:
             if not episode.done and len(episode.token_ids) >= max_total_length:
                 _end_over_budget(episode, max_total_length)
-        active = [e for e in episodes if not e.done]
+        active = [e for e in episodes if not e.done and id(e) not in paused]
         if not active:
             break
+        # What each episode may generate now: the rest of its turn, at most the per-call cap.
+        limits = [params.max_new_tokens - e.turn_tokens for e in active]
+        if max_tokens_per_call > 0:
+            limits = [min(limit, max_tokens_per_call) for limit in limits]
+        call_params = params
+        if max(limits) != params.max_new_tokens:
+            call_params = attrs.evolve(params, max_new_tokens=max(limits))
         output = generate(
             [e.token_ids for e in active],
-            params,
+            call_params,
             [list(e.stop_strings) if e.stop_strings else None for e in active],
         )
+        ended: list[Episode] = []  # whose turn is over
         for index, (episode, ids, logprobs, reason) in enumerate(
             zip(active, output.token_ids, output.logprobs, output.finish_reasons, strict=True)
         ):
             budget = max_total_length - len(episode.token_ids)  # >= 1: checked above
             if len(ids) > budget:
                 ids, logprobs, reason = ids[:budget], logprobs[:budget], "length"
+            if len(ids) > limits[index]:  # the call's limit is the largest of the episodes'
+                ids, logprobs, reason = ids[: limits[index]], logprobs[: limits[index]], "length"
+            continued = episode.turn_tokens > 0
             episode.append(ids, generated=True, logprobs=logprobs)
+            episode.turn_tokens += len(ids)
             if output.weight_versions is not None:
                 episode.weight_versions.extend(output.weight_versions[index][: len(ids)])
             if output.routed_experts is not None:
@@ -349,22 +388,40 @@ def rollout(
                 episode.record_routing(
                     output.routed_experts[index], None if weights is None else weights[index]
                 )
-            episode.messages.append(
-                {"role": "assistant", "content": codec.decode(ids), "token_ids": list(ids)}
-            )
+            if continued:  # the same turn: one assistant message, its ids spliced on
+                message = episode.messages[-1]
+                message["token_ids"] = [*message["token_ids"], *ids]
+                message["content"] = codec.decode(message["token_ids"])
+            else:
+                episode.messages.append(
+                    {"role": "assistant", "content": codec.decode(ids), "token_ids": list(ids)}
+                )
             episode.finish_reason = reason
             episode.truncated = len(episode.token_ids) >= max_total_length
+            if (
+                max_tokens_per_call > 0
+                and reason == "length"
+                and not episode.truncated
+                and episode.turn_tokens < params.max_new_tokens
+            ):
+                episode.partial = True  # cut by the call, not by the turn: continued later
+                paused.add(id(episode))
+                continue
+            episode.turn_tokens = 0
             episode.turns += 1
+            ended.append(episode)
+        if not ended:
+            continue
         if env_pool is None:  # no environment (distillation): one turn, nothing scored
-            for episode in active:
+            for episode in ended:
                 episode.done = True
-            break
+            continue
         results = env_pool.step(
-            [e.task for e in active],
-            [[{"role": m["role"], "content": m["content"]} for m in e.messages] for e in active],
-            [e.metadata for e in active],
+            [e.task for e in ended],
+            [[{"role": m["role"], "content": m["content"]} for m in e.messages] for e in ended],
+            [e.metadata for e in ended],
         )
-        for episode, result in zip(active, results, strict=True):
+        for episode, result in zip(ended, results, strict=True):
             episode.reward += result.reward
             if result.error is not None:
                 episode.env_errors += 1
@@ -377,7 +434,7 @@ def rollout(
             if (
                 result.step.terminated
                 or observation is None
-                or turn == max_turns - 1
+                or episode.turns >= max_turns
                 or episode.truncated
             ):
                 episode.done = True
@@ -488,6 +545,9 @@ def episodes_to_batch(
     """The training batch: ids, masks, generation logprobs and per-token advantages."""
     input_ids = pad_sequences([e.token_ids for e in episodes], pad_value=pad_token_id)
     loss_mask = pad_sequences([e.loss_mask for e in episodes], dtype=torch.float32)
+    for row, episode in enumerate(episodes):
+        if episode.loss_excluded:
+            loss_mask[row, episode.loss_excluded] = 0.0
     gen_logprobs = pad_sequences([e.gen_logprobs for e in episodes], dtype=torch.float32)
     tensors = {
         "input_ids": input_ids,

@@ -18,9 +18,12 @@ def sample_records(
     before the response), ``completion`` (the response text; a multi-turn one as ``role:
     content`` lines with the observations between), ``answer`` (the sample's reference, None
     without one), ``reward``, ``advantage`` (when ``advantages``, aligned with ``episodes``, are
-    given), ``finish_reason`` and ``weight_versions`` (the versions of the weights that
+    given), ``finish_reason``, ``weight_versions`` (the versions of the weights that
     generated the response's tokens, as ``[version, tokens]`` runs in token order; empty when
-    unknown)."""
+    unknown), ``partial`` (whether a response was continued across generate calls), and,
+    where known, ``age`` (optimizer steps between the oldest weights that generated it and the
+    weights that trained it) and ``is_weight`` (``mean``, ``min``, ``max`` of its tokens'
+    importance weights ``exp(old - gen)``)."""
     records = []
     for index, e in enumerate(episodes):
         cut = response_start(e.messages)
@@ -40,6 +43,11 @@ def sample_records(
             record["advantage"] = float(advantages[index])
         record["finish_reason"] = e.finish_reason
         record["weight_versions"] = version_runs(e.weight_versions)
+        record["partial"] = e.partial
+        if e.age is not None:
+            record["age"] = e.age
+        if e.is_weight is not None:
+            record["is_weight"] = dict(e.is_weight)
         records.append(record)
     return records
 

@@ -56,6 +56,15 @@ CHARTS = {
     "explained_variance": Chart(
         ("train/explained_variance",), "critic explained variance", "1 - Var(R - V) / Var(R)"
     ),
+    # grpo.async: how stale the trained samples were, and the mismatch by version gap
+    "async_age": Chart(
+        ("async/age_mean", "async/age_max"), "trajectory age (async)", "optimizer steps"
+    ),
+    "mismatch": Chart(
+        ("train/gen_logprob_error", *(f"async/gen_logprob_error_gap{k}" for k in range(4))),
+        "train/inference mismatch",
+        "mean exp(|old - gen|)",
+    ),
 }
 TIMING_KEYS = [
     "timing/generation_s",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nrl_core.data import Batch
+from nrl_core.data import VERSION_GAP_BUCKETS, VERSION_GAPS, Batch
 from nrl_core.interfaces import GlobalBatchStats
 from nrl_core.losses.common import aggregate, sequence_mean, token_mean_metric, token_weights
 from nrl_core.losses.config import ClippedPGConfig, resolve_aggregation, resolve_is_correction
@@ -100,6 +100,11 @@ class ClippedPGLoss:
       ``exp(|old - gen|)``; about 1.0 when trainer and generator agree.
     * ``is_clipped_fraction`` (with a correction): fraction of valid tokens whose weight was
       truncated or masked (every token of an affected sequence counts in sequence modes).
+    * ``gen_logprob_error_gap<k>`` and ``gen_logprob_tokens_gap<k>`` (when ``gen_logprobs``
+      and :data:`~nrl_core.data.VERSION_GAPS` are present; ``k`` in 0 ..
+      ``VERSION_GAP_BUCKETS - 1``, the last one for that gap and more): the additive shares of
+      ``sum exp(|old - gen|)`` and of the token count over the valid tokens generated ``k``
+      versions before the trainer's weights; their ratio is the mismatch at that gap.
 
     Metrics reduced with max / min (NOT summed): ``ratio_max``, ``ratio_min`` (over valid
     tokens; the sequence ratio for GSPO) and ``gen_logprob_error_max``. They are left out of a
@@ -210,6 +215,18 @@ class ClippedPGLoss:
                 metrics["gen_logprob_error"] = token_mean_metric(error, mask, stats)
                 if bool(valid.any()):
                     metrics["gen_logprob_error_max"] = float(error[valid].max())
+                gaps = batch.get(VERSION_GAPS)
+                if gaps is not None:
+                    gaps = gaps.to(logprobs.device)
+                    last = VERSION_GAP_BUCKETS - 1
+                    for k in range(VERSION_GAP_BUCKETS):
+                        chosen = mask * ((gaps >= k) if k == last else (gaps == k)).to(mask.dtype)
+                        metrics[f"gen_logprob_error_gap{k}"] = token_mean_metric(
+                            error, chosen, stats
+                        )
+                        metrics[f"gen_logprob_tokens_gap{k}"] = token_mean_metric(
+                            torch.ones_like(error), chosen, stats
+                        )
         return loss, metrics
 
     @staticmethod

@@ -7,8 +7,11 @@ import json
 import math
 import threading
 import time
+from types import SimpleNamespace
 
+import attrs
 import pytest
+import torch
 
 from nrl_core.algorithms.async_grpo import (
     GroupProducer,
@@ -16,7 +19,14 @@ from nrl_core.algorithms.async_grpo import (
     StuckEngineError,
     WeightGate,
 )
+from nrl_core.algorithms.grpo import GRPOTrainer
+from nrl_core.algorithms.rollout import Episode, episodes_to_batch
+from nrl_core.config.schema import AsyncSection, GRPOConfig, GRPOSection
+from nrl_core.data import VERSION_GAPS
+from nrl_core.losses.clipped_pg import ClippedPGLoss
+from nrl_core.losses.config import ClippedPGConfig
 from tests.algorithms.test_grpo_cli import metrics, run_nrl
+from tests.losses.helpers import global_stats, loss_and_grad
 
 SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
 
@@ -104,6 +114,34 @@ def test_groups_stream_one_call_each_across_two_engines(tmp_path):
     ]
     for sample in (s for s in samples if s["split"] == "train"):
         assert all(0 <= (sample["step"] - 1) - v <= 1 for v, _ in sample["weight_versions"])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_through_the_cli(tmp_path):
+    """``grpo.async.max_tokens_per_call=4`` of 12 new tokens: samples longer than 4 tokens are
+    continued in later calls; the run finishes, some trained samples were partial (metric and
+    samples.jsonl), every one records its age and versions, and nothing was dropped."""
+    run_nrl(
+        tmp_path,
+        *SEPARATE,
+        "grpo.max_num_steps=2",
+        "generation.max_new_tokens=12",
+        "grpo.async.enabled=true",
+        "grpo.async.max_tokens_per_call=4",
+    )
+    trained = [r for r in metrics(tmp_path) if "async/partial_fraction" in r]
+    assert len(trained) == 2
+    assert any(r["async/partial_fraction"] > 0 for r in trained)
+    assert all(r["async/dropped_stale"] == 0 for r in trained)
+    assert all(0 <= r["async/age_max"] <= 1 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    train = [s for s in samples if s["split"] == "train"]
+    assert train and any(s["partial"] for s in train)
+    for sample in train:
+        assert sample["age"] == (sample["step"] - 1) - min(v for v, _ in sample["weight_versions"])
 
 
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
@@ -263,6 +301,103 @@ def test_with_age_zero_a_step_is_its_own_prompts_in_order_after_the_refit():
     assert all(version == step - 1 for step, version in calls)
 
 
+@pytest.mark.parametrize("drop_stale", [False, True])
+def test_a_group_that_ends_over_age_is_trained_unless_dropping_is_asked(drop_stale):
+    """Age bound 1: prompt 0's call (version 0) hangs through steps 1 and 2 and ends when step
+    3 trains on version 2 (age 2). By default (``over_age`` mask / train) it is handed to the
+    trainer, nothing dropped; with ``drop_stale`` (``over_age=drop``) it is dropped, counted,
+    and its slot drawn again."""
+    gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
+    stream = _Stream()
+    release = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
+        if drawn == [0]:
+            assert release.wait(10)
+        return [[prompt] for prompt in drawn]
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=1,
+        groups_per_call=1,
+        calls_in_flight=3,
+        wait_timeout_s=10,
+        drop_stale=drop_stale,
+    )
+    try:
+        for step in (1, 2):
+            gate.ensure(step - 1)
+            assert 0 not in [g.index for g in producer.take(step).groups]
+        release.set()
+        deadline = time.monotonic() + 10
+        while 0 not in producer.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.ensure(2)
+        third = producer.take(3)
+        indices = [g.index for g in third.groups]
+        if drop_stale:
+            assert third.dropped >= 1 and 0 not in indices  # prompt 0 (and any other of v0)
+        else:
+            assert third.dropped == 0 and indices[0] == 0
+            assert (3 - 1) - third.groups[0].version == 2  # over the bound, trained all the same
+    finally:
+        release.set()
+        producer.stop()
+
+
+def test_a_partial_group_is_continued_and_handed_over_only_when_finished():
+    """Partial rollouts: prompt 0 needs three calls. Its group waits off the buffer while
+    step 1 trains on later prompts; the next calls continue it (the weights changed between
+    them) before anything new is drawn, and step 2 gets it, finished, with its calls counted
+    and its first call's version."""
+    gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
+    stream = _Stream()
+    proceed = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[dict]]:
+        return [
+            [{"prompt": p, "left": 2 if p == 0 else 0, "versions": [gate.version]}] for p in drawn
+        ]
+
+    def resume(step: int, calls: int, groups: list[list[dict]]) -> None:
+        assert proceed.wait(10)
+        for group in groups:
+            for sample in group:
+                assert sample["left"] > 0  # only unfinished groups are continued
+                sample["left"] -= 1
+                sample["versions"].append(gate.version)
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=1,
+        groups_per_call=3,
+        calls_in_flight=2,
+        last_step=2,  # nothing drawn for step 3: step 2 must wait for prompt 0
+        wait_timeout_s=10,
+        resume=resume,
+        finished=lambda episodes: all(e["left"] == 0 for e in episodes),
+    )
+    try:
+        gate.ensure(0)
+        first = producer.take(1)
+        assert [g.index for g in first.groups] == [1, 2, 3]  # prompt 0 is not finished
+        assert all(g.calls == 1 for g in first.groups)
+        gate.ensure(1)  # new weights while prompt 0 waits to be continued
+        proceed.set()
+        second = producer.take(2)
+        assert [g.index for g in second.groups] == [0, 4, 5]
+        zero = second.groups[0]
+        assert zero.calls == 3 and zero.version == 0 and zero.episodes[0]["left"] == 0
+        assert zero.episodes[0]["versions"][0] == 0 and zero.episodes[0]["versions"][-1] == 1
+    finally:
+        proceed.set()
+        producer.stop()
+
+
 def test_a_stuck_engine_is_one_named_error_not_a_hang():
     """A generate call that never returns: the trainer's wait for rollouts and a refit's wait
     for the call in flight both end after the bound with StuckEngineError."""
@@ -316,6 +451,54 @@ def test_group_discard_rewinds_the_stream_to_the_oldest_waiting_call():
         producer.stop()
 
 
+def test_discard_drops_unfinished_groups_too_and_rewinds_to_their_call():
+    """A checkpoint while prompt 0 is still being continued (partial) and prompts 1 and 2 wait
+    finished: the discard drops all three and rewinds the stream to their call, so the
+    resumed production draws prompts 0, 1, 2 again."""
+    gate = WeightGate(lambda: None, lambda: 0.0)
+    stream = _Stream()
+    proceed = threading.Event()
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[dict]]:
+        return [[{"prompt": p, "left": 1 if p == 0 else 0}] for p in drawn]
+
+    def resume(step: int, calls: int, groups: list[list[dict]]) -> None:
+        time.sleep(0.01)
+        if proceed.is_set():
+            for group in groups:
+                for sample in group:
+                    sample["left"] = 0
+
+    producer = _group_producer(
+        roll,
+        gate,
+        stream,
+        max_age=3,
+        max_buffer=1,
+        groups_per_call=3,
+        wait_timeout_s=10,
+        resume=resume,
+        finished=lambda episodes: all(e["left"] == 0 for e in episodes),
+    )
+    try:
+        gate.ensure(0)
+        deadline = time.monotonic() + 10
+        while producer.waiting() != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert producer.waiting() == [1, 2]  # prompt 0 keeps being continued meanwhile
+        with producer.paused():
+            assert producer.discard(next_step=1) == 3
+            assert stream.position == 0
+        proceed.set()
+        gate.ensure(0)
+        taken = producer.take(1)
+        assert [g.episodes[0]["prompt"] for g in taken.groups] == [0, 1, 2]
+        assert taken.groups[0].calls == 2  # drawn again, then continued once
+    finally:
+        proceed.set()
+        producer.stop()
+
+
 def test_the_gate_tags_every_generated_token_with_the_version_that_made_it():
     """Versions per token: the gate's version at the call (a refit waits for the call, so it
     is the call's only version); an engine's own versions (an in-flight refit) are kept."""
@@ -337,3 +520,90 @@ def test_the_gate_tags_every_generated_token_with_the_version_that_made_it():
     parts = [gate.generate([[1]]), GenerationOutput([[7]], [[0.0]], ["stop"])]
     assert GenerationOutput.concat(parts).weight_versions is None  # not every part knows
     assert GenerationOutput.concat(parts[:1] * 2).weight_versions == [[4], [4]]
+
+
+def _episode(group: int, versions: list[int], *, partial: bool = False) -> Episode:
+    """Two prompt tokens, then four generated ones (generation logprob -1 each)."""
+    return Episode(
+        group=group,
+        task="default",
+        messages=[],
+        metadata={},
+        token_ids=[1, 2, 3, 4, 5, 6],
+        prompt_length=2,
+        loss_mask=[0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+        gen_logprobs=[0.0, 0.0, -1.0, -1.0, -1.0, -1.0],
+        weight_versions=versions,
+        partial=partial,
+    )
+
+
+@pytest.mark.parametrize("over_age", ["mask", "train"])
+def test_over_age_tokens_are_masked_or_trained_through_the_importance_weight(over_age):
+    """Step 3 trains on version 2 with age bound 1: a partial sample whose first two tokens
+    came from version 0 is trained, not dropped. ``mask``: those two tokens are out of the
+    loss (no gradient), its other tokens in; ``train``: every token is in, its gradient scaled
+    by the token's IS weight exp(old - gen), as the loss does for every token."""
+    async_ = AsyncSection(enabled=True, max_trajectory_age_steps=1, over_age=over_age)
+    config = attrs.evolve(GRPOConfig(), grpo=GRPOSection(async_=async_))
+    trainer = GRPOTrainer(SimpleNamespace(config=config, gate=None))
+    late, young = _episode(0, [0, 0, 1, 2], partial=True), _episode(1, [2, 2, 2, 2])
+
+    found = trainer.mark_staleness(3, [late, young], [0, 2])
+
+    assert (late.age, young.age) == (2, 0)
+    assert found["async/age_max"] == 2 and found["async/age_mean"] == 1
+    assert found["async/partial_fraction"] == 0.5
+    assert found["async/dropped_stale_tokens"] == (2 if over_age == "mask" else 0)
+    assert late.response_length == 4  # the episode's own mask (its metrics) is unchanged
+    batch = episodes_to_batch([late, young], torch.tensor([1.0, 1.0]), 0)
+    trained = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0] if over_age == "mask" else late.loss_mask
+    assert batch["loss_mask"][0].tolist() == trained
+    assert batch["loss_mask"][1].tolist() == young.loss_mask
+
+    loss_fn = ClippedPGLoss(ClippedPGConfig(is_correction="token_truncate", is_truncate_c=10.0))
+    logprobs = torch.full((2, 6), -0.5, requires_grad=True)
+    batch["prev_logprobs"] = logprobs.detach().clone()  # the trainer's: ratio 1
+    loss, _ = loss_fn(logprobs, batch, global_stats(batch))
+    loss.backward()
+    tokens = float(batch["loss_mask"].sum())
+    weight = math.exp(-0.5 - -1.0)  # exp(old - gen)
+    expected = [0.0, 0.0] + [-weight / tokens * m for m in trained[2:]]
+    assert torch.allclose(logprobs.grad[0], torch.tensor(expected), atol=1e-6)
+
+
+def test_mismatch_is_reported_per_version_gap_and_each_sample_keeps_its_is_weights():
+    """Step 3 (trainer version 2): the loss, over two micro batches, gives the additive shares
+    per version gap, and ``async/gen_logprob_error_gap<k>`` is the mean of exp(|old - gen|)
+    over the trained tokens k versions old; masked tokens and tokens of unknown version are
+    left out. Each sample's IS weights exp(old - gen) are summarised."""
+    config = attrs.evolve(GRPOConfig(), grpo=GRPOSection(async_=AsyncSection(enabled=True)))
+    trainer = GRPOTrainer(SimpleNamespace(config=config, gate=None))
+    late, young = _episode(0, [0, 1, 1, 2]), _episode(1, [])  # young: versions unknown
+    late.loss_excluded = [2]  # the version-0 token, masked
+    batch = episodes_to_batch([late, young], torch.tensor([1.0, 1.0]), 0)
+    batch[VERSION_GAPS] = trainer.version_gaps(3, [late, young], 6)
+    assert batch[VERSION_GAPS].tolist() == [[-1, -1, 2, 1, 1, 0], [-1] * 6]
+    old = torch.tensor([[0.0, 0.0, -3.0, -0.5, -1.5, -1.0], [0.0, 0.0, -2.0, -2.0, -2.0, -2.0]])
+    batch["prev_logprobs"] = old
+
+    loss_fn = ClippedPGLoss(ClippedPGConfig(is_correction="token_truncate"))
+    parts = [batch.slice(0, 1), batch.slice(1, 2)]
+    _, _, train = loss_and_grad(loss_fn, old, parts, global_stats(batch))
+    found = GRPOTrainer.mismatch_by_version_gap(train)
+
+    # gen is -1 everywhere: |old - gen| is 0.5, 0.5 at gap 1 and 0 at gap 0.
+    assert found == pytest.approx(
+        {"async/gen_logprob_error_gap1": math.exp(0.5), "async/gen_logprob_error_gap0": 1.0}
+    )
+    assert not any("_gap" in key for key in train)  # the shares are taken out
+    GRPOTrainer.summarise_is_weights(batch, SimpleNamespace(episodes=[late, young]), old)
+    assert late.is_weight == pytest.approx(
+        {
+            "mean": (math.exp(0.5) + math.exp(-0.5) + 1) / 3,
+            "min": math.exp(-0.5),
+            "max": math.exp(0.5),
+        }
+    )
+    one = math.exp(-1)
+    assert young.is_weight == pytest.approx({"mean": one, "min": one, "max": one})

@@ -63,8 +63,10 @@ def test_records_split_prompt_and_completion_and_carry_answer_reward_and_advanta
         "advantage": 1.5,
         "finish_reason": "stop",
         "weight_versions": [[3, 2], [4, 1]],  # two tokens of version 3, then one of 4
+        "partial": False,
     }
     assert records[1]["weight_versions"] == []  # unknown: no version recorded
+    assert "age" not in records[1] and "is_weight" not in records[1]  # synchronous: unknown
     assert records[1]["prompt"] == PROMPT
     assert records[1]["completion"] == "assistant: let me check\nuser: it is 7\nassistant: 7"
     assert records[1]["advantage"] == -0.5
@@ -72,6 +74,16 @@ def test_records_split_prompt_and_completion_and_carry_answer_reward_and_advanta
     assert records[2]["completion"] == "assistant: call\ncontext: result\nassistant: 7"
     assert records[3]["prompt"] == PROMPT and records[3]["completion"] == ""
     assert "advantage" not in sample_records([single])[0]  # validation: no advantage
+
+
+def test_an_async_record_carries_age_partial_and_importance_weights():
+    weights = {"mean": 1.25, "min": 0.5, "max": 2.0}
+    late = episode(
+        generated("7"), weight_versions=[3, 3, 4], partial=True, age=2, is_weight=weights
+    )
+    record = sample_records([late])[0]
+    assert record["partial"] is True and record["age"] == 2
+    assert record["is_weight"] == weights
 
 
 def test_a_few_shot_prompt_keeps_its_assistant_turns():

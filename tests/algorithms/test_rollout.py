@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nrl_core.algorithms.async_grpo import WeightGate
 from nrl_core.algorithms.rollout import (
     ChatCodec,
     Episode,
@@ -532,3 +533,100 @@ def test_ctrl_c_stops_tokenising_a_huge_prompt_at_once(tmp_path):
     assert proc.returncode == 130 and "tokenised" not in out, (out, err[-3000:])
     # The old code handled it when the tokenizer returned: ~14 s after the signal for 8 MB.
     assert took < 5, f"the interrupt took {took:.1f} s"
+
+
+def _roll_in_calls(episodes, gate, pool, codec, params, *, max_turns, cap):
+    """Roll ``episodes`` out in calls of at most ``cap`` tokens a sample, the weights' version
+    going up by one between calls (as the streaming producer's partial rollouts see it);
+    returns the number of calls."""
+    calls = 0
+    while not all(e.done for e in episodes):
+        gate.ensure(calls)
+        rollout(
+            [e for e in episodes if not e.done],
+            gate.generate,
+            pool,
+            codec,
+            params,
+            max_turns=max_turns,
+            max_total_length=512,
+            max_tokens_per_call=cap,
+        )
+        calls += 1
+    return calls
+
+
+def test_a_partial_rollout_continues_with_the_exact_ids_and_keeps_each_tokens_version(
+    model_and_tokenizer,
+):
+    """max_tokens_per_call=6 of max_new_tokens=10: the first call stops every sample after 6
+    tokens (not done, partial), the next call, under newer weights, continues from prompt +
+    those 6 ids; the final sequence is the one a single call makes (greedy), in one assistant
+    message, and its versions are two runs [[0, 6], [1, 4]]."""
+    from nrl_dtensor.generation import TorchGenerator
+
+    model, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer)
+    generator = TorchGenerator(model=model, tokenizer=tokenizer)
+    samples = [Sample([{"role": "user", "content": p}], answer="1") for p in ("go", "1+2=")]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=())
+
+    whole = start_episodes(samples, codec, 1)
+    rollout(whole, generator.generate, None, codec, params, max_turns=1, max_total_length=512)
+
+    gate = WeightGate(generator.generate, lambda: 0.0)
+    parts = start_episodes(samples, codec, 1)
+    gate.ensure(0)
+    rollout(parts, gate.generate, None, codec, params, max_turns=1, max_total_length=512,
+            max_tokens_per_call=6)  # fmt: skip
+    for episode in parts:
+        assert not episode.done and episode.partial and episode.turn_tokens == 6
+        assert len(episode.token_ids) == episode.prompt_length + 6
+    first = [list(e.token_ids) for e in parts]
+    gate.ensure(1)  # new weights between the calls
+    rollout(parts, gate.generate, None, codec, params, max_turns=1, max_total_length=512,
+            max_tokens_per_call=6)  # fmt: skip
+    for episode, reference, before in zip(parts, whole, first, strict=True):
+        assert episode.done and episode.turns == 1 and episode.turn_tokens == 0
+        assert episode.token_ids[: len(before)] == before  # continued, never re-encoded
+        assert episode.token_ids == reference.token_ids
+        generated = episode.token_ids[episode.prompt_length :]
+        assert len(generated) == 10 and episode.finish_reason == "length"
+        assert [m["role"] for m in episode.messages[-1:]] == ["assistant"]
+        assert episode.messages[-1]["token_ids"] == generated
+        assert episode.messages[-1]["content"] == codec.decode(generated)
+        assert episode.loss_mask == reference.loss_mask
+        assert torch.allclose(
+            torch.tensor(episode.gen_logprobs), torch.tensor(reference.gen_logprobs), atol=1e-4
+        )
+        assert episode.weight_versions == [0] * 6 + [1] * 4
+
+
+def test_partial_rollouts_of_a_multi_turn_episode_splice_each_turn_exactly(model_and_tokenizer):
+    """Three turns of the countdown environment, 3 tokens a call: the environment sees each
+    turn once, whole; the sequence and the messages equal a run without the cap (greedy)."""
+    from nrl_dtensor.generation import TorchGenerator
+
+    model, tokenizer = model_and_tokenizer
+    codec = ChatCodec(tokenizer, system_prompt="Answer with a number.")
+    generator = TorchGenerator(model=model, tokenizer=tokenizer)
+    samples = [Sample([{"role": "user", "content": "1+2="}], answer="3")]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=())
+
+    def pool():
+        return InProcessPool(EnvironmentActor(CountdownEnvironment, None, ComponentContext(None)))
+
+    whole = start_episodes(samples, codec, 1)
+    rollout(whole, generator.generate, pool(), codec, params, max_turns=5, max_total_length=512)
+    parts = start_episodes(samples, codec, 1)
+    gate = WeightGate(generator.generate, lambda: 0.0)
+    calls = _roll_in_calls(parts, gate, pool(), codec, params, max_turns=5, cap=3)
+    assert calls > 3  # some turn took more than one call
+    for episode, reference in zip(parts, whole, strict=True):
+        assert episode.done and episode.turns == reference.turns == 3
+        assert episode.token_ids == reference.token_ids
+        assert episode.messages == reference.messages
+        assert episode.loss_mask == reference.loss_mask
+        assert episode.reward == reference.reward
+        assert episode.partial == any(len(m["token_ids"]) > 3 for m in episode.messages[2::2])
+        assert len(set(episode.weight_versions)) > 1

@@ -582,6 +582,10 @@ CASES = [
     # issue 52, h-dtlora
     ("convert_lora_adapters_without_lora", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "adapters"], "--lora adapters: {d}/ckpt_no_lora/step_2 is a policy without LoRA (policy.dtensor.lora_rank is 0), so it has no adapters to export; drop --lora", {}),
     ("convert_lora_unknown", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "deltas"], "--lora: invalid choice: 'deltas'", {}),
+    # issue 51, h-partial
+    ("async_over_age_unknown", run("grpo", "grpo.async.over_age=discard"), "grpo.async.over_age must be one of mask, train, drop, got 'discard'", {}),
+    ("async_tokens_per_call_negative", run("grpo", "grpo.async.max_tokens_per_call=-1"), "grpo.async.max_tokens_per_call must be >= 0, got -1", {}),
+    ("async_partial_with_dynamic_sampling", run("grpo", "grpo.async.max_tokens_per_call=4", "grpo.dynamic_sampling=true"), "grpo.async.max_tokens_per_call continues samples across the calls of the streaming producer, and grpo.dynamic_sampling produces whole-step batches", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [

@@ -246,3 +246,27 @@ def test_a_missing_run_among_two_is_one_line_before_any_drawing(tmp_path, monkey
     assert len(lines) == 1 and f"{tmp_path / 'grpo-typo'} has no metrics.jsonl" in lines[0]
     assert not list(tmp_path.rglob("*.png"))
     assert [p.name for p in tmp_path.iterdir()] == ["grpo-a"]
+
+
+def test_an_async_run_gets_age_and_mismatch_by_version_gap_charts(tmp_path):
+    run = write_run(tmp_path / "async")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        row.update(
+            {
+                "async/age_mean": 0.5,
+                "async/age_max": 1.0,
+                "train/gen_logprob_error": 1.02,
+                "async/gen_logprob_error_gap0": 1.01,
+                "async/gen_logprob_error_gap1": 1.04,
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = charts(run)
+    (age,) = figures["async_age"].axes
+    assert age.get_ylabel() == "optimizer steps"
+    assert {line.get_label() for line in visible_lines(age)} >= {"async/age_mean", "async/age_max"}
+    (mismatch,) = figures["mismatch"].axes
+    labels = {line.get_label() for line in visible_lines(mismatch)}
+    assert {"async/gen_logprob_error_gap0", "async/gen_logprob_error_gap1"} <= labels
+    assert "async/gen_logprob_error_gap2" not in labels  # never logged: not drawn
