@@ -242,12 +242,16 @@ class WorkerGroup:
         placement_group: PlacementGroup | None = None,
         layout: ParallelLayout | None = None,
         timeout_s: float = 600,
+        max_concurrency: int = 1,
     ) -> WorkerGroup:
         """Start ``num_workers`` actors and build ``target(*args, **kwargs)`` in each.
 
         Resources are checked before any actor starts. ``python`` is the actors' interpreter
         (an actor venv, see :mod:`nrl_core.distributed.actor_env`); ``env_vars`` are set in
-        each actor's environment.
+        each actor's environment. ``max_concurrency`` (>= 1): calls each actor runs at once,
+        on threads of its own (Ray's threaded actors) when above 1; the target must then be
+        safe to call from several threads (engines that take a refit while they generate).
+        The in-process backend runs calls in the caller's thread and ignores it.
         """
         from nrl_core.distributed import hosting_here
 
@@ -287,6 +291,7 @@ class WorkerGroup:
         actors = [
             _remote_worker(name, rank)
             .options(
+                max_concurrency=max_concurrency,
                 name=f"nrl-{name}-{rank}-{tag}",
                 num_cpus=num_cpus_per_worker,
                 num_gpus=num_gpus_per_worker,

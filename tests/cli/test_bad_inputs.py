@@ -582,6 +582,11 @@ CASES = [
     # issue 52, h-dtlora
     ("convert_lora_adapters_without_lora", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "adapters"], "--lora adapters: {d}/ckpt_no_lora/step_2 is a policy without LoRA (policy.dtensor.lora_rank is 0), so it has no adapters to export; drop --lora", {}),
     ("convert_lora_unknown", ["convert", "{d}/ckpt_no_lora/step_2", "{d}/converted", "--lora", "deltas"], "--lora: invalid choice: 'deltas'", {}),
+    # issue 51, h-inflight
+    ("in_flight_without_async", run("grpo", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true needs grpo.async.enabled=true", {}),
+    ("in_flight_colocated_torch", run("grpo", "grpo.async.enabled=true", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true: the torch engines cannot take a refit while a call is in flight; set generation.torch.colocated=false (separate engines), or set grpo.async.in_flight_weight_updates=false", {}),
+    ("in_flight_vllm_sync_engine", run("grpo", VLLM, "generation.vllm.colocated=false", "grpo.async.enabled=true", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true: the vllm engines cannot take a refit while a call is in flight; set generation.vllm.async_engine=true", {}),
+    ("in_flight_sglang", run("grpo", SGLANG, "generation.sglang.colocated=false", "grpo.async.enabled=true", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true: the sglang engines cannot take a refit while a call is in flight; choose an engine that takes in-flight refits", {}),
 ]  # fmt: skip
 
 SUBPROCESS_CASES = [
