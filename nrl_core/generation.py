@@ -45,6 +45,12 @@ requests fill the bundle together, so Ray schedules both and narrows both actors
 nothing for the engine, which would then wait for resources until the worker timeout.)"""
 
 
+IN_FLIGHT_CONCURRENCY = 16
+"""Calls each engine actor runs at once with in-flight refits (``in_flight=True``): the
+producer's overlapping generate calls, the endpoint's, and the refit's weight-sync calls, which
+must reach an engine while it generates (a threaded actor; idle threads cost nothing)."""
+
+
 ENGINE_CPUS_ON_CPU = 0.5
 """The CPU share each separate engine asks for on a CPU-only cluster; the policy ranks leave it
 room (they share the cores as the engines and environments do)."""
@@ -116,6 +122,13 @@ class GenerationEngines:
         lora_refit: for a LoRA policy, ``"adapters"`` (each refit sends only the adapter
             tensors: :meth:`refit`) or ``"merged"``; None without LoRA (see
             :func:`nrl_core.weight_sync.adapters.lora_refit_mode`).
+        in_flight: refits may land while a ``generate`` call is in flight
+            (``grpo.async.in_flight_weight_updates``): ``generate`` holds the state lock only
+            to check and shard, not for the call, so a :meth:`refit` runs meanwhile; the
+            engines (threaded actors, :data:`IN_FLIGHT_CONCURRENCY`) swap the weights in
+            between two decode steps and record each token's version, which :meth:`refit`
+            announces to them first (``expect_weight_version``). Separate engines only: a
+            colocated engine shares the policy's GPU and sleeps around it.
     """
 
     def __init__(
@@ -130,8 +143,15 @@ class GenerationEngines:
         nccl_per_tensor: bool = False,
         layout: str = CHECKPOINT,
         lora_refit: str | None = None,
+        in_flight: bool = False,
     ) -> None:
+        if in_flight and colocated:
+            raise ConfigError(
+                "in-flight refits need separate engines; colocated ones hand the GPU back and "
+                "forth with the policy (set grpo.async.in_flight_weight_updates=false)"
+            )
         self.group = group
+        self.in_flight = in_flight
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
@@ -188,6 +208,13 @@ class GenerationEngines:
             prompt_shards = split_even(list(prompts), n)
             stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
             self.awake = True  # set first: a failed call may have woken some engines
+            if not self.in_flight:
+                parts = self.group.run_sharded(
+                    "generate", prompt_shards, params, Sharded(split_even(stops, n))
+                )
+        if self.in_flight:
+            # Separate engines, no sleep: nothing above changes under the call, and a refit
+            # must be able to take the lock while it runs.
             parts = self.group.run_sharded(
                 "generate", prompt_shards, params, Sharded(split_even(stops, n))
             )
@@ -219,9 +246,13 @@ class GenerationEngines:
             return None
         return frozenset(range(self.num_engines)) if self.colocated else frozenset()
 
-    def refit(self, policy: Any) -> float:
+    def refit(self, policy: Any, version: int | None = None) -> float:
         """Push ``policy``'s current weights (a :class:`nrl_core.policy.Policy` whose workers
         have ``push_weights(sender, bucket_bytes)``) into every engine; return the seconds.
+
+        ``version`` (>= 0, optimizer steps in the weights; in-flight engines only): told to the
+        engines before the push (``expect_weight_version``), so the tokens generated after the
+        swap record it even when the swap lands mid-call.
 
         :attr:`last_refit` holds the full :class:`RefitStats`;
         ``last_refit.as_metrics()`` gives ``timing/refit_s`` and ``refit/bytes``.
@@ -232,6 +263,8 @@ class GenerationEngines:
         dropped them) get the base weights first, and :attr:`last_refit` then counts both.
         """
         with self._lock:
+            if self.in_flight and version is not None:
+                self.group.run_all("expect_weight_version", int(version))
             return self._refit(policy)
 
     def _refit(self, policy: Any) -> float:
@@ -339,6 +372,7 @@ def start_generation_engines(
     on_gpu: bool,
     python: str | None = None,
     timeout_s: float = 600,
+    in_flight: bool = False,
 ) -> GenerationEngines:
     """Start the engines of ``config.generation`` (a plugin's ``generation.<name>`` options:
     ``num_engines``, ``tensor_parallel_size``, ``colocated``, ``refit_bucket_mb``, ``dtype``,
@@ -350,6 +384,10 @@ def start_generation_engines(
     Engines on their own GPUs get one bundle of ``tensor_parallel_size`` GPUs each: the engine
     actor holds them all and starts its tensor-parallel workers itself, as processes on that
     node (the plugin picks an executor that does so, e.g. vLLM's ``mp``).
+
+    ``in_flight``: the engines take refits while they generate (see
+    :class:`GenerationEngines`); their actors then run :data:`IN_FLIGHT_CONCURRENCY` calls at
+    once. Refused (``ConfigError``) for colocated engines.
     """
     import attrs
 
@@ -361,6 +399,11 @@ def start_generation_engines(
     tp = getattr(options, "tensor_parallel_size", 1)
     engines = options.num_engines
     colocated = engines_colocated(generation, on_gpu=on_gpu)
+    if in_flight and engines_sleep(generation, on_gpu=on_gpu):
+        raise ConfigError(
+            f"in-flight refits need separate engines; set generation.{generation.backend}."
+            "colocated=false or grpo.async.in_flight_weight_updates=false"
+        )
     placement = None
     gpus, cpus = (float(tp), 1.0) if on_gpu else (0.0, ENGINE_CPUS_ON_CPU)
     if colocated:
@@ -398,6 +441,7 @@ def start_generation_engines(
         num_gpus_per_worker=gpus,
         placement_group=placement,
         timeout_s=timeout_s,
+        **({"max_concurrency": IN_FLIGHT_CONCURRENCY} if in_flight else {}),
     )
     engines_obj = GenerationEngines(
         group,
@@ -408,6 +452,7 @@ def start_generation_engines(
         nccl_per_tensor=generation.backend == "sglang",
         layout=getattr(options, "weight_layout", CHECKPOINT),
         lora_refit=lora_refit,
+        in_flight=in_flight,
     )
     engines_obj.tp_size = tp
     return engines_obj

@@ -8,7 +8,9 @@ Three pieces, all in the driver:
   one another), and knows which weights the engines hold (the *version*: the number of
   optimizer steps in them). A refit waits for the calls in flight, which therefore finish on
   the old weights; so the version read when a call starts is the version of every token it
-  generates (the gate records it per token: ``GenerationOutput.weight_versions``).
+  generates (the gate records it per token: ``GenerationOutput.weight_versions``). With
+  in-flight refits (``grpo.async.in_flight_weight_updates``) it does not wait: the engines
+  land the weights between decode steps and record each token's version themselves.
 * :class:`GroupProducer` (the default) streams finished *groups* to the trainer, which
   trains a step as soon as it holds ``num_prompts_per_step`` of them (see its docstring).
 * :class:`RolloutProducer` (with DAPO dynamic sampling) is a background thread that runs the trainer's own ``collect`` for
@@ -60,7 +62,12 @@ class WeightGate:
     ``concurrent``: generate calls may overlap one another (a refit still excludes them all);
     only for backends that are safe to call from several threads (separate engines, which
     serialise what they must themselves). ``wait_timeout_s``: the longest a refit waits for
-    the calls in flight (> 0; None: no bound) before it raises :class:`StuckEngineError`."""
+    the calls in flight (> 0; None: no bound) before it raises :class:`StuckEngineError`.
+
+    ``in_flight`` (``grpo.async.in_flight_weight_updates``): a refit does not wait for the
+    calls in flight (new calls still wait for it); ``refit`` is then called with the new
+    version, which the engines record per token from the decode step where it lands (their
+    ``GenerationOutput.weight_versions``, which the gate keeps)."""
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class WeightGate:
         self._holds_weights = holds_weights
         self.concurrent = concurrent
         self.wait_timeout_s = wait_timeout_s
+        self.in_flight = False
         self._cv = threading.Condition()
         self._in_flight = 0
         self._refitting = False
@@ -120,13 +128,14 @@ class WeightGate:
             self._wait(lambda: not self._refitting, "a refit")
             self._refitting = True
             try:
-                self._wait(lambda: self._in_flight == 0, "a refit")
+                if not self.in_flight:
+                    self._wait(lambda: self._in_flight == 0, "a refit")
             except BaseException:
                 self._refitting = False
                 self._cv.notify_all()
                 raise
         try:
-            seconds = self._refit()
+            seconds = self._refit(version) if self.in_flight else self._refit()
             self.version = version
         finally:
             with self._cv:

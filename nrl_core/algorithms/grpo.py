@@ -738,6 +738,8 @@ class GRPOTrainer:
         # Separate engines serialise what they must themselves: calls may overlap there.
         engines = getattr(s, "generation_engines", None)
         self.gate.concurrent = engines is not None
+        # The engines started for it (GenerationEngines.in_flight): refits land mid-call.
+        self.gate.in_flight = bool(getattr(engines, "in_flight", False))
         self.gate.wait_timeout_s = options.wait_timeout_s
         if self.streams_groups:
             per_step = grpo.num_prompts_per_step

@@ -73,6 +73,8 @@ def _check_async(config: Any) -> None:
     # their own. Generation inside the policy workers (torch's default) or on engines that
     # hand the GPUs back and forth with the policy (colocated vLLM/SGLang) cannot overlap.
     grpo = getattr(config, "grpo", None)
+    if grpo is not None and grpo.async_.in_flight_weight_updates:
+        _check_in_flight(config)
     if grpo is None or not grpo.async_.enabled:
         return
     if hasattr(config, "ppo"):
@@ -96,6 +98,32 @@ def _check_async(config: Any) -> None:
         "grpo.async.enabled=true needs generation engines of their own, and "
         f"{key} is true; set {key}=false"
     )
+
+
+def _check_in_flight(config: Any) -> None:
+    # A refit that lands mid-call needs a producer whose calls overlap training (async) and
+    # engines of their own that load weights between decode steps; colocated engines hand the
+    # GPU back and forth with the policy and cannot hold a call across a refit.
+    if not config.grpo.async_.enabled:
+        raise ConfigError(
+            "grpo.async.in_flight_weight_updates=true needs grpo.async.enabled=true (only the "
+            "asynchronous producer has calls in flight at a refit); enable it or set "
+            "in_flight_weight_updates=false"
+        )
+    generation = config.generation
+    options = generation.options_for()
+    problem = getattr(options, "in_flight_refit_problem", None)
+    problem = (
+        problem()
+        if problem is not None
+        else "choose an engine that takes in-flight refits (generation.backend=torch or vllm)"
+    )
+    if problem is not None:
+        raise ConfigError(
+            "grpo.async.in_flight_weight_updates=true: the "
+            f"{generation.backend} engines cannot take a refit while a call is in flight; "
+            f"{problem}, or set grpo.async.in_flight_weight_updates=false"
+        )
 
 
 def _model_parallel_size(options: Any) -> tuple[str, int]:

@@ -243,6 +243,7 @@ class WorkerGroup:
         layout: ParallelLayout | None = None,
         timeout_s: float = 600,
         rendezvous: bool = True,
+        max_concurrency: int = 1,
     ) -> WorkerGroup:
         """Start ``num_workers`` actors and build ``target(*args, **kwargs)`` in each.
 
@@ -251,6 +252,10 @@ class WorkerGroup:
         each actor's environment. ``rendezvous=False`` for workers that never form a
         ``torch.distributed`` group (environments, agents): no store and no ``MASTER_*``
         variables, so their actors never import torch for it (about 1.5 CPU-s each).
+        ``max_concurrency`` (>= 1): calls each actor runs at once, on threads of its own (Ray's
+        threaded actors) when above 1; the target must then be safe to call from several
+        threads (engines that take a refit while they generate). The in-process backend runs
+        calls in the caller's thread and ignores it.
         """
         from nrl_core.distributed import hosting_here
 
@@ -291,6 +296,7 @@ class WorkerGroup:
         actors = [
             _remote_worker(name, rank)
             .options(
+                max_concurrency=max_concurrency,
                 name=f"nrl-{name}-{rank}-{tag}",
                 num_cpus=num_cpus_per_worker,
                 num_gpus=num_gpus_per_worker,

@@ -144,6 +144,39 @@ def test_partial_rollouts_through_the_cli(tmp_path):
         assert sample["age"] == (sample["step"] - 1) - min(v for v, _ in sample["weight_versions"])
 
 
+@pytest.mark.slow
+def test_in_flight_refits_run_through_the_cli(tmp_path):
+    """``grpo.async.in_flight_weight_updates=true`` on two torch engines, one prompt per call,
+    age bound 1: every step trains a full batch within the bound, and every sample's tokens
+    carry versions that never go back (a refit that lands mid-call only moves them forward),
+    from its call's start version (within the bound) to at most the trainer's ``step - 1``."""
+    run_nrl(
+        tmp_path,
+        "generation.colocated=false",
+        "generation.num_engines=2",
+        "grpo.max_num_steps=4",
+        "grpo.async.enabled=true",
+        "grpo.async.max_trajectory_age_steps=1",
+        "grpo.async.groups_per_call=1",
+        "grpo.async.in_flight_weight_updates=true",
+    )
+    trained = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
+    assert len(trained) == 4
+    assert all(0 <= r["async/trajectory_age_max"] <= 1 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    mixed = 0
+    for sample in (s for s in samples if s["split"] == "train"):
+        versions = [v for v, _ in sample["weight_versions"]]
+        assert versions == sorted(set(versions)), sample["weight_versions"]
+        assert 0 <= (sample["step"] - 1) - versions[0] <= 1
+        assert versions[-1] <= sample["step"] - 1
+        mixed += len(versions) > 1
+    print(f"samples with tokens of two versions: {mixed}")
+
+
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
     result = run_nrl(tmp_path, "grpo.async.enabled=true", check=False)
     assert result.returncode == 2
@@ -607,3 +640,40 @@ def test_mismatch_is_reported_per_version_gap_and_each_sample_keeps_its_is_weigh
     )
     one = math.exp(-1)
     assert young.is_weight == pytest.approx({"mean": one, "min": one, "max": one})
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_an_in_flight_refit_does_not_wait_for_the_call(in_flight):
+    """With ``in_flight`` a refit runs while a generate call is in flight and is handed the
+    new version (the engines announce it to their tokens); new calls still wait for it.
+    Without, the refit waits for the call: here, one that never returns, so it gives up after
+    the bound with StuckEngineError."""
+    release, started = threading.Event(), threading.Event()
+    refits: list = []
+
+    def generate(*args):
+        started.set()
+        release.wait(30)
+        return None
+
+    def refit(*version):
+        refits.append(version)
+        return 0.0
+
+    gate = WeightGate(generate, refit, concurrent=True, wait_timeout_s=0.5)
+    gate.in_flight = in_flight
+    gate.ensure(0)
+    call = threading.Thread(target=gate.generate)
+    call.start()
+    assert started.wait(10)
+    try:
+        if in_flight:
+            assert gate.ensure(1) == 0.0
+            assert refits == [(0,), (1,)] and gate.version == 1
+        else:
+            with pytest.raises(StuckEngineError, match="a refit waited"):
+                gate.ensure(1)
+            assert refits == [()] and gate.version == 0
+    finally:
+        release.set()
+        call.join(10)

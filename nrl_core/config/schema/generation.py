@@ -157,6 +157,14 @@ class EngineOptions:
     or ``"in_memory"``, transformers' loaded ``state_dict()`` (experts stacked). The policy's
     refit stream is converted to it (:mod:`nrl_core.weight_sync.layout`)."""
 
+    def in_flight_refit_problem(self) -> str | None:
+        """Why these engines cannot take a refit while a generate call is in flight
+        (``grpo.async.in_flight_weight_updates``), as the fix a user can make; None when they
+        can: their worker accepts weight-sync calls concurrently with ``generate``, lands the
+        refit between two decode steps, returns per-token ``weight_versions`` and implements
+        ``expect_weight_version``. Default: they cannot."""
+        return "choose an engine that takes in-flight refits (generation.backend=torch or vllm)"
+
     tensor_parallel_size: int = option(1, "GPUs per engine.", validator=ge(1))
     num_engines: int = option(1, "Engines (data parallel).", validator=ge(1))
     colocated: bool = option(

@@ -262,3 +262,93 @@ def test_a_refit_lands_between_decode_steps_of_a_call_in_flight(tiny_path):
     assert all(torch.equal(held[n], new_state[n]) for n in new_state)
     after = engine.generate(PROMPTS, greedy)
     assert after.weight_versions == [[1] * 10] * len(PROMPTS)
+
+
+def _logprobs_of(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """Each of ``ids``' logprobs under ``model`` after ``prompt`` (one plain forward)."""
+    sequence = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def test_a_refit_through_the_core_lands_in_a_call_in_flight(tiny_path, start_group):
+    """``GenerationEngines(in_flight=True)``: a refit sent while a long generate call runs on a
+    torch engine actor lands between two of its decode steps. Every row's tokens carry two
+    versions (old then new, switching at one step); the tokens before the switch are the old
+    weights' (their logprobs match the old model's forward), those after come from the new
+    weights (their logprobs lie nearer the new model's forward than the old one's: the KV cache
+    of the earlier tokens keeps the old weights' keys, so neither matches exactly); and the
+    engine ends on the trainer's weights, bit for bit, sampling what the trainer samples."""
+    import operator
+    import threading
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    # A large learning rate: one step moves the weights far enough to tell them apart.
+    config = make_config(tiny_path, lr=0.05)
+    policy = Policy.from_config(
+        start_group(WORKER, (DTensorConfig(), context(config))), config.policy
+    )
+    config.generation.options["torch"] = TorchGenerationConfig(
+        colocated=False, num_engines=1, stop_at_eos=False
+    )
+    spec = ComponentSpec(
+        kind="generation", name="torch", target="nrl_dtensor.engine:TorchEngine", plugin="test"
+    )
+    engines = start_generation_engines(spec, config, on_gpu=False, timeout_s=300, in_flight=True)
+    try:
+        prompts = [[1, 5, 20 + i, 21, 22] for i in range(8)]
+        greedy = SamplingParams(max_new_tokens=150, temperature=0.0)
+        engines.refit(policy, version=0)
+        policy.train(make_batch(8, seed=1), TokenMeanNLL())
+        result: dict = {}
+
+        def generate() -> None:
+            try:
+                result["output"] = engines.generate(prompts, greedy)
+            except BaseException as exc:  # raised below, in the test's thread
+                result["error"] = exc
+
+        call = threading.Thread(target=generate)
+        call.start()
+        generating = operator.attrgetter("_generating")  # runs in the actor, beside the call
+        deadline = time.monotonic() + 120
+        while engines.group.run_all(generating) != [1]:
+            assert time.monotonic() < deadline, "the generate call never started"
+            time.sleep(0.05)
+        engines.refit(policy, version=1)
+        call.join(300)
+        assert not call.is_alive() and "error" not in result, result.get("error")
+        mixed = result["output"]
+
+        old_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+        new_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+        held = engines.group.run_all("state_dict")[0]
+        new_model.load_state_dict(held)
+        trainer = full_params(policy.group)
+        assert all(torch.equal(held[n], t) for n, t in trainer.items())  # ends on new weights
+
+        switch = mixed.weight_versions[0].index(1)  # the first decode step on the new weights
+        assert 0 < switch < greedy.max_new_tokens, mixed.weight_versions[0]
+        nearer_new = 0
+        for prompt, ids, lps, versions in zip(
+            prompts, mixed.token_ids, mixed.logprobs, mixed.weight_versions, strict=True
+        ):
+            assert versions == [0] * switch + [1] * (len(ids) - switch)
+            engine_lps = torch.tensor(lps)
+            old_lps, new_lps = (_logprobs_of(m, prompt, ids) for m in (old_model, new_model))
+            torch.testing.assert_close(engine_lps[:switch], old_lps[:switch], rtol=0, atol=1e-4)
+            after = slice(switch, None)
+            to_new = (engine_lps[after] - new_lps[after]).abs().mean()
+            to_old = (engine_lps[after] - old_lps[after]).abs().mean()
+            nearer_new += int(to_new < to_old)
+        assert nearer_new == len(prompts), f"{nearer_new} of {len(prompts)} rows"
+
+        after_refit = engines.generate(prompts, greedy)
+        assert after_refit.weight_versions == [[1] * greedy.max_new_tokens] * len(prompts)
+        assert after_refit.token_ids == policy.generate(prompts, greedy).token_ids
+        print(f"in-flight refit landed at decode step {switch} of {greedy.max_new_tokens}")
+    finally:
+        engines.shutdown()

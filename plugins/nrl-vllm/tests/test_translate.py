@@ -337,3 +337,22 @@ def test_adapter_refits_start_vllm_with_lora_sized_for_the_policys_rank():
         assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, max_rank, 1)
     with pytest.raises(ConfigError, match=r"generation\.lora_refit=merged"):
         engine_kwargs(VllmConfig(colocated=False), "m", seed=0, lora_rank=1024)
+
+
+def test_weight_version_spans_become_per_token_versions():
+    """vLLM's ``WeightVersionSpan`` list (label, start, end over output tokens) becomes each
+    token's version; spans that vLLM labelled itself (``"default"``: no refit set one), that
+    leave a gap, or that do not cover the tokens give None (the gate tags the call then)."""
+    from types import SimpleNamespace
+
+    from nrl_vllm.translate import token_versions
+
+    def span(version: str, start: int, end: int) -> SimpleNamespace:
+        return SimpleNamespace(version=version, start=start, end=end)
+
+    assert token_versions([span("3", 0, 2), span("4", 2, 5)], 5) == [3, 3, 4, 4, 4]
+    assert token_versions([], 0) == []
+    assert token_versions(None, 3) is None
+    assert token_versions([span("default", 0, 3)], 3) is None
+    assert token_versions([span("3", 0, 2), span("4", 3, 5)], 5) is None  # a gap
+    assert token_versions([span("3", 0, 2)], 3) is None  # tokens left over

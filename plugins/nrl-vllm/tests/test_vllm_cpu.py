@@ -163,3 +163,106 @@ def test_seeded_sampling_is_reproducible(setup):
     assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
     assert other.token_ids != first.token_ids
     assert len({tuple(ids) for ids in first.token_ids}) > 1
+
+
+class _DriverPolicy:
+    """What ``GenerationEngines.refit`` asks of a policy, run in the driver: its one rank's
+    ``push_weights`` sends ``state`` through the engines' sender (as :func:`_refit` does)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+        self.group = self
+
+    def run_all(self, method: str, sender, bucket_bytes: int) -> list:
+        from nrl_core.weight_sync import iter_buckets
+
+        assert method == "push_weights"
+        return [sender.send(iter_buckets(self.state.items(), 1 << 20))]
+
+
+def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(ray_cluster, tiny_model_path):
+    """Issue 51 item 2 on vLLM's CPU engine: AsyncLLM engines started for in-flight refits
+    (``GenerationEngines(in_flight=True)``) take a refit while a long generate call runs. vLLM
+    pauses between two engine steps keeping the requests, loads the weights and resumes: every
+    request's tokens are version 0 up to the step where the refit landed and version 1 after
+    it (at least one request carries both); the tokens before the switch are the old weights'
+    and those after it the new weights' (their logprobs are the trainer's with those weights,
+    to ``LOGPROB_TOL``: the refit had vLLM recompute the requests' KV cache), and the engine
+    ends on the new weights."""
+    import operator
+    import threading
+    import time
+
+    from nrl_vllm.config import VllmConfig
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
+    from nrl_core.distributed.actor_env import actor_python
+    from nrl_core.generation import start_generation_engines
+    from nrl_core.plugins import PluginHost
+
+    options = VllmConfig(colocated=False, max_model_len=512, cpu_kv_cache_mb=64, async_engine=True)
+    config = GRPOConfig(
+        seed=0,
+        policy=PolicyConfig(model_name=str(tiny_model_path)),
+        generation=GenerationConfig(backend="vllm", options={"vllm": options}),
+    )
+    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
+    python = actor_python(spec, config, config.generation, on_gpu=False)
+    engines = start_generation_engines(
+        spec, config, on_gpu=False, python=python, timeout_s=1200, in_flight=True
+    )
+    try:
+        trainer = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        old, new = _weights(trainer, 5), _weights(trainer, 6)
+        engines.refit(_DriverPolicy(old), version=0)
+        prompts, params = _prompts(3), _params(max_new_tokens=400, temperature=1.0, seed=13)
+        result: dict = {}
+
+        def generate() -> None:
+            try:
+                result["output"] = engines.generate(prompts, params)
+            except BaseException as exc:  # raised below, in the test's thread
+                result["error"] = exc
+
+        call = threading.Thread(target=generate)
+        call.start()
+        in_flight = operator.attrgetter("calls_in_flight")  # runs in the actor, beside the call
+        deadline = time.monotonic() + 120
+        while engines.group.run_all(in_flight) != [1]:
+            assert time.monotonic() < deadline, "the generate call never started"
+            time.sleep(0.02)
+        # Let the requests make tokens first (a refit that lands before their first step
+        # leaves them one version); the call runs for seconds more (400 tokens).
+        time.sleep(1.5)
+        engines.refit(_DriverPolicy(new), version=1)
+        call.join(600)
+        assert not call.is_alive() and "error" not in result, result.get("error")
+        mixed = result["output"]
+
+        assert mixed.weight_versions is not None
+        both, stale = 0, 0.0
+        old_lps = _trainer_logprobs(trainer, old, prompts, mixed, 1.0)
+        new_lps = _trainer_logprobs(trainer, new, prompts, mixed, 1.0)
+        for versions, lps, o, n in zip(
+            mixed.weight_versions, mixed.logprobs, old_lps, new_lps, strict=True
+        ):
+            switch = versions.count(0)
+            assert versions == [0] * switch + [1] * (len(versions) - switch), versions
+            if switch:
+                assert _max_gap([lps[:switch]], [o[:switch]]) < LOGPROB_TOL
+            if switch < len(versions):
+                assert _max_gap([lps[switch:]], [n[switch:]]) < LOGPROB_TOL
+                stale = max(stale, _max_gap([lps[switch:]], [o[switch:]]))
+            both += 0 < switch < len(versions)
+        split = [(v.count(0), v.count(1)) for v in mixed.weight_versions]
+        print(f"in-flight refit: {both} of {len(prompts)} requests carry two versions {split}")
+        assert both >= 1
+        assert stale > STALE_GAP  # the old weights' logprobs differ (the check can tell)
+
+        after = engines.generate(prompts, _params(seed=14))
+        assert after.weight_versions == [[1] * len(ids) for ids in after.token_ids]
+        gap = _max_gap(after.logprobs, _trainer_logprobs(trainer, new, prompts, after, 0.7))
+        assert gap < LOGPROB_TOL  # the engine ends on the new weights
+    finally:
+        engines.shutdown()

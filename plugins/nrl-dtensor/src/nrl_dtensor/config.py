@@ -147,6 +147,14 @@ class TorchGenerationConfig:
     accepts_lora_adapters: ClassVar[bool] = True
     lora_adapter_extras: ClassVar[tuple[str, ...]] = ("lora",)
 
+    def in_flight_refit_problem(self) -> str | None:
+        """Separate torch engines swap a refit in between two decode steps of a call in
+        flight (:class:`nrl_dtensor.engine.TorchEngine`); generation inside the policy
+        workers has no refit to land."""
+        if self.colocated:
+            return "set generation.torch.colocated=false (separate engines)"
+        return None
+
     generation_batch_size: int = option(
         64, "Prompts generated together per rank (1 to 65,536).", validator=between(1, 2**16)
     )

@@ -65,6 +65,10 @@ class TorchEngine:
         """The version (optimizer steps, >= 0) of the weights the model holds; None: unknown
         (then generate leaves ``weight_versions`` to the driver's gate)."""
         self._swap = threading.Lock()  # guards the staged refit and the generating count
+        # A threaded actor (in-flight refits) may get several generate calls at once: the
+        # generator and the per-call version records serve one at a time.
+        self._calls = threading.Lock()
+        self._next_version: int | None = None  # announced for the next refit
         self._generating = 0
         self._staged: dict[str, torch.Tensor] | None = None  # a refit arriving mid-call
         self._pending: tuple[dict[str, torch.Tensor], int | None] | None = None
@@ -81,6 +85,13 @@ class TorchEngine:
         a refit); later refits without a version count on from it."""
         with self._swap:
             self.weight_version = int(version)
+
+    def expect_weight_version(self, version: int) -> None:
+        """Announce that the next refit's weights are ``version`` (>= 0): the driver calls it
+        before a refit that may land mid-call (``GenerationEngines`` with ``in_flight``), so
+        the tokens after the swap record it, whenever the swap happens."""
+        with self._swap:
+            self._next_version = int(version)
 
     def _between_steps(self, module, args) -> None:
         """Before every forward (prefill or decode step): swap in a staged refit, then note
@@ -122,18 +133,19 @@ class TorchEngine:
         dropped (memory contract)."""
         self.memory.wake_up(sorted(self.memory.sleeping))
         self.memory.check_generate()
-        with self._swap:
-            self._generating += 1
-        self._call_versions = []
-        try:
-            output = self.generator.generate(prompts, params, stop_strings)
-        finally:
+        with self._calls:
             with self._swap:
-                self._generating -= 1
-                if self._pending is not None and not self._generating:
-                    self._apply(*self._pending)  # arrived after the last decode step
-                    self._pending = None
-        versions = self._call_versions
+                self._generating += 1
+            self._call_versions = []
+            try:
+                output = self.generator.generate(prompts, params, stop_strings)
+            finally:
+                with self._swap:
+                    self._generating -= 1
+                    if self._pending is not None and not self._generating:
+                        self._apply(*self._pending)  # arrived after the last decode step
+                        self._pending = None
+            versions = self._call_versions
         if len(versions) == len(output.token_ids) and all(v is not None for v in versions):
             return attrs.evolve(output, weight_versions=versions)
         return output
@@ -165,8 +177,11 @@ class TorchEngine:
         self.memory.begin_refit()
         self._loaded = set()
         with self._swap:
-            # A call generates: stage the weights, swap them in between two decode steps.
-            self._staged = {} if self._generating else None
+            # A call generates, or may start before the refit ends (the driver announced the
+            # version: in-flight refits, whose gate lets calls in flight go on): stage the
+            # weights and swap them in between two decode steps.
+            mid_call = self._generating or self._next_version is not None
+            self._staged = {} if mid_call else None
 
     def receive_bucket(self, meta: BucketMeta, handle: BucketHandle) -> int:
         """Copy one bucket into the model's tensors of the same names (bit-exact: the copy
@@ -206,8 +221,11 @@ class TorchEngine:
                 f"(first: {missing[0]}); the policy must send its full state dict"
             )
         with self._swap:
+            if version is None:
+                version = self._next_version
             if version is None and self.weight_version is not None:
                 version = self.weight_version + 1
+            self._next_version = None
             staged, self._staged = self._staged, None
             if staged is None:
                 self.weight_version = version

@@ -38,6 +38,14 @@ class VllmConfig(EngineOptions):
     # vLLM serves adapter-only LoRA refits through its LoRA support (VllmGenerationWorker).
     accepts_lora_adapters: ClassVar[bool] = True
 
+    def in_flight_refit_problem(self) -> str | None:
+        """vLLM's AsyncLLM pauses its scheduler between engine steps for a refit and resumes
+        the requests it kept (:class:`nrl_vllm.worker.VllmGenerationWorker`); ``vllm.LLM``
+        runs a call to its end before anything else."""
+        if not self.async_engine:
+            return "set generation.vllm.async_engine=true (in-flight refits need vLLM's AsyncLLM)"
+        return None
+
     gpu_memory_utilization: float | None = option(
         None,
         "Fraction of each GPU's memory vLLM may use, in (0, 1]. Default (null): 0.6 when "

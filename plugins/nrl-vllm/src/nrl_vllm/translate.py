@@ -224,8 +224,15 @@ def to_generation_output(request_outputs: Sequence[Any]) -> GenerationOutput:
     Reads ``RequestOutput.outputs[0]`` (``CompletionOutput``: ``token_ids``, ``logprobs``,
     ``finish_reason``) as defined in vLLM 0.32.0's ``vllm/outputs.py``. ``abort`` (an engine
     that was stopped mid-request) is an error, not a finish reason the core knows.
+
+    ``weight_versions``: each token's version, from the finished output's
+    ``weight_versions`` spans (0.32: ``WeightVersionSpan(version, start, end)`` over output
+    token indices, labelled by the engine core's weight version at each step), when every
+    request has spans whose labels are nrl's integer versions (the worker sets them at a
+    refit); otherwise None (the core's gate then tags the call's tokens itself).
     """
     token_ids, logprobs, reasons = [], [], []
+    versions: list[list[int] | None] = []
     for req in request_outputs:
         out = req.outputs[0]
         ids = [int(t) for t in out.token_ids]
@@ -242,4 +249,26 @@ def to_generation_output(request_outputs: Sequence[Any]) -> GenerationOutput:
         token_ids.append(ids)
         logprobs.append(lps)
         reasons.append(reason)
-    return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reasons=reasons)
+        versions.append(token_versions(getattr(out, "weight_versions", None), len(ids)))
+    known = bool(versions) and all(v is not None for v in versions)
+    return GenerationOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reasons=reasons,
+        weight_versions=versions if known else None,  # type: ignore[arg-type]
+    )
+
+
+def token_versions(spans: Sequence[Any] | None, num_tokens: int) -> list[int] | None:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list (``version``, ``start``,
+    ``end`` over output token indices); None when there are no spans, a label is not an
+    integer (vLLM's ``"default"``: no refit set one), or the spans do not tile the tokens."""
+    if spans is None:
+        return None
+    out: list[int] = []
+    for span in spans:
+        label = str(span.version)
+        if not label.isdigit() or span.start != len(out) or span.end < span.start:
+            return None
+        out.extend([int(label)] * (span.end - span.start))
+    return out if len(out) == num_tokens else None

@@ -7,6 +7,19 @@ starts one actor per engine with this class and calls ``generate``, ``sleep``/``
 Written against vLLM 0.32.0 (``vllm.LLM``, ``vllm.v1.engine.async_llm.AsyncLLM``,
 ``LLM.sleep(level)``/``wake_up(tags)``, ``collective_rpc``); see docs/generation-engines.md for
 what has run (nothing, on a GPU, in this repository).
+
+In-flight refits (``async_engine=true``, issue 51 item 2): AsyncLLM's event loop runs on a
+thread of its own, so a refit (weight-sync calls on another thread of a threaded actor) reaches
+the engine while a ``generate`` call waits for its requests. The refit pauses the scheduler
+between two engine steps keeping the requests (``pause_generation(mode="keep")``), reloads the
+weights, labels them with the version the driver announced (``expect_weight_version``;
+vLLM's ``update_weight_version``) and resumes; vLLM records, per request, the output token
+index where each label began (``CompletionOutput.weight_versions``), which becomes
+``GenerationOutput.weight_versions``. The prefix-cache reset of the refit preempts the kept
+requests (``reset_running_requests``), so vLLM recomputes their KV cache (prompt and tokens so
+far) with the new weights when they resume: every token after the switch is exactly the new
+weights' continuation of the tokens before it. (The torch engine keeps the old weights' KV
+cache instead.)
 """
 
 from __future__ import annotations
@@ -40,6 +53,14 @@ class VllmGenerationWorker:
     # private folder its files are written to. Class defaults: none until the first adapter.
     _lora_request: Any = None
     _lora_dir: str | None = None
+    # In-flight refits (class defaults, as above: set per refit or call).
+    _loop_thread: threading.Thread | None = None  # AsyncLLM's loop runs there
+    _next_version: int | None = None  # announced for the next refit
+    _paused = False  # a refit paused AsyncLLM's scheduler
+    _stale_prefix_cache = False  # a refit could not reset it (requests were running)
+    _count = threading.Lock()  # guards calls_in_flight (one engine per actor process)
+    calls_in_flight = 0
+    """``generate`` calls running now (a threaded actor runs several, and refits, at once)."""
 
     def __init__(self, options: VllmConfig | None, context: ComponentContext) -> None:
         self.options = options or VllmConfig()
@@ -91,6 +112,12 @@ class VllmGenerationWorker:
 
             self._loop = asyncio.new_event_loop()
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            # Every call submits to this loop (from whichever actor thread): a refit runs
+            # while a generate call waits on its requests.
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="nrl-vllm-loop", daemon=True
+            )
+            self._loop_thread.start()
         else:
             self.engine = vllm.LLM(**kwargs)
         self._vllm = vllm
@@ -183,10 +210,15 @@ class VllmGenerationWorker:
         try:
             result = getattr(self.engine, method)(*args, **kwargs)
             if self._loop is not None and asyncio.iscoroutine(result):
-                return self._loop.run_until_complete(result)
+                return self._on_loop(result)
             return result
         except Exception as exc:
             self._reraise(exc)
+
+    def _on_loop(self, coroutine: Any) -> Any:
+        """Run ``coroutine`` on AsyncLLM's loop thread and wait for its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def _rpc(self, method: str, *args: Any) -> list:
         return self._run("collective_rpc", method, args=args)
@@ -218,13 +250,20 @@ class VllmGenerationWorker:
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         if self.engine_died:
             raise self._dead_error()
+        if self._stale_prefix_cache and self._run("reset_prefix_cache"):
+            self._stale_prefix_cache = False  # no request runs now: the old entries are gone
+        with self._count:
+            self.calls_in_flight += 1
         try:
             if self._loop is None:
                 outputs = self.engine.generate(inputs, sampling, use_tqdm=False, **self._lora())
             else:
-                outputs = self._loop.run_until_complete(self._generate_async(inputs, sampling))
+                outputs = self._on_loop(self._generate_async(inputs, sampling))
         except Exception as exc:
             self._reraise(exc)
+        finally:
+            with self._count:
+                self.calls_in_flight -= 1
         result = to_generation_output(outputs)
         if self.records_routing:
             result = self._with_routing(outputs, result)
@@ -302,10 +341,23 @@ class VllmGenerationWorker:
 
     # -- weight sync (nrl_core.interfaces.WeightSync) --------------------------------------
 
+    def expect_weight_version(self, version: int) -> None:
+        """Announce that the next refit's weights are ``version`` (>= 0; the driver calls it
+        before a refit that may land mid-call): :meth:`finish_weight_update` labels them so,
+        and vLLM records the label per generated token."""
+        self._next_version = int(version)
+
     def begin_weight_update(self) -> None:
         """Bring back the weights only: the KV cache stays freed while the policy still holds
         its memory; it comes back on the next ``generate``. Then put every worker's model in
-        vLLM's reload mode (see :class:`nrl_vllm.extension.NrlWeightReceiver`)."""
+        vLLM's reload mode (see :class:`nrl_vllm.extension.NrlWeightReceiver`).
+
+        AsyncLLM first pauses its scheduler, keeping the requests in flight: no engine step
+        runs on half-loaded weights, and the requests continue at :meth:`finish_weight_update`.
+        """
+        if self._loop is not None:
+            self._run("pause_generation", mode="keep", clear_cache=False)
+            self._paused = True
         self.wake_up(tags=["weights"])
         self._rpc("nrl_begin_weight_update")
 
@@ -321,9 +373,22 @@ class VllmGenerationWorker:
 
     def finish_weight_update(self) -> None:
         """Finish the workers' reload, then drop prefix-cache entries computed with the old
-        weights."""
+        weights. AsyncLLM: the reset also preempts the requests it kept, whose KV cache is
+        then recomputed with the new weights; label the weights with the announced version
+        (vLLM's weight version; only while paused does it match what every step ran on), then
+        resume. Should vLLM refuse the reset, the next ``generate`` tries again."""
         self._rpc("nrl_finish_weight_update")
-        self._run("reset_prefix_cache")
+        if self._loop is None:
+            self._run("reset_prefix_cache")
+            return
+        reset = self._run("reset_prefix_cache", reset_running_requests=True)
+        self._stale_prefix_cache = reset is False
+        version, self._next_version = self._next_version, None
+        if version is not None:
+            self._run("update_weight_version", str(version))
+        if self._paused:
+            self._run("resume_generation")
+            self._paused = False
 
     def update_weights(self, buckets: Iterator[dict[str, Any]]) -> int:
         """:class:`nrl_core.interfaces.WeightSync` for in-process callers: load buckets of
@@ -416,6 +481,9 @@ class VllmGenerationWorker:
     def shutdown(self) -> None:
         """Stop the engine's processes (engine core and tensor-parallel workers)."""
         self._closing = True  # the engine core's exit is expected now (see _watch_engine_core)
+        if self._loop_thread is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=10)
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()  # AsyncLLM (vllm/v1/engine/async_llm.py:296)
