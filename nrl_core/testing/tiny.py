@@ -20,7 +20,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
 """Bump when the builder's output changes, so cached copies are rebuilt."""
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
@@ -107,6 +107,7 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
+    attention_chunk_size: int = 16,
     seed: int = 0,
 ) -> Path:
     """Build a randomly initialised ``arch`` (one of :data:`ARCHS`) model and its tokenizer into
@@ -117,6 +118,9 @@ def build_tiny_model(
     token match a dense MLP of ``intermediate_size``), of which a learned router picks the top
     ``num_experts_per_tok`` per token (1 <= ``num_experts_per_tok`` <= ``num_experts``).
     ``num_experts`` and ``num_experts_per_tok`` are ignored by the dense architectures.
+    ``attention_chunk_size`` (Llama 4 only, >= 1): the tokens of each attention chunk; 16
+    keeps the chunking inside short test sequences, vLLM's CPU build needs a multiple of its
+    KV block size (128).
 
     The newer families (issue 48), each at its published layer pattern, tiny:
 
@@ -128,8 +132,8 @@ def build_tiny_model(
     - ``gpt_oss``: attention with learned sinks, alternating sliding-window (8 tokens) and full
       layers, a biased MoE with the clamped SwiGLU.
     - ``llama4``: Llama 4's text model (``llama4_text``): a MoE with a shared expert in every
-      layer, chunked attention (16 tokens) with every fourth layer full and without RoPE
-      (NoPE), L2 norm of q and k.
+      layer, chunked attention (``attention_chunk_size`` tokens) with every fourth layer full
+      and without RoPE (NoPE), L2 norm of q and k.
     """
     import torch
     import transformers
@@ -217,13 +221,18 @@ def build_tiny_model(
             num_experts_per_tok=num_experts_per_tok,
             intermediate_size=expert_size,
             intermediate_size_mlp=common["intermediate_size"],
-            attention_chunk_size=16,
+            attention_chunk_size=attention_chunk_size,
             # The published 10**13 floor would leave the temperature tuning inert at tiny lengths.
             floor_scale=8,
         )
     config = getattr(transformers, ARCHS[arch])(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if arch == "llama4":
+        # vLLM 0.32 reads Llama 4's attention temperature tuning from generation_config.json
+        # and turns it off below 32K context when that does not say (llama4.py,
+        # Llama4ForCausalLM.__init__); transformers applies the config's (on by default).
+        model.generation_config.attn_temperature_tuning = config.attn_temperature_tuning
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     with _no_progress_bars():

