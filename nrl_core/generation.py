@@ -339,6 +339,7 @@ def start_generation_engines(
     on_gpu: bool,
     python: str | None = None,
     timeout_s: float = 600,
+    env_vars: dict[str, str] | None = None,
 ) -> GenerationEngines:
     """Start the engines of ``config.generation`` (a plugin's ``generation.<name>`` options:
     ``num_engines``, ``tensor_parallel_size``, ``colocated``, ``refit_bucket_mb``, ``dtype``,
@@ -350,6 +351,9 @@ def start_generation_engines(
     Engines on their own GPUs get one bundle of ``tensor_parallel_size`` GPUs each: the engine
     actor holds them all and starts its tensor-parallel workers itself, as processes on that
     node (the plugin picks an executor that does so, e.g. vLLM's ``mp``).
+
+    ``env_vars``: the engine actors' extra environment (on a CPU-only cluster their
+    ``OMP_NUM_THREADS``: :func:`nrl_core.algorithms.session.components.engine_thread_env`).
     """
     import attrs
 
@@ -394,6 +398,7 @@ def start_generation_engines(
         args=(options, context),
         name=f"generation-{generation.backend}",
         python=python,
+        env_vars=env_vars or None,
         num_cpus_per_worker=cpus,
         num_gpus_per_worker=gpus,
         placement_group=placement,
