@@ -373,6 +373,7 @@ def start_generation_engines(
     python: str | None = None,
     timeout_s: float = 600,
     in_flight: bool = False,
+    env_vars: dict[str, str] | None = None,
 ) -> GenerationEngines:
     """Start the engines of ``config.generation`` (a plugin's ``generation.<name>`` options:
     ``num_engines``, ``tensor_parallel_size``, ``colocated``, ``refit_bucket_mb``, ``dtype``,
@@ -388,6 +389,9 @@ def start_generation_engines(
     ``in_flight``: the engines take refits while they generate (see
     :class:`GenerationEngines`); their actors then run :data:`IN_FLIGHT_CONCURRENCY` calls at
     once. Refused (``ConfigError``) for colocated engines.
+
+    ``env_vars``: the engine actors' extra environment (on a CPU-only cluster their
+    ``OMP_NUM_THREADS``: :func:`nrl_core.algorithms.session.components.engine_thread_env`).
     """
     import attrs
 
@@ -437,6 +441,7 @@ def start_generation_engines(
         args=(options, context),
         name=f"generation-{generation.backend}",
         python=python,
+        env_vars=env_vars or None,
         num_cpus_per_worker=cpus,
         num_gpus_per_worker=gpus,
         placement_group=placement,

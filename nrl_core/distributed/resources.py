@@ -54,6 +54,40 @@ def cpu_threads_per_rank(
     return max(1, threads)
 
 
+def cpu_thread_plan(
+    total_cpus: float,
+    num_ranks: int,
+    num_engines: int,
+    overlap: bool,
+    other_load: float = 0.0,
+) -> tuple[int, int]:
+    """``(threads per policy rank, threads per separate engine)`` on a CPU-only cluster of
+    ``total_cpus`` cores (>= 0) with ``num_ranks`` (>= 1) policy ranks and ``num_engines``
+    (>= 0) separate generation engines, ``other_load`` (>= 0) cores kept busy by other
+    processes (see :func:`cpu_threads_per_rank`). The engine count is 0 without engines.
+
+    ``overlap`` False (synchronous GRPO: the ranks wait while the engines generate, and the
+    engines while the ranks train): each side gets every free core, the ranks
+    ``cpu_threads_per_rank(total, ranks)``, each engine ``cpu_threads_per_rank(total,
+    engines)``; counting the engines against the ranks (as before) left a lone rank one
+    thread of two idle cores. ``overlap`` True (asynchronous GRPO: engines generate while
+    the ranks train): ranks and engines compute at once and share the cores evenly; each
+    engine gets ``cpu_threads_per_rank(total, ranks + engines)`` and the ranks what the
+    engines leave. On two cores, two ranks and one engine: 1 thread each either way, the
+    engine 2 when synchronous.
+    """
+    ranks, engines = max(1, num_ranks), max(0, num_engines)
+    if not engines:
+        return cpu_threads_per_rank(total_cpus, ranks, 0.0, other_load), 0
+    if not overlap:
+        return (
+            cpu_threads_per_rank(total_cpus, ranks, 0.0, other_load),
+            cpu_threads_per_rank(total_cpus, engines, 0.0, other_load),
+        )
+    engine = cpu_threads_per_rank(total_cpus, ranks + engines, 0.0, other_load)
+    return cpu_threads_per_rank(total_cpus, ranks, engine * engines, other_load), engine
+
+
 def cpu_count() -> int:
     """The cores this process may run on (its CPU affinity, which containers and ``taskset``
     narrow; ``os.cpu_count()`` counts the whole machine), at least 1."""

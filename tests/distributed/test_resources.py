@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from nrl_core.algorithms.session.components import policy_thread_env
+from nrl_core.algorithms.session.components import (
+    engine_thread_env,
+    engines_overlap_policy,
+    policy_thread_env,
+)
 from nrl_core.distributed.inprocess import InProcessWorkerGroup
-from nrl_core.distributed.resources import cpu_count, cpu_threads_per_rank
+from nrl_core.distributed.resources import cpu_count, cpu_thread_plan, cpu_threads_per_rank
 from nrl_core.interfaces import ClusterResources
 
 
@@ -41,6 +45,57 @@ def test_threads_per_rank_share_the_cores(cpus, ranks, busy, threads):
 )
 def test_threads_per_rank_leave_the_cores_other_processes_keep_busy(cpus, ranks, load, threads):
     assert cpu_threads_per_rank(cpus, ranks, 0.0, load) == threads
+
+
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "engines", "overlap", "load", "plan"),
+    [
+        # Synchronous: the engine generates while the ranks wait, so each side gets the cores.
+        (2, 2, 1, False, 0.0, (1, 2)),
+        (2, 1, 1, False, 0.0, (2, 2)),  # a lone rank: 2 (counting the engine gave it 1)
+        (8, 2, 2, False, 0.0, (4, 4)),
+        (2, 2, 1, False, 5.0, (1, 1)),  # a loaded machine: one thread each
+        # Asynchronous: ranks and engines compute at once and share the cores evenly.
+        (2, 2, 1, True, 0.0, (1, 1)),
+        (16, 2, 1, True, 0.0, (5, 5)),
+        (8, 2, 2, True, 0.0, (2, 2)),
+        (16, 2, 2, True, 4.0, (3, 3)),  # the load lowers both (4 each on an idle machine)
+        # No engines: the ranks' own rule.
+        (2, 1, 0, False, 0.0, (2, 0)),
+        (2, 1, 0, True, 0.0, (2, 0)),
+    ],
+)
+def test_thread_plan_shares_the_cores_between_ranks_and_engines(
+    cpus, ranks, engines, overlap, load, plan
+):
+    assert cpu_thread_plan(cpus, ranks, engines, overlap, load) == plan
+    rank_threads, engine_threads = plan
+    if overlap:  # computing at once, they never ask for more threads than free cores
+        assert rank_threads * ranks + engine_threads * engines <= max(cpus - load, ranks + engines)
+
+
+def test_engine_thread_env(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    two_cpus = ClusterResources(num_nodes=1, cpus_per_node=[2.0], gpus_per_node=[0.0])
+    assert engine_thread_env(two_cpus, 1, 2, False, 0.0) == {"OMP_NUM_THREADS": "2"}
+    assert engine_thread_env(two_cpus, 1, 2, True, 0.0) == {"OMP_NUM_THREADS": "1"}
+    assert engine_thread_env(two_cpus, 1, 2, False, 5.0) == {"OMP_NUM_THREADS": "1"}
+    assert engine_thread_env(two_cpus, 0, 2, False, 0.0) == {}
+    assert engine_thread_env(two_cpus, 1, 2, False)["OMP_NUM_THREADS"] in ("1", "2")
+    gpus = ClusterResources(num_nodes=1, cpus_per_node=[2.0], gpus_per_node=[1.0])
+    assert engine_thread_env(gpus, 1, 2, False, 0.0) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+    assert engine_thread_env(two_cpus, 1, 2, False, 0.0) == {}
+
+
+def test_engines_overlap_policy_only_in_async_grpo():
+    from nrl_core.config.schema import GRPOConfig, RunConfig
+
+    sync = GRPOConfig()
+    assert not engines_overlap_policy(sync)
+    sync.grpo.async_.enabled = True
+    assert engines_overlap_policy(sync)
+    assert not engines_overlap_policy(RunConfig())
 
 
 def test_cpu_count_is_this_process_affinity():

@@ -60,6 +60,39 @@ def policy_thread_env(
     return {"OMP_NUM_THREADS": str(threads)}
 
 
+def engines_overlap_policy(config: Any) -> bool:
+    """Whether separate generation engines compute while the policy ranks train: asynchronous
+    GRPO (``grpo.async.enabled``). Synchronous loops alternate the two."""
+    grpo = getattr(config, "grpo", None)
+    return bool(grpo is not None and grpo.async_.enabled)
+
+
+def engine_thread_env(
+    resources: Any,
+    num_engines: int,
+    num_ranks: int,
+    overlap: bool,
+    other_load: float | None = None,
+) -> dict[str, str]:
+    """The separate generation engines' ``OMP_NUM_THREADS`` on a CPU-only cluster: each
+    engine's share of :func:`~nrl_core.distributed.resources.cpu_thread_plan` (every free core
+    while the ranks wait, ``overlap`` False; an even share with the ranks when they train at
+    the same time). ``other_load`` as in :func:`policy_thread_env`. Without it an engine actor
+    got Ray's default for its 0.5 CPU, one thread: vLLM generated on one core of two idle
+    ones. Nothing on a GPU cluster, without engines, or when the user set
+    ``OMP_NUM_THREADS``."""
+    import os
+
+    if resources.total_gpus > 0 or num_engines <= 0 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    from nrl_core.distributed.resources import cpu_thread_plan
+
+    if other_load is None:
+        other_load = os.getloadavg()[0] if resources.num_nodes == 1 else 0.0
+    _, threads = cpu_thread_plan(resources.total_cpus, num_ranks, num_engines, overlap, other_load)
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
 def loss_options(config: RunConfig, registry: Registry) -> Any:
     """The options of the run's loss, with the ``auto`` choices of the clipped PG loss resolved
     for this run (they depend on the generation backend and the batch sizes, which the loss
@@ -111,6 +144,9 @@ class Components:
         """``nrl run ppo``: the critic (a :class:`~nrl_core.policy.Policy` whose workers return
         per-token values where a policy's return logprobs)."""
         self.agent_pool = self.server = self.endpoint = None
+        self.engine_env: dict[str, str] = {}
+        """The separate engines' extra environment (their threads on a CPU-only cluster), set
+        when the policy and generation start."""
 
     def start(self, phase: Callable[[str], Any]) -> None:
         """Start everything the run's sections ask for, in the order their resources need: the
@@ -177,12 +213,25 @@ class Components:
         shared = self.colocation_bundles(resources)
         engines = self.separate_engines()
         engine_cpus = 0.0
+        self.engine_env = {}
         if engines and resources.total_gpus <= 0:
-            # On a CPU-only machine the engines share the cores with the policy ranks.
+            # On a CPU-only machine the engines share the cores with the policy ranks: Ray's
+            # scheduling share (ENGINE_CPUS_ON_CPU) is not what they compute on. Threads:
+            # cpu_thread_plan; the ranks leave the engines cores only when both compute at
+            # once (asynchronous GRPO).
+            import os
+
+            from nrl_core.distributed.resources import cpu_thread_plan
             from nrl_core.generation import ENGINE_CPUS_ON_CPU
 
-            engine_cpus = ENGINE_CPUS_ON_CPU * engines
-            reserved_cpus += engine_cpus
+            reserved_cpus += ENGINE_CPUS_ON_CPU * engines
+            overlap = engines_overlap_policy(self.config)
+            load = os.getloadavg()[0] if resources.num_nodes == 1 else 0.0
+            workers = self.config.policy.num_workers
+            self.engine_env = engine_thread_env(resources, engines, workers, overlap, load)
+            if overlap:
+                _, per_engine = cpu_thread_plan(resources.total_cpus, workers, engines, True, load)
+                engine_cpus = float(per_engine * engines)
         if shared is not None:
             # Colocated engines first: they check at start-up that the GPU memory they were
             # told to use is free, which it is only before the policy loads its weights. They
@@ -480,6 +529,7 @@ class Components:
             python=actor_python(spec, self.config, generation, on_gpu=on_gpu),
             timeout_s=self.config.cluster.worker_timeout_s,
             in_flight=self.in_flight_refits(),
+            env_vars=self.engine_env,
         )
         self._closers.append(engines.shutdown)
         self.generation_engines = engines

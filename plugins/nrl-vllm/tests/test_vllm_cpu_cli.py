@@ -55,9 +55,15 @@ def _command(tmp_path: Path, *overrides: str) -> list[str]:
     ]
 
 
-def _env(tag: str) -> dict[str, str]:
+def _env(tag: str, multiprocess: bool = False) -> dict[str, str]:
     # The tag marks every process of this run (Ray's workers and vLLM's inherit it).
-    return {**os.environ, "NRL_ACTOR_ENV": "system", "NRL_TEST_TAG": tag}
+    env = {**os.environ, "NRL_ACTOR_ENV": "system", "NRL_TEST_TAG": tag}
+    if multiprocess:
+        # vLLM's multiprocess layout (engine-core and worker processes beside the engine
+        # actor), which the CPU engine no longer uses by default (it runs in the actor:
+        # nrl_vllm.worker); the user's setting reaches the engine actors through Ray.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    return env
 
 
 def _tagged_processes(tag: str) -> list[str]:
@@ -108,8 +114,9 @@ def test_grpo_three_steps_refit_every_step_and_clean_exit(tmp_path):
 
 def test_async_grpo_on_two_engines(tmp_path):
     """Asynchronous GRPO on two data-parallel vLLM engines: exits 0, both engines start (two
-    engine cores) and are refit every step, the trajectories are at most one step old, step 1
-    (age 0) has the trainer's logprobs."""
+    engines in their actors' processes: vLLM logs them as MainProcess; EngineCore in vLLM's
+    multiprocess layout) and are refit every step, the trajectories are at most one step old,
+    step 1 (age 0) has the trainer's logprobs."""
     import re
 
     overrides = ["generation.vllm.colocated=false", "generation.vllm.num_engines=2"]
@@ -123,7 +130,7 @@ def test_async_grpo_on_two_engines(tmp_path):
     assert steps[0]["async/trajectory_age_max"] == 0
     assert steps[0]["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP)
     engine_cores = re.findall(
-        r"\(EngineCore pid=(\d+)\)", (tmp_path / "run" / "nrl.log").read_text()
+        r"\((?:EngineCore|MainProcess) pid=(\d+)\)", (tmp_path / "run" / "nrl.log").read_text()
     )
     assert len(set(engine_cores)) == 2
 
@@ -142,7 +149,10 @@ def test_sigterm_mid_run_stops_the_engines(tmp_path):
     GRPO exited 1 once: a signal that lands while the driver waits inside Ray, also pinned
     without vLLM by tests/distributed/test_cluster_hygiene.py.) A synchronous run on one
     engine used to be a second case: it stops through the same handler, and the killed-engine
-    test below runs that setup (CI time: each case is a minute of engine start-up)."""
+    test below runs that setup (CI time: each case is a minute of engine start-up). Both run
+    vLLM's multiprocess layout (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), whose engine-core and
+    worker processes are the ones that could outlive the run; the default engine is its actor
+    process, which every test here checks is gone (``_wait_gone``)."""
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
     extra = (*SMALL_STEPS, "grpo.sft_warmup_steps=0", *ASYNC_TWO_ENGINES)  # GRPO steps at once
@@ -151,7 +161,7 @@ def test_sigterm_mid_run_stops_the_engines(tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(tag),
+        env=_env(tag, multiprocess=True),
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
@@ -188,7 +198,8 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     log = (tmp_path / "out.txt").open("w+")
     command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
     command += ["grpo.sft_warmup_steps=0", *SMALL_STEPS, "-q"]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env(tag))
+    env = _env(tag, multiprocess=True)  # an engine-core process to kill
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 1200

@@ -91,6 +91,16 @@ class VllmGenerationWorker:
             # core others also use and leaves it one. The OS schedules better; a user's setting
             # wins.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # The model runs in this actor's process (vLLM's in-process engine core and "uni"
+            # executor) instead of an engine-core process driving a worker process: that
+            # engine core busy-polls the shared-memory queue while the worker computes
+            # (vllm/distributed/device_communicators/shm_broadcast.py), a second core spent on
+            # waiting. Measured on the realistic workload (2 cores, benchmarks/vs_trl.py):
+            # the engine's CPU-seconds per step from 7.4-8.4 (worker 4.0-4.2, engine core
+            # 3.1-4.2) to 3.9-4.1 (docs/performance.md). The engine's torch threads are then
+            # this process's: the core's OMP_NUM_THREADS for the engine actor
+            # (nrl_core.distributed.resources.cpu_thread_plan). A user's setting wins.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         config = context.config
         generation = getattr(config, "generation", None)
         model = resolve_model_name(config.policy.model_name)
