@@ -268,6 +268,12 @@ class GenerationEngines:
                 f"{dead} (replaced {self.replaced} dead engines already, the most a run may: "
                 "nrl_core.generation.MAX_ENGINE_REPLACEMENTS)"
             ) from exc
+        if self.transport == "nccl":
+            # The new engine would have to join the refit's NCCL group, formed once by all.
+            raise NrlError(
+                f"{dead} (grpo.async.replace_dead_engines cannot replace engines refitted over "
+                "NCCL yet)"
+            ) from exc
         self.holds_weights = False  # the new engine holds the model folder's weights
         self._nccl_ready = False
         self.group.replace_rank(dead.rank)
@@ -326,7 +332,14 @@ class GenerationEngines:
         """
         with self._lock:
             if self.in_flight and version is not None:
-                self.group.run_all("expect_weight_version", int(version))
+                try:
+                    self.group.run_all("expect_weight_version", int(version))
+                except WorkerError as exc:
+                    dead = self.group.dead_rank_error("refit")
+                    if dead is None:
+                        raise
+                    self._replace(dead, exc)  # raises `dead` unless replacements are left
+                    self.group.run_all("expect_weight_version", int(version))
             return self._refit(policy)
 
     def _refit(self, policy: Any) -> float:
