@@ -29,6 +29,7 @@ from nrl_core.algorithms.grpo import GRPOTrainer
 from nrl_core.algorithms.rollout import Episode, episodes_to_batch
 from nrl_core.config.schema import AsyncSection, GRPOConfig, GRPOSection
 from nrl_core.data import VERSION_GAPS
+from nrl_core.distributed.errors import EngineReplacedError
 from nrl_core.losses.clipped_pg import ClippedPGLoss
 from nrl_core.losses.config import ClippedPGConfig
 from tests.algorithms.test_grpo_cli import TINY, metrics, run_nrl
@@ -391,6 +392,45 @@ def test_a_long_group_does_not_hold_back_groups_that_finished():
         assert second.dropped == 0
     finally:
         release.set()
+        producer.stop()
+
+
+def test_a_call_that_failed_on_a_replaced_engine_is_generated_again_after_a_refit():
+    """``grpo.async.replace_dead_engines``: prompt 1's call fails with
+    :class:`EngineReplacedError` (its engine died and was replaced, the engines hold no weights
+    now); no call starts until the trainer's ``take`` refitted them to its weights (step 0),
+    then the same prompt is generated again: step 1 trains prompts 0, 1, 2, each once, and
+    the producer counts one re-queued group."""
+    holds = [True]
+    refits: list[int] = []
+
+    def refit() -> float:
+        refits.append(len(calls))
+        holds[0] = True
+        return 0.0
+
+    gate = WeightGate(lambda: None, refit, holds_weights=lambda: holds[0])
+    calls: list[tuple[list[int], bool]] = []
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
+        calls.append((list(drawn), holds[0]))
+        if drawn == [1] and sum(d == [1] for d, _ in calls) == 1:
+            holds[0] = False  # what GenerationEngines does when it replaces an engine
+            raise EngineReplacedError("generation-torch rank 1 died; replaced")
+        return [[prompt] for prompt in drawn]
+
+    stream = _Stream()
+    producer = _group_producer(roll, gate, stream, max_age=0, groups_per_call=1, wait_timeout_s=10)
+    try:
+        gate.ensure(0)
+        taken = producer.take(1)
+        assert [g.episodes for g in taken.groups] == [[0], [1], [2]]
+        assert [g.index for g in taken.groups] == [0, 1, 2]
+        assert producer.requeued == 1
+        assert refits == [0, 2]  # the first refit, then take's after the failed call
+        assert all(held for _, held in calls)  # no call ran on engines without weights
+        assert [d for d, _ in calls] == [[0], [1], [1], [2]]
+    finally:
         producer.stop()
 
 
