@@ -24,6 +24,8 @@ tensor-parallel workers inside that actor's GPUs, so ``WorkerGroup`` ranks here 
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,10 +34,11 @@ from typing import Any
 from nrl_core.config.schema.generation import EngineOptions as EngineOptions
 from nrl_core.config.validation import nccl_colocated_message
 from nrl_core.data import split_even
-from nrl_core.distributed.errors import WorkerError
+from nrl_core.distributed.errors import EngineReplacedError, WorkerError
 from nrl_core.distributed.worker_group import Sharded, WorkerGroup
 from nrl_core.errors import ConfigError, NrlError
 from nrl_core.interfaces import GenerationOutput, SamplingParams
+from nrl_core.run_log import LOGGER_NAME
 from nrl_core.weight_sync import CHECKPOINT, NameMap, RefitStats, WeightSender
 
 COLOCATED_SHARE = 0.5
@@ -101,6 +104,11 @@ def resolve_transport(
     if not on_gpu:
         return "shm"
     return "cuda_ipc" if colocated else "nccl"
+
+
+MAX_ENGINE_REPLACEMENTS = 3
+"""The most dead engines a run replaces (``grpo.async.replace_dead_engines``); the next dead
+one is the run's error, so a crash loop ends instead of restarting engines for ever."""
 
 
 class GenerationEngines:
@@ -174,6 +182,13 @@ class GenerationEngines:
         """Whether the engines hold the weights of their last refit (or, separate engines,
         the model folder they loaded): False after a sleep that dropped them, until the next
         refit. Colocated engines start asleep, so a refit must come first."""
+        self.max_replacements = 0
+        """How many dead engines :meth:`generate` may replace in this run (>= 0; 0: a dead
+        engine is the run's error; ``grpo.async.replace_dead_engines`` sets
+        :data:`MAX_ENGINE_REPLACEMENTS`)."""
+        self.replaced = 0
+        """Engines replaced so far."""
+        self._epoch = 0  # one more per replacement: calls that failed before it just retry
         # A server thread (``nrl serve``, the agents' endpoint) may generate while the driver
         # refits or releases: the state above changes under this lock only.
         self._lock = threading.RLock()
@@ -194,31 +209,84 @@ class GenerationEngines:
         on the same weights); they sleep when the policy takes its GPU back (:meth:`release`).
         Refuses, before calling any engine, when a sleep dropped their weights and no refit
         followed: a GPU engine would generate from undefined memory."""
-        with self._lock:
-            if not self.holds_weights:
-                raise NrlError(
-                    "the colocated generation engines dropped their weights when they last "
-                    "slept and were not refitted since; the caller must refit before "
-                    "generating (WeightGate.ensure does when holds_weights is False)"
-                )
-            if self.colocated and self._policy is not None:
-                # The engines allocate their KV cache now: the policy's memory must be free.
-                self._policy.offload(["optimizer", "weights"])
-            n = self.num_engines
-            prompt_shards = split_even(list(prompts), n)
-            stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
-            self.awake = True  # set first: a failed call may have woken some engines
-            if not self.in_flight:
+        try:
+            with self._lock:
+                epoch = self._epoch
+                if not self.holds_weights:
+                    raise NrlError(
+                        "the generation engines do not hold weights (colocated ones dropped "
+                        "them when they last slept, or a dead engine was replaced) and were not "
+                        "refitted since; the caller must refit before generating "
+                        "(WeightGate.ensure does when holds_weights is False)"
+                    )
+                if self.colocated and self._policy is not None:
+                    # The engines allocate their KV cache now: the policy's memory must be free.
+                    self._policy.offload(["optimizer", "weights"])
+                n = self.num_engines
+                prompt_shards = split_even(list(prompts), n)
+                stops = list(stop_strings) if stop_strings is not None else [None] * len(prompts)
+                self.awake = True  # set first: a failed call may have woken some engines
+                if not self.in_flight:
+                    parts = self.group.run_sharded(
+                        "generate", prompt_shards, params, Sharded(split_even(stops, n))
+                    )
+            if self.in_flight:
+                # Separate engines, no sleep: nothing above changes under the call, and a
+                # refit must be able to take the lock while it runs.
                 parts = self.group.run_sharded(
                     "generate", prompt_shards, params, Sharded(split_even(stops, n))
                 )
-        if self.in_flight:
-            # Separate engines, no sleep: nothing above changes under the call, and a refit
-            # must be able to take the lock while it runs.
-            parts = self.group.run_sharded(
-                "generate", prompt_shards, params, Sharded(split_even(stops, n))
-            )
+        except WorkerError as exc:
+            if self.max_replacements > 0:
+                self._replace_dead(epoch, exc)
+            raise
         return GenerationOutput.concat(parts)
+
+    def _replace_dead(self, epoch: int, exc: WorkerError) -> None:
+        """After a generate call failed with ``exc``: when an engine's actor is dead and
+        replacements are left, start a new one in its place and raise
+        :class:`EngineReplacedError` (the caller generates the call again after a refit); when
+        another call replaced it since this one started (``epoch``), raise that too. Returns
+        (the caller raises ``exc``) when no engine is dead; past :attr:`max_replacements` the
+        dead engine's error is raised."""
+        with self._lock:
+            if self._epoch != epoch:
+                raise EngineReplacedError(f"{self.group.name}: an engine was replaced") from exc
+            dead = self.group.dead_rank_error("generate")
+            if dead is None:
+                return
+            line = self._replace(dead, exc)
+            raise EngineReplacedError(line) from exc
+
+    def _replace(self, dead: WorkerError, exc: BaseException) -> str:
+        """Start a new engine in place of the dead one of ``dead`` (lock held), or raise
+        ``dead`` when no replacement is left; returns the warning line it printed."""
+        if self.replaced >= self.max_replacements:
+            if self.max_replacements == 0:
+                raise dead from exc
+            raise NrlError(
+                f"{dead} (replaced {self.replaced} dead engines already, the most a run may: "
+                "nrl_core.generation.MAX_ENGINE_REPLACEMENTS)"
+            ) from exc
+        if self.transport == "nccl":
+            # The new engine would have to join the refit's NCCL group, formed once by all.
+            raise NrlError(
+                f"{dead} (grpo.async.replace_dead_engines cannot replace engines refitted over "
+                "NCCL yet)"
+            ) from exc
+        self.holds_weights = False  # the new engine holds the model folder's weights
+        self._nccl_ready = False
+        self.group.replace_rank(dead.rank)
+        self.replaced += 1
+        self._epoch += 1
+        line = (
+            f"warning: {dead}; started a new engine in its place ({self.replaced} of at most "
+            f"{self.max_replacements} replacements), refitting it and generating the failed "
+            "calls again"
+        )
+        print(line, file=sys.stderr, flush=True)
+        logging.getLogger(LOGGER_NAME).warning(line)
+        return line
 
     def sender(self) -> WeightSender:
         """The :class:`WeightSender` that the policy ranks run to reach these engines."""
@@ -264,7 +332,14 @@ class GenerationEngines:
         """
         with self._lock:
             if self.in_flight and version is not None:
-                self.group.run_all("expect_weight_version", int(version))
+                try:
+                    self.group.run_all("expect_weight_version", int(version))
+                except WorkerError as exc:
+                    dead = self.group.dead_rank_error("refit")
+                    if dead is None:
+                        raise
+                    self._replace(dead, exc)  # raises `dead` unless replacements are left
+                    self.group.run_all("expect_weight_version", int(version))
             return self._refit(policy)
 
     def _refit(self, policy: Any) -> float:
@@ -286,9 +361,10 @@ class GenerationEngines:
             # A dead engine shows up in the policy rank as a bare ActorDiedError: name the
             # engine, its pid and why it died instead.
             dead = self.group.dead_rank_error("refit")
-            if dead is not None:
-                raise dead from exc
-            raise
+            if dead is None:
+                raise
+            self._replace(dead, exc)  # raises `dead` unless replacements are on and left
+            stats = self._push(policy, False)  # every engine again, the new one from scratch
         self.holds_weights = True
         if self.colocated:
             policy.offload(["weights"])

@@ -42,6 +42,7 @@ from typing import Any
 
 import attrs
 
+from nrl_core.distributed.errors import EngineReplacedError
 from nrl_core.errors import NrlError
 
 STOP_JOIN_S = 5.0
@@ -144,6 +145,11 @@ class WeightGate:
         self.on_change()
         return seconds
 
+    def ready(self) -> bool:
+        """Whether the engines hold weights to generate with (False after a sleep that dropped
+        them, or once a dead engine was replaced, until the next :meth:`ensure`)."""
+        return self._holds_weights()
+
     def invalidate(self) -> None:
         """Forget the version: the next :meth:`ensure` refits whatever the engines hold."""
         self.version = None
@@ -193,9 +199,27 @@ class _Producer:
         """Batches or groups being generated now (lock held)."""
         raise NotImplementedError
 
+    _gate: WeightGate
+    requeued = 0
+    """Groups (batches, for :class:`RolloutProducer`) whose generate call failed because an
+    engine died and was replaced (``grpo.async.replace_dead_engines``), generated again."""
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
+
+    def _refit_replaced(self, step: int) -> None:
+        """The trainer's side (lock held once): when a replaced engine left the engines
+        without weights, refit them to the trainer's (step ``step - 1``: between the step's
+        refit and its training) so the failed calls can run again; the lock is let go
+        meanwhile (the refit waits for the calls in flight, which take it to finish)."""
+        if self._gate.ready():
+            return
+        self._cv.release()
+        try:
+            self._gate.ensure(step - 1)
+        finally:
+            self._cv.acquire()
 
     def _bounded_wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait (lock held) for ``predicate`` or a producer failure, at most the timeout."""
@@ -292,6 +316,8 @@ class RolloutProducer(_Producer):
         version = self._gate.version
         if step > self._last_step or version is None or len(self._ready) >= self._max_buffer:
             return None
+        if not self._gate.ready():  # a replaced engine waits for its refit
+            return None
         return step if version >= step - 1 - self.max_age else None
 
     def _run(self) -> None:
@@ -303,7 +329,8 @@ class RolloutProducer(_Producer):
                         return
                     step = self._startable()
                     assert step is not None
-                    if self._redo and self._redo[0] == step:
+                    redone = bool(self._redo) and self._redo[0] == step
+                    if redone:
                         self._redo.pop(0)
                     else:
                         self._next += 1
@@ -315,6 +342,19 @@ class RolloutProducer(_Producer):
                     data = self._collect(step)
                 except self._no_signal:
                     data = None
+                except EngineReplacedError:
+                    # An engine died mid-batch and was replaced: the same prompts again,
+                    # once the trainer refitted it (see _refit_replaced).
+                    with self._cv:
+                        self._stream.load_state(state)
+                        if redone:
+                            self._redo.insert(0, step)
+                        else:
+                            self._next -= 1
+                        self.requeued += 1
+                        self._busy = False
+                        self._cv.notify_all()
+                    continue
                 produced = Produced(step, data, version, state, time.perf_counter() - started)
                 with self._cv:
                     self._busy = False
@@ -331,7 +371,12 @@ class RolloutProducer(_Producer):
     def take(self, step: int) -> Produced:
         """Wait for the batch of ``step``; a failure of the producer is raised here."""
         with self._cv:
-            self._bounded_wait(lambda: step in self._ready, f"waited for the batch of step {step}")
+            while step not in self._ready:
+                self._refit_replaced(step)
+                self._bounded_wait(
+                    lambda: step in self._ready or not self._gate.ready(),
+                    f"waited for the batch of step {step}",
+                )
             produced = self._ready.pop(step)
             self._cv.notify_all()  # room in the buffer
             return produced
@@ -474,6 +519,9 @@ class GroupProducer(_Producer):
         self._ready: list[Group] = []
         self._pending: list[Group] = []  # unfinished groups waiting to be continued
         self._resuming: list[Group] = []  # unfinished groups being continued now
+        # Calls that failed on a replaced engine, (step, offset, drawn, first index), to run
+        # again (same prompts) once the engines are refitted.
+        self._retry: list[tuple[int, int, Any, int]] = []
         self._states: dict[int, dict] = {}  # first index of a call in the buffer -> stream state
         self._first_step = first_step
         self._slot = 0  # the next prompt's slot among the groups still to train
@@ -501,29 +549,51 @@ class GroupProducer(_Producer):
         offset = self._slot % self._per_step
         count = min(self._per_call, self._per_step - offset)
         version = self._gate.version
-        if step > self._last_step or version is None:
+        if step > self._last_step or version is None or not self._gate.ready():
             return None
         # Groups being continued count once, in flight.
-        if len(self._ready) + len(self._pending) + self._in_flight + count > self._max_groups:
+        waiting = len(self._ready) + len(self._pending) + self._in_flight + self._retrying()
+        if waiting + count > self._max_groups:
             return None
         return (step, offset, count) if version >= step - 1 - self.max_age else None
 
     def _resumable(self) -> bool:
         """Whether an unfinished group waits to be continued and may be now (lock held)."""
-        return bool(self._pending) and not (
-            self._stopped or self._paused or self._error is not None
-        )
+        return bool(self._pending) and self._may_call()
+
+    def _may_call(self) -> bool:
+        """Whether a call may start now, admission aside (lock held)."""
+        if self._stopped or self._paused or self._error is not None:
+            return False
+        return self._gate.ready()
+
+    def _retrying(self) -> int:
+        """Groups of failed calls waiting to run again (lock held)."""
+        return sum(len(drawn) for _, _, drawn, _ in self._retry)
 
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
                     self._cv.wait_for(
-                        lambda: self._stopped or self._resumable() or self._startable() is not None
+                        lambda: (
+                            self._stopped
+                            or (bool(self._retry) and self._may_call())
+                            or self._resumable()
+                            or self._startable() is not None
+                        )
                     )
                     if self._stopped:
                         return
-                    if self._resumable():  # unfinished groups first: they hold their steps
+                    if self._retry and self._may_call():  # the oldest prompts first
+                        resumed = []
+                        step, offset, drawn, first = self._retry.pop(0)
+                        count = len(drawn)
+                        version = self._gate.version
+                        assert version is not None
+                        state = self._states[first]
+                        self._in_flight += count
+                    elif self._resumable():  # unfinished groups first: they hold their steps
                         resumed = self._pending[: self._per_call]
                         del self._pending[: len(resumed)]
                         self._resuming.extend(resumed)
@@ -546,6 +616,16 @@ class GroupProducer(_Producer):
                 started = time.perf_counter()
                 try:
                     rolled = self._roll(step, offset, drawn)
+                except EngineReplacedError:
+                    # An engine died in this call and was replaced: the same prompts again
+                    # once the trainer refitted it (take: _refit_replaced).
+                    with self._cv:
+                        self._in_flight -= count
+                        self._states[first] = state
+                        self._retry.append((step, offset, drawn, first))
+                        self.requeued += count
+                        self._cv.notify_all()
+                    continue
                 except BaseException:
                     with self._cv:
                         self._in_flight -= count
@@ -582,6 +662,10 @@ class GroupProducer(_Producer):
         started = time.perf_counter()
         try:
             self._resume(groups[0].step, groups[0].calls, [g.episodes for g in groups])
+        except EngineReplacedError:
+            # Continued again (from what they hold) after the refit: back to _pending below.
+            with self._cv:
+                self.requeued += len(groups)
         finally:
             seconds = time.perf_counter() - started
             # Out of flight and back among the waiting groups at once (see _run).
@@ -598,6 +682,7 @@ class GroupProducer(_Producer):
     def _oldest_state(self) -> int | None:
         """The first index of the call of the oldest group not yet trained (lock held)."""
         waiting = [g.index for g in (*self._ready, *self._pending, *self._resuming)]
+        waiting += [first for *_, first in self._retry]
         if not waiting:
             return None
         oldest = min(waiting)
@@ -624,8 +709,13 @@ class GroupProducer(_Producer):
                     self._cv.notify_all()
                 if len(self._ready) >= self._per_step:
                     break
+                self._refit_replaced(step)
                 self._bounded_wait(
-                    lambda: len(self._ready) >= self._per_step or self._error is not None,
+                    lambda: (
+                        len(self._ready) >= self._per_step
+                        or self._error is not None
+                        or not self._gate.ready()
+                    ),
                     f"waited for the rollouts of step {step}",
                 )
                 if self._error is not None:
@@ -661,12 +751,13 @@ class GroupProducer(_Producer):
         restarts at ``next_step`` from there (groups of that call that were trained already
         are drawn again). Returns how many groups were dropped."""
         with self._cv:
-            dropped = len(self._ready) + len(self._pending)
+            dropped = len(self._ready) + len(self._pending) + self._retrying()
             first = self._oldest_state()
             if first is not None:
                 self._stream.load_state(self._states[first])
             self._ready.clear()
             self._pending.clear()
+            self._retry.clear()
             self._states.clear()
             self._first_step, self._slot = next_step, 0
             self._gate.invalidate()

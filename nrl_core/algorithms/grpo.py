@@ -252,6 +252,7 @@ class GRPOTrainer:
         step_s = metrics["timing/step_s"]
         size = self.grpo.num_generations_per_prompt
         metrics.update(staleness)
+        metrics.update(self.replacement_metrics(producer.requeued))
         metrics.update(
             {
                 "async/trajectory_age_mean": sum(ages) / len(ages),
@@ -267,6 +268,18 @@ class GRPOTrainer:
             }
         )
         return metrics
+
+    def replacement_metrics(self, requeued_groups: int) -> dict[str, float]:
+        """With ``grpo.async.replace_dead_engines``: ``async/engines_replaced`` (dead engines
+        replaced so far in this run) and ``async/requeued_groups`` (groups whose generate call
+        failed with them and were generated again, so far); nothing otherwise."""
+        engines = getattr(self.session, "generation_engines", None)
+        if not self.async_options.replace_dead_engines or engines is None:
+            return {}
+        return {
+            "async/engines_replaced": float(engines.replaced),
+            "async/requeued_groups": float(requeued_groups),
+        }
 
     def mark_staleness(
         self, step: int, episodes: list[Episode], group_versions: Mapping[int, int] | list[int]
@@ -379,6 +392,7 @@ class GRPOTrainer:
         step_s = metrics["timing/step_s"]
         trajectories = float(len(produced.data.episodes))
         metrics.update(staleness)
+        metrics.update(self.replacement_metrics(producer.requeued * self.grpo.num_prompts_per_step))
         metrics.update(
             {
                 "async/trajectory_age_mean": float(age),

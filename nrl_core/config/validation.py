@@ -75,6 +75,12 @@ def _check_async(config: Any) -> None:
     grpo = getattr(config, "grpo", None)
     if grpo is not None and grpo.async_.in_flight_weight_updates:
         _check_in_flight(config)
+    if grpo is not None and grpo.async_.replace_dead_engines and not grpo.async_.enabled:
+        raise ConfigError(
+            "grpo.async.replace_dead_engines=true needs grpo.async.enabled=true (only the "
+            "asynchronous producer generates a failed call again); enable it or set "
+            "replace_dead_engines=false"
+        )
     if grpo is None or not grpo.async_.enabled:
         return
     if hasattr(config, "ppo"):

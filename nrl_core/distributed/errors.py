@@ -93,3 +93,9 @@ class ImageMismatchError(NrlError):
 
 def _rebuild_worker_error(cls, message, attributes):
     return cls(message, **attributes)
+
+
+class EngineReplacedError(NrlError):
+    """A generate call failed because a generation engine died, and a new engine was started
+    in its place (``grpo.async.replace_dead_engines``): the call's prompts are to be generated
+    again once the engines are refitted (their ``holds_weights`` is False until then)."""

@@ -154,6 +154,22 @@ def _remote_worker(group: str, rank: int) -> Any:
 # The driver side
 
 
+def _spawn(name: str, rank: int, options: dict[str, Any], pg: PlacementGroup) -> Any:
+    """A new actor for ``name``'s rank ``rank`` on bundle ``rank`` of ``pg`` (a fresh Ray
+    name each time: a replaced rank's old name may still be taken)."""
+    return (
+        _remote_worker(name, rank)
+        .options(
+            name=f"nrl-{name}-{rank}-{uuid.uuid4().hex[:6]}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank
+            ),
+            **options,
+        )
+        .remote()
+    )
+
+
 def create_placement_group(
     num_bundles: int,
     num_cpus_per_bundle: float = 1,
@@ -222,6 +238,10 @@ class WorkerGroup:
         """Where rank 0's rendezvous listens: 127.0.0.1 for a local group, else its node IP."""
         self.call_timeouts: dict[str, tuple[float, str]] = {}
         """Per-method (timeout in seconds, config key naming it); see :meth:`set_call_timeout`."""
+        # What start() made the actors with, for replace_rank.
+        self._spawn_options: dict[str, Any] = {}
+        self._target: tuple[str, tuple, dict] | None = None
+        self._envs: list[dict[str, str]] = []
 
     @property
     def num_workers(self) -> int:
@@ -292,24 +312,17 @@ class WorkerGroup:
             runtime_env["env_vars"] = env
         if python:
             runtime_env["py_executable"] = python
-        tag = uuid.uuid4().hex[:6]
-        actors = [
-            _remote_worker(name, rank)
-            .options(
-                max_concurrency=max_concurrency,
-                name=f"nrl-{name}-{rank}-{tag}",
-                num_cpus=num_cpus_per_worker,
-                num_gpus=num_gpus_per_worker,
-                runtime_env=runtime_env or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=rank
-                ),
-            )
-            .remote()
-            for rank in range(num_workers)
-        ]
+        options = {
+            "max_concurrency": max_concurrency,
+            "num_cpus": num_cpus_per_worker,
+            "num_gpus": num_gpus_per_worker,
+            "runtime_env": runtime_env or None,
+        }
+        actors = [_spawn(name, rank, options, placement_group) for rank in range(num_workers)]
         infos = [_WorkerInfo(rank) for rank in range(num_workers)]
         group = cls(name, actors, infos, layout, timeout_s, placement_group, owns_pg)
+        group._spawn_options = options
+        group._target = (target, tuple(args), dict(kwargs or {}))
         try:
             group._setup(target, args, kwargs or {}, rendezvous=rendezvous)
         except BaseException:
@@ -357,8 +370,29 @@ class WorkerGroup:
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             if self.is_local:
                 env.update(_loopback_env())
+            self._envs.append(env)
             refs.append(actor.setup.remote(target, env, args_ref, kwargs_ref))
         self._gather(refs, f"construct {target}")
+
+    def replace_rank(self, rank: int) -> None:
+        """Start a new actor in place of ``rank``'s (dead) one: the same worker class and
+        arguments, interpreter, environment, resources and placement bundle, as
+        :meth:`start` made it. The old actor is killed first (its bundle share frees up).
+        What the rank held (weights, state) is gone: the caller restores it (an engine's
+        refit). Raises :class:`WorkerError` when the new actor cannot start."""
+        if self._target is None:
+            raise NrlError(f"{self.name} was not started by WorkerGroup.start: cannot replace")
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[rank], no_restart=True)
+        actor = _spawn(self.name, rank, self._spawn_options, self.placement_group)
+        self.actors[rank] = actor
+        what = f"restart rank {rank}"
+        desc = self._gather([actor.describe.remote()], what, ranks=[rank])[0]
+        info = self.infos[rank]
+        info.node_ip, info.pid, info.logs = desc["node_ip"], desc["pid"], desc["logs"]
+        target, args, kwargs = self._target
+        ref = actor.setup.remote(target, self._envs[rank], ray.put(args), ray.put(kwargs))
+        self._gather([ref], f"construct {target}", ranks=[rank])
 
     # -- calls ------------------------------------------------------------------------------
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
@@ -23,9 +29,10 @@ from nrl_core.algorithms.grpo import GRPOTrainer
 from nrl_core.algorithms.rollout import Episode, episodes_to_batch
 from nrl_core.config.schema import AsyncSection, GRPOConfig, GRPOSection
 from nrl_core.data import VERSION_GAPS
+from nrl_core.distributed.errors import EngineReplacedError
 from nrl_core.losses.clipped_pg import ClippedPGLoss
 from nrl_core.losses.config import ClippedPGConfig
-from tests.algorithms.test_grpo_cli import metrics, run_nrl
+from tests.algorithms.test_grpo_cli import TINY, metrics, run_nrl
 from tests.losses.helpers import global_stats, loss_and_grad
 
 SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
@@ -177,6 +184,86 @@ def test_in_flight_refits_run_through_the_cli(tmp_path):
     print(f"samples with tokens of two versions: {mixed}")
 
 
+def _engine_pids(tag: str, rank: int) -> list[int]:
+    """Pids of this run's (``NRL_TEST_TAG=tag``) torch engine actor of ``rank``, by its process
+    title (``ray::nrl-generation-torch-<rank>``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode().strip()
+        except OSError:
+            continue
+        if f"NRL_TEST_TAG={tag}".encode() in environ and title.startswith(
+            f"ray::nrl-generation-torch-{rank}"
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_replaced_and_the_run_loses_no_group(tmp_path):
+    """Issue 51 item 6: ``grpo.async.replace_dead_engines=true`` on two separate torch
+    engines; SIGKILL of engine 1's actor after the first trained step: one warning line
+    names the engine, a new one takes its place (refitted), the failed calls are generated
+    again, and the run exits 0 with every step's batch complete (16 samples each) and
+    ``async/engines_replaced`` = 1."""
+    tag = uuid.uuid4().hex
+    steps = 6
+    command = [
+        sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-q",
+        f"logger.log_dir={tmp_path}", "logger.run_name=run",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", *TINY,
+        "generation.colocated=false", "generation.num_engines=2",
+        f"grpo.max_num_steps={steps}", "grpo.val_period=0", "grpo.async.enabled=true",
+        "grpo.async.groups_per_call=1", "grpo.async.replace_dead_engines=true",
+        "logger.sample_period=1", "logger.num_samples=16",  # every trained sample
+    ]  # fmt: skip
+    env = {**os.environ, "NRL_ACTOR_ENV": "system", "NRL_TEST_TAG": tag}
+    log = (tmp_path / "out.txt").open("w+")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    rows = tmp_path / "run" / "metrics.jsonl"
+    killed = []
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            text = rows.read_text() if rows.is_file() else ""
+            if '"async/trajectory_age_max"' in text:  # a step trained: the producer is busy
+                killed = _engine_pids(tag, 1)
+                break
+            time.sleep(0.2)
+        assert len(killed) == 1, (killed, log.read()[-3000:])
+        os.kill(killed[0], signal.SIGKILL)
+        assert proc.wait(timeout=600) == 0, log.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    out = log.read()
+    trained = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)), out[-3000:]
+    assert trained[-1]["async/engines_replaced"] == 1, out[-3000:]
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning: generation-torch")]
+    assert len(warnings) == 1, out[-3000:]
+    assert "rank 1 died in" in warnings[0] and f"(pid {killed[0]})" in warnings[0]
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    per_step = [
+        sum(s["split"] == "train" and s["step"] == r["step"] for s in samples) for r in trained
+    ]
+    assert per_step == [16] * steps
+    for k in range(1, steps + 1):  # whole groups of 4 samples each, none cut short
+        counts: dict[str, int] = {}
+        for sample in (s for s in samples if s["split"] == "train" and s["step"] == k):
+            key = json.dumps(sample["prompt"])
+            counts[key] = counts.get(key, 0) + 1
+        assert all(n % 4 == 0 for n in counts.values()), (k, counts)
+    print(f"requeued groups: {trained[-1]['async/requeued_groups']:g}")
+
+
 def test_async_with_generation_in_the_policy_workers_is_one_line(tmp_path):
     result = run_nrl(tmp_path, "grpo.async.enabled=true", check=False)
     assert result.returncode == 2
@@ -305,6 +392,45 @@ def test_a_long_group_does_not_hold_back_groups_that_finished():
         assert second.dropped == 0
     finally:
         release.set()
+        producer.stop()
+
+
+def test_a_call_that_failed_on_a_replaced_engine_is_generated_again_after_a_refit():
+    """``grpo.async.replace_dead_engines``: prompt 1's call fails with
+    :class:`EngineReplacedError` (its engine died and was replaced, the engines hold no weights
+    now); no call starts until the trainer's ``take`` refitted them to its weights (step 0),
+    then the same prompt is generated again: step 1 trains prompts 0, 1, 2, each once, and
+    the producer counts one re-queued group."""
+    holds = [True]
+    refits: list[int] = []
+
+    def refit() -> float:
+        refits.append(len(calls))
+        holds[0] = True
+        return 0.0
+
+    gate = WeightGate(lambda: None, refit, holds_weights=lambda: holds[0])
+    calls: list[tuple[list[int], bool]] = []
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
+        calls.append((list(drawn), holds[0]))
+        if drawn == [1] and sum(d == [1] for d, _ in calls) == 1:
+            holds[0] = False  # what GenerationEngines does when it replaces an engine
+            raise EngineReplacedError("generation-torch rank 1 died; replaced")
+        return [[prompt] for prompt in drawn]
+
+    stream = _Stream()
+    producer = _group_producer(roll, gate, stream, max_age=0, groups_per_call=1, wait_timeout_s=10)
+    try:
+        gate.ensure(0)
+        taken = producer.take(1)
+        assert [g.episodes for g in taken.groups] == [[0], [1], [2]]
+        assert [g.index for g in taken.groups] == [0, 1, 2]
+        assert producer.requeued == 1
+        assert refits == [0, 2]  # the first refit, then take's after the failed call
+        assert all(held for _, held in calls)  # no call ran on engines without weights
+        assert [d for d, _ in calls] == [[0], [1], [1], [2]]
+    finally:
         producer.stop()
 
 

@@ -587,6 +587,8 @@ CASES = [
     ("async_tokens_per_call_negative", run("grpo", "grpo.async.max_tokens_per_call=-1"), "grpo.async.max_tokens_per_call must be >= 0, got -1", {}),
     ("async_partial_with_dynamic_sampling", run("grpo", "grpo.async.max_tokens_per_call=4", "grpo.dynamic_sampling=true"), "grpo.async.max_tokens_per_call continues samples across the calls of the streaming producer, and grpo.dynamic_sampling produces whole-step batches", {}),
     # issue 51, h-inflight
+    # issue 51, h-replace
+    ("replace_dead_engines_without_async", run("grpo", "grpo.async.replace_dead_engines=true"), "grpo.async.replace_dead_engines=true needs grpo.async.enabled=true", {}),
     ("in_flight_without_async", run("grpo", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true needs grpo.async.enabled=true", {}),
     ("in_flight_colocated_torch", run("grpo", "grpo.async.enabled=true", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true: the torch engines cannot take a refit while a call is in flight; set generation.torch.colocated=false (separate engines), or set grpo.async.in_flight_weight_updates=false", {}),
     ("in_flight_vllm_sync_engine", run("grpo", VLLM, "generation.vllm.colocated=false", "grpo.async.enabled=true", "grpo.async.in_flight_weight_updates=true"), "grpo.async.in_flight_weight_updates=true: the vllm engines cannot take a refit while a call is in flight; set generation.vllm.async_engine=true", {}),

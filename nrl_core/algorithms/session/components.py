@@ -533,6 +533,11 @@ class Components:
         )
         self._closers.append(engines.shutdown)
         self.generation_engines = engines
+        options = getattr(getattr(self.config, "grpo", None), "async_", None)
+        if options is not None and options.enabled and options.replace_dead_engines:
+            from nrl_core.generation import MAX_ENGINE_REPLACEMENTS
+
+            engines.max_replacements = MAX_ENGINE_REPLACEMENTS
         # The policy may not exist yet (colocated engines start first): look it up per call.
         # ``version``: in-flight refits tell the engines which version lands (WeightGate).
         return engines.generate, lambda version=None: engines.refit(self.policy, version)

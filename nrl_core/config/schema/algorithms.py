@@ -88,6 +88,16 @@ class AsyncSection:
         "`grpo.async.enabled=true` and engines that take such refits (torch; vLLM with "
         "`generation.vllm.async_engine=true`).",
     )
+    replace_dead_engines: bool = option(
+        False,
+        "When a separate generation engine's process dies in a producer's generate call, start "
+        "a new engine in its place (same options, interpreter and placement), refit the "
+        "trainer's current weights into it, and generate the failed call's prompts again "
+        "(counted in `async/engines_replaced` and `async/requeued_groups`, one warning line "
+        "naming the engine); at most 3 replacements a run, the next dead engine stops it. "
+        "false: a dead engine stops the run with one line naming it. Needs "
+        "`grpo.async.enabled=true`.",
+    )
     wait_timeout_s: float = option(
         1800.0,
         "The longest the trainer waits for rollouts, and a refit or pause for the generate "
