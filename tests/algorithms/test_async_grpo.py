@@ -99,64 +99,13 @@ def test_age_one_trains_nothing_older_than_one_step_and_overlaps(tmp_path):
 
 
 @pytest.mark.slow
-def test_groups_stream_one_call_each_across_two_engines(tmp_path):
+def test_groups_stream_one_call_each_across_two_engines_with_in_flight_refits(tmp_path):
     """Streaming at its finest grain through the real CLI: one prompt per generate call, two
-    torch engines with a call in flight each, age bound 1; every step trains a full batch
-    within the bound and its samples carry their tokens' versions."""
-    run_nrl(
-        tmp_path,
-        "generation.colocated=false",
-        "generation.num_engines=2",
-        "grpo.max_num_steps=4",
-        "grpo.async.enabled=true",
-        "grpo.async.max_trajectory_age_steps=1",
-        "grpo.async.groups_per_call=1",
-    )
-    trained = [r for r in metrics(tmp_path) if "async/trajectory_age_max" in r]
-    assert len(trained) == 4
-    assert all(0 <= r["async/trajectory_age_max"] <= 1 for r in trained)
-    assert all(math.isfinite(r["train/loss"]) for r in trained)
-    samples = [
-        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
-    ]
-    for sample in (s for s in samples if s["split"] == "train"):
-        assert all(0 <= (sample["step"] - 1) - v <= 1 for v, _ in sample["weight_versions"])
-
-
-@pytest.mark.slow
-def test_partial_rollouts_through_the_cli(tmp_path):
-    """``grpo.async.max_tokens_per_call=4`` of 12 new tokens: samples longer than 4 tokens are
-    continued in later calls; the run finishes, some trained samples were partial (metric and
-    samples.jsonl), every one records its age and versions, and nothing was dropped."""
-    run_nrl(
-        tmp_path,
-        *SEPARATE,
-        "grpo.max_num_steps=2",
-        "generation.max_new_tokens=12",
-        "grpo.async.enabled=true",
-        "grpo.async.max_tokens_per_call=4",
-    )
-    trained = [r for r in metrics(tmp_path) if "async/partial_fraction" in r]
-    assert len(trained) == 2
-    assert any(r["async/partial_fraction"] > 0 for r in trained)
-    assert all(r["async/dropped_stale"] == 0 for r in trained)
-    assert all(0 <= r["async/age_max"] <= 1 for r in trained)
-    assert all(math.isfinite(r["train/loss"]) for r in trained)
-    samples = [
-        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
-    ]
-    train = [s for s in samples if s["split"] == "train"]
-    assert train and any(s["partial"] for s in train)
-    for sample in train:
-        assert sample["age"] == (sample["step"] - 1) - min(v for v, _ in sample["weight_versions"])
-
-
-@pytest.mark.slow
-def test_in_flight_refits_run_through_the_cli(tmp_path):
-    """``grpo.async.in_flight_weight_updates=true`` on two torch engines, one prompt per call,
-    age bound 1: every step trains a full batch within the bound, and every sample's tokens
-    carry versions that never go back (a refit that lands mid-call only moves them forward),
-    from its call's start version (within the bound) to at most the trainer's ``step - 1``."""
+    torch engines with a call in flight each, age bound 1, and refits that do not wait for the
+    calls (``grpo.async.in_flight_weight_updates=true``; one run for both, CI time): every step
+    trains a full batch within the bound, and every sample's tokens carry versions that never go
+    back (a refit that lands mid-call only moves them forward), from its call's start version
+    (within the bound) to at most the trainer's ``step - 1``."""
     run_nrl(
         tmp_path,
         "generation.colocated=false",
@@ -201,6 +150,34 @@ def _engine_pids(tag: str, rank: int) -> list[int]:
         ):
             found.append(int(entry.name))
     return found
+
+
+@pytest.mark.slow
+def test_partial_rollouts_through_the_cli(tmp_path):
+    """``grpo.async.max_tokens_per_call=4`` of 12 new tokens: samples longer than 4 tokens are
+    continued in later calls; the run finishes, some trained samples were partial (metric and
+    samples.jsonl), every one records its age and versions, and nothing was dropped."""
+    run_nrl(
+        tmp_path,
+        *SEPARATE,
+        "grpo.max_num_steps=2",
+        "generation.max_new_tokens=12",
+        "grpo.async.enabled=true",
+        "grpo.async.max_tokens_per_call=4",
+    )
+    trained = [r for r in metrics(tmp_path) if "async/partial_fraction" in r]
+    assert len(trained) == 2
+    assert any(r["async/partial_fraction"] > 0 for r in trained)
+    assert all(r["async/dropped_stale"] == 0 for r in trained)
+    assert all(0 <= r["async/age_max"] <= 1 for r in trained)
+    assert all(math.isfinite(r["train/loss"]) for r in trained)
+    samples = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    train = [s for s in samples if s["split"] == "train"]
+    assert train and any(s["partial"] for s in train)
+    for sample in train:
+        assert sample["age"] == (sample["step"] - 1) - min(v for v, _ in sample["weight_versions"])
 
 
 @pytest.mark.slow
