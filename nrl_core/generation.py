@@ -212,6 +212,11 @@ class GenerationEngines:
         try:
             with self._lock:
                 epoch = self._epoch
+                if not self.holds_weights and self.replaced and not self.colocated:
+                    # Another call's dead engine was replaced after this call was admitted:
+                    # like that call, this one runs again once the trainer refitted the new
+                    # engine (the producer waits for it).
+                    raise EngineReplacedError(f"{self.group.name}: an engine was replaced")
                 if not self.holds_weights:
                     raise NrlError(
                         "the generation engines do not hold weights (colocated ones dropped "
