@@ -31,7 +31,10 @@ whose speed drifts favours none); each run trains ``--steps`` steps and its firs
 are dropped. Per configuration it prints the median step seconds, steps per minute (steps
 measured over the sum of their step times, all rounds), each round's steps per minute, and the
 engines' idle fraction (async: ``async/engine_idle_fraction``; sync: the share of the step
-outside ``timing/generation_s``, the only time the engines work). The last line is
+outside ``timing/generation_s``, the only time the engines work; async_inflight's is an
+under-estimate: the core's ``WeightGate.busy_s`` adds up the seconds of calls that overlap, as
+streaming's concurrent calls do, so it reads 0 whenever two calls were in flight most of the
+step). The last line is
 ``inflight_over_batch_async=<async_inflight steps per minute / async_batch steps per minute>``.
 
 Trailing ``KEY=VALUE`` arguments are config overrides for every configuration (after the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,3 +100,15 @@ def test_table_and_last_line(bench):
     last = lines[-1]
     assert re.fullmatch(r"inflight_over_batch_async=\d+\.\d{3}", last), last
     assert float(last.split("=")[1]) == pytest.approx((60 / 1.0) / (60 / 1.5), abs=0.001)
+
+
+@pytest.mark.slow  # a process: the script as nox runs it, stopping at its argument check
+def test_script_rejects_bad_steps_before_anything_heavy():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "1", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "async_grpo.py: --steps (1) must exceed --warmup (1)"
