@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="runs per configuration (2)")
     parser.add_argument("--engines", type=int, default=2, help="separate torch engines (2)")
     parser.add_argument("--prompts", type=int, default=16, help="distinct prompts (16)")
-    parser.add_argument("--longest", type=int, default=64, help="longest answer, tokens (64)")
+    parser.add_argument("--longest", type=int, default=128, help="longest answer, tokens (128)")
     parser.add_argument(
         "--groups-per-call", type=int, default=2, help="async_inflight's groups per call (2)"
     )
