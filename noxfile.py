@@ -30,6 +30,9 @@
   trl is installed into the session only, never into the project.
 - `bench-generation` (not run by default): `benchmarks/generation.py`, nrl's torch generation
   against HF `generate` per generated token on the realistic model (issue 50).
+- `bench-async` (not run by default): `benchmarks/async_grpo.py`, steps per minute of
+  synchronous, async (whole batches) and async with streaming + in-flight refits on a
+  long-tailed length distribution (issue 51).
 """
 
 import contextlib
@@ -136,6 +139,14 @@ def bench_generation(session: nox.Session) -> None:
     """nrl's torch generation against HF generate, ms per token (`-- --rounds 5 ...`)."""
     _sync(session)
     session.run("python", "benchmarks/generation.py", *session.posargs)
+
+
+@nox.session(name="bench-async")
+def bench_async(session: nox.Session) -> None:
+    """Sync vs async (batch) vs async (streaming + in-flight refits), steps per minute on a
+    long-tailed workload (`-- --steps 12 --rounds 2 --engines 2 KEY=VALUE ...`)."""
+    _sync(session)
+    session.run("python", "benchmarks/async_grpo.py", *session.posargs)
 
 
 @contextlib.contextmanager

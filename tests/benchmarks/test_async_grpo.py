@@ -1,0 +1,114 @@
+"""``benchmarks/async_grpo.py``'s own logic: argument parsing, the three configurations'
+overrides, and the table and last line it prints from each configuration's step records (the
+runs themselves memorize a model and start nrl nine times: ``nox -s bench-async``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "async_grpo.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # The script imports its sibling scripts (grpo_step, packing) as top-level modules.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("async_grpo_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_arguments_and_configurations(bench):
+    args = bench.parse_args(["--steps", "3", "--warmup", "1", "--rounds", "1", "a.b=1"])
+    assert (args.steps, args.warmup, args.rounds, args.engines) == (3, 1, 1, 2)
+    assert args.overrides == ["a.b=1"]
+    variants = bench.configs(engines=2, groups_per_call=2, max_tokens_per_call=16)
+    assert set(variants) == set(bench.CONFIGS)
+    for overrides in variants.values():  # every configuration on the same separate engines
+        assert "generation.colocated=false" in overrides
+        assert "generation.num_engines=2" in overrides
+    assert not any(o.startswith("grpo.async") for o in variants["sync"])
+    assert "grpo.async.groups_per_call=0" in variants["async_batch"]
+    assert not any("in_flight" in o for o in variants["async_batch"])
+    assert {
+        "grpo.async.groups_per_call=2",
+        "grpo.async.in_flight_weight_updates=true",
+        "grpo.async.max_tokens_per_call=16",
+    } <= set(variants["async_inflight"])
+
+
+def test_answers_have_the_drawn_lengths(bench):
+    assert [len(bench.answer(n)) for n in (8, 26, 27, 60)] == [8, 26, 27, 60]
+    assert bench.answer(28) == "abcdefghijklmnopqrstuvwxyzab"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "2", "--warmup", "2"], "--steps (2) must exceed --warmup (2)"),
+        (["--engines", "0"], "--engines (0) must be at least 1"),
+        (["--longest", "4"], "--longest (4) must be at least 8"),
+        (["policy.num_workers"], "overrides must be KEY=VALUE"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def record(step_s: float, generation_s: float, idle: float | None = None) -> dict:
+    r = {
+        "timing/step_s": step_s,
+        "timing/generation_s": generation_s,
+        "train/response_length_mean": 12.0,
+    }
+    if idle is not None:
+        r["async/engine_idle_fraction"] = idle
+    return r
+
+
+def test_table_and_last_line(bench):
+    runs = {
+        # two rounds each; steps/min = 60 * steps / sum(step_s)
+        "sync": [[record(2.0, 1.5)] * 2, [record(1.0, 0.5)] * 2],
+        "async_batch": [[record(1.5, 0.0, 0.4)] * 3, [record(1.5, 0.0, 0.2)]],
+        "async_inflight": [[record(1.0, 0.0, 0.1)] * 2, [record(1.0, 0.0, 0.1)] * 2],
+    }
+    lines = bench.summarize(runs)
+    assert lines[0].split()[:4] == ["config", "step_s", "steps/min", "engine_idle"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert set(rows) == set(bench.CONFIGS)
+    assert float(rows["sync"][2]) == pytest.approx(60 * 4 / 6.0, abs=0.05)
+    # sync's idle share is what the step spends outside generation: median of 0.25 and 0.5
+    assert float(rows["sync"][3]) == pytest.approx(0.375, abs=0.0051)  # printed to 2 places
+    assert float(rows["async_batch"][3]) == pytest.approx(0.4, abs=0.005)
+    assert rows["async_batch"][5:] == ["40.0", "40.0"]  # each round's steps per minute
+    last = lines[-1]
+    assert re.fullmatch(r"inflight_over_batch_async=\d+\.\d{3}", last), last
+    assert float(last.split("=")[1]) == pytest.approx((60 / 1.0) / (60 / 1.5), abs=0.001)
+
+
+@pytest.mark.slow  # a process: the script as nox runs it, stopping at its argument check
+def test_script_rejects_bad_steps_before_anything_heavy():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "1", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "async_grpo.py: --steps (1) must exceed --warmup (1)"
