@@ -351,3 +351,20 @@ def test_an_empty_config_file_is_refused(tmp_path, registry, content):
     with pytest.raises(ConfigError, match=r"cfg\.yaml holds no settings \(it is empty or only"):
         resolve_config("grpo", path, registry=registry)
     assert resolve_config("grpo", write(tmp_path / "none.yaml", "{}\n"), registry=registry)
+
+
+def test_defaults_share_no_nested_section_between_configs():
+    """Each config gets its own copy of every default section, however deep: setting a nested
+    option on one (``config.grpo.async_.enabled``) once changed every later default config
+    (``option`` copied the default section shallowly), and the quick tier's config tests failed
+    after a test that did so ran in the same process."""
+    from nrl_core.config.schema import GRPOConfig
+
+    first = GRPOConfig()
+    first.grpo.async_.enabled = True
+    first.policy.optimizer.lr = 0.5
+    first.data.options["extra"] = 1
+    second = GRPOConfig()
+    assert second.grpo.async_.enabled is False
+    assert second.policy.optimizer.lr != 0.5
+    assert "extra" not in second.data.options

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from collections.abc import Callable
@@ -21,11 +22,10 @@ def option(default: Any, doc: str, **kwargs: Any) -> Any:
     valid range: it runs whenever the class is built (from YAML, or with ``attrs.evolve`` in
     code), and the configuration reference shows it (see :func:`describe_validator`).
     """
-    if isinstance(default, (list, dict)):
-        value = default
-        return attrs.field(factory=lambda: type(value)(value), metadata={"doc": doc}, **kwargs)
-    if attrs.has(type(default)):
-        return attrs.field(factory=lambda: attrs.evolve(default), metadata={"doc": doc}, **kwargs)
+    if isinstance(default, (list, dict)) or attrs.has(type(default)):
+        # A deep copy per instance: a shallow one (attrs.evolve) shared the nested sections,
+        # so setting `config.grpo.async_.enabled` on one config changed every later default.
+        return attrs.field(factory=lambda: copy.deepcopy(default), metadata={"doc": doc}, **kwargs)
     return attrs.field(default=default, metadata={"doc": doc}, **kwargs)
 
 
