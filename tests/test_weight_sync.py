@@ -107,40 +107,6 @@ def test_shared_memory_handle_pickles_to_its_name_only():
         handle.open(bucket_layout({"x": torch.zeros(2)}))
 
 
-def test_shm_sends_reuse_one_staging_segment(tiny_state):
-    """Every bucket of every refit goes through one segment per sending process, grown when a
-    bucket does not fit (a fresh segment per bucket cost its pages' allocation and zeroing at
-    each refit: ~0.1 CPU-s of the realistic workload's 0.3 s refit). Each bucket arrives
-    bit-exact; the staging segment is gone after release_staging (also run at exit)."""
-    import os
-
-    from nrl_core.weight_sync import receive_into
-    from nrl_core.weight_sync.interface import BucketMeta
-    from nrl_core.weight_sync.shm import release_staging, send_shm
-
-    names, received = [], []
-
-    def post(meta: BucketMeta, handle: SharedMemoryHandle):
-        names.append(handle.name)
-        receive_into(meta, handle, lambda ts: received.append({k: v.clone() for k, v in ts}))
-        return meta.payload_bytes
-
-    release_staging()
-    small = dict(list(tiny_state.items())[:3])
-    try:
-        for bucket in (small, small, tiny_state, small):
-            assert send_shm(bucket, post, lambda b: b) == sum(t.nbytes for t in bucket.values())
-        assert names[0] == names[1]  # the same segment, not a new one per bucket
-        assert names[2] != names[1] and names[3] == names[2]  # grown once, then reused
-        assert not os.path.exists(f"/dev/shm/{names[0]}")  # the outgrown one is unlinked
-        for bucket, got in zip((small, small, tiny_state, small), received, strict=True):
-            assert list(got) == list(bucket)
-            assert all(torch.equal(_bits(got[k]), _bits(v)) for k, v in bucket.items())
-    finally:
-        release_staging()
-    assert not os.path.exists(f"/dev/shm/{names[-1]}")
-
-
 _PLAIN = (dict, list, str, int, bool, bytes, type(None))
 
 

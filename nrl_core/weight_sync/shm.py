@@ -3,10 +3,8 @@ policy and an engine on the same node (CPU)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +50,7 @@ class SharedMemoryHandle:
         import torch
 
         try:
-            self._shm = _attached(self.name)
+            self._shm = _attach_shm(self.name)
         except FileNotFoundError:
             raise WeightSyncError(
                 f"shared-memory segment {self.name!r} not found: the shm transport needs the "
@@ -64,31 +62,11 @@ class SharedMemoryHandle:
         return flat
 
     def close(self) -> None:
-        # The mapping stays for the next bucket: a sender reuses its segment (send_shm), and
-        # mapping 126 MB afresh costs page faults on every page again. _attached closes it
-        # when another segment comes.
-        self._shm = None
-
-
-_ATTACHED: dict[str, Any] = {}
-"""The segment this process mapped last, by name (at most one; see :func:`_attached`)."""
-_ATTACH_LOCK = threading.Lock()
-
-
-def _attached(name: str):
-    """The mapping of segment ``name``, kept from the last bucket when it is the same segment;
-    the previous segment's mapping is closed when another comes (its sender grew or ended)."""
-    with _ATTACH_LOCK:
-        shm = _ATTACHED.get(name)
-        if shm is not None:
-            return shm
-        for old in _ATTACHED.values():
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
             # A tensor view may still reference the mapping; it is then unmapped with the view.
             with contextlib.suppress(BufferError):
-                old.close()
-        _ATTACHED.clear()
-        shm = _ATTACHED[name] = _attach_shm(name)
-        return shm
+                shm.close()
 
 
 def _attach_shm(name: str):
@@ -104,62 +82,27 @@ def _attach_shm(name: str):
         return shm
 
 
-_STAGING: list[Any] = []
-"""This process's staging segment for :func:`send_shm` (none or one), reused by every bucket."""
-_STAGING_LOCK = threading.Lock()
+def send_shm(bucket: dict[str, torch.Tensor], post: Post, wait: Wait) -> int:
+    """Pack ``bucket`` into a fresh segment, have every engine load it (``post`` the request,
+    ``wait`` for the answers), then unlink the segment. Returns the payload bytes.
 
-
-def _staging_segment(nbytes: int):
-    """A segment of at least ``nbytes``: the last one when it is large enough, else a new one
-    (the old one unlinked). Unlinked at this process's exit (:func:`release_staging`)."""
+    A process killed before the ``finally`` (its run stopped by a signal while a refit is in
+    flight: Ray kills its workers) cannot unlink; the run's prefix lets the local cluster's
+    clean-up find the segment."""
     from multiprocessing import shared_memory
 
-    if _STAGING and _STAGING[0].size >= nbytes:
-        return _STAGING[0]
-    release_staging()
-    shm = shared_memory.SharedMemory(
-        create=True, size=max(1, nbytes), name=f"{segment_prefix()}{uuid.uuid4().hex[:16]}"
-    )
-    _STAGING.append(shm)
-    return shm
-
-
-def release_staging() -> None:
-    """Unlink this process's staging segment (if any); the next bucket makes a new one."""
-    while _STAGING:
-        shm = _STAGING.pop()
-        with contextlib.suppress(BufferError):
-            shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()
-
-
-atexit.register(release_staging)
-
-
-def send_shm(bucket: dict[str, torch.Tensor], post: Post, wait: Wait) -> int:
-    """Pack ``bucket`` into this process's staging segment, have every engine load it
-    (``post`` the request, ``wait`` for the answers: they copy what they keep). Returns the
-    payload bytes.
-
-    The segment is reused by every bucket and refit of this process (grown when a bucket does
-    not fit) and unlinked at its exit: a fresh segment per bucket cost its pages' allocation
-    and zeroing at each refit, about 0.1 CPU-s for the 126 MB of the realistic workload's
-    31.5M float32 parameters against 0.012 s for the copy itself (docs/performance.md). A
-    process killed before its exit handler (Ray kills its workers when a run stops) cannot
-    unlink it; the run's prefix lets the local cluster's clean-up find the segment."""
     import torch
 
     meta = bucket_layout(bucket)
-    with _STAGING_LOCK:  # one bucket in the segment at a time
-        shm = _staging_segment(meta.nbytes)
-        try:
-            view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=meta.nbytes)
-            pack_bucket({k: v.cpu() for k, v in bucket.items()}, out=view)
-            del view
-            wait(post(meta, SharedMemoryHandle(shm.name)))
-        except BaseException:
-            # An engine may still read it (a timeout): the next bucket gets a new segment.
-            release_staging()
-            raise
+    shm = shared_memory.SharedMemory(
+        create=True, size=max(1, meta.nbytes), name=f"{segment_prefix()}{uuid.uuid4().hex[:16]}"
+    )
+    try:
+        view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=meta.nbytes)
+        pack_bucket({k: v.cpu() for k, v in bucket.items()}, out=view)
+        del view
+        wait(post(meta, SharedMemoryHandle(shm.name)))
+    finally:
+        shm.close()
+        shm.unlink()
     return meta.payload_bytes
