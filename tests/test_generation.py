@@ -168,6 +168,9 @@ def test_a_tensor_parallel_engine_holds_all_its_gpus_in_one_actor(ray_cluster, r
 
 # -- B2 (docs/gpu review 3): colocated engines dropped their weights after every generate ------
 
+DROPPED = r"do not hold weights \(colocated ones dropped them when they last slept"
+"""The refusal to generate on engines whose sleep dropped their weights (GenerationEngines)."""
+
 
 class _CountdownPool:
     """The core's environment pool around one in-process
@@ -317,14 +320,14 @@ def test_generate_after_a_weight_dropping_sleep_needs_a_refit(ray_cluster, regis
     try:
         policy, engines = _start(session, resources)
         params = SamplingParams(max_new_tokens=1)
-        with pytest.raises(NrlError, match="dropped their weights"):
+        with pytest.raises(NrlError, match=DROPPED):
             session.generate([[1]], params)  # asleep since start-up, never refitted
         assert session.gate.ensure(0) > 0 and engines.holds_weights
         session.generate([[1]], params)
         assert session.gate.ensure(0) == 0.0  # still awake, same weights: no refit
         policy.set_reference(str(tmp_path / "ref"))  # the policy takes its GPU back
         assert not engines.holds_weights
-        with pytest.raises(NrlError, match="dropped their weights"):
+        with pytest.raises(NrlError, match=DROPPED):
             session.generate([[1]], params)
         assert session.gate.ensure(0) > 0  # the same version, refitted: the weights were lost
         session.generate([[1]], params)
