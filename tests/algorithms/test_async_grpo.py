@@ -333,6 +333,18 @@ def _group_producer(roll, gate, stream, **kwargs):
     return GroupProducer(draw, roll, gate, stream, **{**options, **kwargs})
 
 
+def _rolling_prompt_0_after(release: threading.Event):
+    """A producer's ``roll`` that returns each drawn prompt as its group, the call that drew
+    prompt 0 only once ``release`` is set (at most 10 s)."""
+
+    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
+        if drawn == [0]:
+            assert release.wait(10)
+        return [[prompt] for prompt in drawn]
+
+    return roll
+
+
 def test_a_long_group_does_not_hold_back_groups_that_finished():
     """One group per call, three calls at once, age bound 1: prompt 0's call hangs, and
     step 1 trains on three later prompts meanwhile; prompt 0, done later, trains at step 2 (age 1)
@@ -340,11 +352,7 @@ def test_a_long_group_does_not_hold_back_groups_that_finished():
     gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
     stream = _Stream()
     release = threading.Event()
-
-    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
-        if drawn == [0]:
-            assert release.wait(10)
-        return [[prompt] for prompt in drawn]
+    roll = _rolling_prompt_0_after(release)
 
     producer = _group_producer(
         roll, gate, stream, max_age=1, groups_per_call=1, calls_in_flight=3, wait_timeout_s=10
@@ -446,11 +454,7 @@ def test_a_group_that_ends_over_age_is_trained_unless_dropping_is_asked(drop_sta
     gate = WeightGate(lambda: None, lambda: 0.0, concurrent=True)
     stream = _Stream()
     release = threading.Event()
-
-    def roll(step: int, offset: int, drawn: list[int]) -> list[list[int]]:
-        if drawn == [0]:
-            assert release.wait(10)
-        return [[prompt] for prompt in drawn]
+    roll = _rolling_prompt_0_after(release)
 
     producer = _group_producer(
         roll,
