@@ -53,7 +53,23 @@ class ForwardProbe:
                     [sd[p + "q_proj.weight"], sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]
                 )
         self.model = build_gpt_model(self.hf.config, transformer_config(self.hf.config)).eval()
-        self.model.load_state_dict(state, strict=False)
+        result = self.model.load_state_dict(state, strict=False)
+        self._unloaded = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if converter in ("no_sinks", "no_window"):
+            # Negative controls (gpt-oss): every attention without its sinks / its window.
+            from nrl_megatron.model import SDPAttention
+
+            for module in self.model.modules():
+                if isinstance(module, SDPAttention):
+                    if converter == "no_sinks":
+                        module.softmax_offset = None
+                    else:
+                        module.window = None
+
+    def unloaded(self) -> list[str]:
+        """The Megatron parameters the converted state dict did not provide (none for a
+        complete converter)."""
+        return self._unloaded
 
     def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(megatron_logits, hf_logits)``, each ``[B, T, V]``."""

@@ -121,7 +121,6 @@ def test_unsupported_architecture_is_a_user_error():
     [
         ("qwen3_5", "Gated DeltaNet"),
         ("qwen3_5_moe", "Gated DeltaNet"),
-        ("gpt_oss", "attention sinks"),
         ("llama4", "chunked attention"),
     ],
 )

@@ -1,5 +1,5 @@
 """Hugging Face <-> Megatron-Core weight conversion for Llama- and Qwen2-family models, and
-Qwen3-MoE mixtures of experts.
+Qwen3-MoE and gpt-oss mixtures of experts.
 
 Pure torch (no megatron import), so the layout logic is testable anywhere.
 
@@ -27,6 +27,18 @@ transformers' own conversion of those (``nrl_megatron.worker``'s export applies 
 Megatron state dict numbers experts globally; under expert parallelism rank ``r`` of ``ep``
 holds experts ``[r * E / ep, (r + 1) * E / ep)`` renumbered from 0 (:func:`shard_for_ep`).
 
+gpt-oss (``model_type`` ``gpt_oss``, every layer a mixture of experts, every linear biased):
+the router is ``mlp.router.weight``/``bias`` under both names; each head's attention sink
+(``self_attn.sinks``) is ``self_attention.core_attention.softmax_offset`` (megatron-core's name
+for the learnable softmax offset); ``self_attn.o_proj.bias`` is
+``self_attention.linear_proj.bias``. Its stacked experts are stored input-major
+(``gate_up_proj`` ``[experts, hidden, 2 * width]``, ``down_proj`` ``[experts, width, hidden]``)
+with gate and up *interleaved* column by column (gate ``[..., 0::2]``, up ``[..., 1::2]``, as
+transformers' ``GptOssExperts`` reads them): expert ``e``'s ``linear_fc1.weight`` is the
+de-interleaved ``[gate; up]`` transposed to ``[2 * width, hidden]`` (its bias the same
+de-interleaving of ``gate_up_proj_bias[e]``), ``linear_fc2.weight`` is ``down_proj[e]``
+transposed, ``linear_fc2.bias`` is ``down_proj_bias[e]``.
+
 Tied embeddings: Megatron keeps one tensor (``embedding.word_embeddings.weight``) and the
 output layer reuses it; exporting writes only ``model.embed_tokens.weight`` (HF re-ties it).
 """
@@ -41,7 +53,7 @@ import torch
 
 from nrl_core.errors import NrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe", "gpt_oss")
 
 _GDN = (
     "Qwen3.5's Gated DeltaNet layers (layer_types 'linear_attention') are not converted: "
@@ -53,11 +65,6 @@ REFUSED_LAYERS = {
     "qwen3_5_text": _GDN,
     "qwen3_5_moe": _GDN,
     "qwen3_5_moe_text": _GDN,
-    "gpt_oss": (
-        "gpt-oss's attention sinks, alternating sliding windows and biased clamped-SwiGLU "
-        "experts are not converted yet (megatron-core has softmax_type='learnable', "
-        "window_size and activation_func_clamp_value for them; nrl maps none)"
-    ),
     "llama4": "Llama 4's chunked attention layers (attention_chunk_size) have no "
     "megatron-core equivalent (0.16 and 0.19)",
     "llama4_text": "Llama 4's chunked attention layers (attention_chunk_size) have no "
@@ -73,7 +80,7 @@ class ConversionError(NrlError):
 
 @attrs.frozen
 class ModelShape:
-    """What the converter needs to know about a Llama/Qwen2 model."""
+    """What the converter needs to know about a Llama/Qwen2/Qwen3-MoE/gpt-oss model."""
 
     num_layers: int
     hidden_size: int
@@ -94,6 +101,13 @@ class ModelShape:
     """Each expert's intermediate width (MoE only)."""
     norm_topk_prob: bool = True
     """Whether the top-k router probabilities are renormalised to sum to 1 (MoE only)."""
+    model_type: str = ""
+    """The HF ``model_type`` (``gpt_oss`` selects its expert layout and names)."""
+    linear_bias: bool = False
+    """Biases on every linear layer: o_proj, router, experts (gpt-oss; Megatron's
+    ``add_bias_linear``)."""
+    attention_sinks: bool = False
+    """A learned per-head logit in each attention softmax's denominator (gpt-oss)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -125,6 +139,8 @@ class ModelShape:
         moe = {}
         if model_type == "qwen3_moe":
             moe = _qwen3_moe_settings(config)
+        if model_type == "gpt_oss":
+            moe = _gpt_oss_settings(config)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -135,6 +151,7 @@ class ModelShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            model_type=model_type,
             **moe,
         )
 
@@ -159,6 +176,27 @@ def _qwen3_moe_settings(config: Any) -> dict[str, Any]:
         "num_experts_per_tok": config.num_experts_per_tok,
         "moe_ffn_hidden_size": config.moe_intermediate_size,
         "norm_topk_prob": bool(config.norm_topk_prob),
+    }
+
+
+def _gpt_oss_settings(config: Any) -> dict[str, Any]:
+    """The MoE and bias fields of :class:`ModelShape` for a ``GptOssConfig``. Megatron has one
+    switch for every linear bias (``add_bias_linear``): a gpt-oss without attention biases
+    (``attention_bias=False``, no published one) is refused rather than given zero biases."""
+    if not getattr(config, "attention_bias", True):
+        raise ConversionError(
+            "gpt-oss with attention_bias=False is not supported by the megatron policy (its "
+            "experts and router keep their biases, Megatron biases all linears or none); use "
+            "policy.backend=dtensor"
+        )
+    return {
+        "num_experts": config.num_local_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_ffn_hidden_size": config.intermediate_size,
+        # softmax over the top-k logits (GptOssTopKRouter): Megatron's pre_softmax=False.
+        "norm_topk_prob": True,
+        "linear_bias": True,
+        "attention_sinks": True,
     }
 
 
@@ -208,10 +246,18 @@ def _layer_names(te: bool, shape: ModelShape | None = None) -> dict[str, str]:
             "mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"
         ): "post_attention_layernorm.weight",
     }
-    if moe:
+    gpt_oss = shape is not None and shape.model_type == "gpt_oss"
+    if gpt_oss:
+        names["mlp.router.weight"] = "mlp.router.weight"
+        names["mlp.router.bias"] = "mlp.router.bias"
+    elif moe:
         names["mlp.router.weight"] = "mlp.gate.weight"
     else:
         names["mlp.linear_fc2.weight"] = "mlp.down_proj.weight"
+    if shape is not None and shape.linear_bias:
+        names["self_attention.linear_proj.bias"] = "self_attn.o_proj.bias"
+    if shape is not None and shape.attention_sinks:
+        names["self_attention.core_attention.softmax_offset"] = "self_attn.sinks"
     if shape is not None and shape.qk_norm:
         names["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
         names["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
@@ -220,12 +266,52 @@ def _layer_names(te: bool, shape: ModelShape | None = None) -> dict[str, str]:
 
 EXPERT_PREFIX = "mlp.experts.local_experts."
 """Inside a Megatron MoE layer (local spec, ``SequentialMLP``): expert ``e``'s tensors are
-``mlp.experts.local_experts.{e}.linear_fc1.weight`` and ``...linear_fc2.weight``."""
+``mlp.experts.local_experts.{e}.linear_fc1.weight`` and ``...linear_fc2.weight`` (and their
+``.bias`` for gpt-oss)."""
 
 _HF_EXPERTS = {
     "linear_fc1.weight": "mlp.experts.gate_up_proj",
     "linear_fc2.weight": "mlp.experts.down_proj",
 }
+_GPT_OSS_EXPERTS = {
+    **_HF_EXPERTS,
+    "linear_fc1.bias": "mlp.experts.gate_up_proj_bias",
+    "linear_fc2.bias": "mlp.experts.down_proj_bias",
+}
+
+
+def _hf_experts(shape: ModelShape) -> dict[str, str]:
+    """Megatron expert tensor kind -> the HF stacked tensor (per layer) it is one row of."""
+    return _GPT_OSS_EXPERTS if shape.model_type == "gpt_oss" else _HF_EXPERTS
+
+
+def _expert_to_megatron(kind: str, part: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """One expert's slice of an HF stacked tensor -> its Megatron tensor ``kind``. Qwen3-MoE's
+    are already Megatron's (views, no copy); gpt-oss's are input-major and interleave gate and
+    up columns (module docstring)."""
+    if shape.model_type != "gpt_oss":
+        return part
+    if kind == "linear_fc1.weight":  # [hidden, 2w] interleaved -> [gate; up] as [2w, hidden]
+        return torch.cat([part[:, 0::2], part[:, 1::2]], dim=1).t().contiguous()
+    if kind == "linear_fc1.bias":
+        return torch.cat([part[0::2], part[1::2]])
+    if kind == "linear_fc2.weight":  # [w, hidden] -> [hidden, w]
+        return part.t().contiguous()
+    return part
+
+
+def _expert_to_hf(kind: str, tensor: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """Inverse of :func:`_expert_to_megatron` (one expert, before stacking)."""
+    if shape.model_type != "gpt_oss":
+        return tensor
+    if kind in ("linear_fc1.weight", "linear_fc1.bias"):
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        # rows g0, u0, g1, u1, ...: the interleaving, then input-major for the weight.
+        merged = torch.stack([gate, up], dim=1).reshape(tensor.shape)
+        return merged.t() if kind == "linear_fc1.weight" else merged
+    if kind == "linear_fc2.weight":
+        return tensor.t()
+    return tensor
 
 
 def expert_index(name: str) -> tuple[int, int, str] | None:
@@ -259,7 +345,7 @@ def megatron_to_hf_names(shape: ModelShape, te: bool = False) -> dict[str, list[
             ]
         if shape.is_moe:
             for e in range(shape.num_experts):
-                for kind, hf_name in _HF_EXPERTS.items():
+                for kind, hf_name in _hf_experts(shape).items():
                     names[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = [hf + hf_name]
             continue
         names[mg + "mlp.linear_fc1.weight"] = [
@@ -301,10 +387,12 @@ def hf_to_megatron(
                     shape,
                 )
             if shape.is_moe:
-                for kind, hf_name in _HF_EXPERTS.items():
-                    # [experts, ...] -> one 2-D tensor per expert (views of the stacked one).
+                for kind, hf_name in _hf_experts(shape).items():
+                    # [experts, ...] -> one tensor per expert (Qwen3-MoE: views of the stack).
                     for e, part in enumerate(torch.unbind(hf[p + hf_name], dim=0)):
-                        out[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = part
+                        out[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = _expert_to_megatron(
+                            kind, part, shape
+                        )
                 continue
             out[mg + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
@@ -314,8 +402,8 @@ def hf_to_megatron(
             out["output_layer.weight"] = hf["lm_head.weight"]
     except KeyError as missing:
         raise ConversionError(
-            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2/Qwen3-MoE causal "
-            "LM (loaded with transformers 5, which stacks each layer's experts)?"
+            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2/Qwen3-MoE/gpt-oss "
+            "causal LM (loaded with transformers 5, which stacks each layer's experts)?"
         ) from None
     return out
 
@@ -353,8 +441,10 @@ def iter_megatron_to_hf(
             parts[e] = tensor
             if len(parts) == shape.num_experts:
                 del pending[(layer, kind)]
-                stacked = torch.stack([parts[i] for i in range(shape.num_experts)])
-                yield f"model.layers.{layer}.{_HF_EXPERTS[kind]}", stacked
+                stacked = torch.stack(
+                    [_expert_to_hf(kind, parts[i], shape) for i in range(shape.num_experts)]
+                )
+                yield f"model.layers.{layer}.{_hf_experts(shape)[kind]}", stacked
         elif name in simple:
             yield simple[name], tensor
         elif name.endswith("self_attention.linear_qkv.weight") or name.endswith(
@@ -384,7 +474,14 @@ def iter_megatron_to_hf(
 # Tensor-parallel sharding
 
 # How each Megatron tensor is split across tensor-parallel ranks: the dim, or None (replicated).
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+    # One sink per attention head: each rank holds its heads' (gpt-oss).
+    "core_attention.softmax_offset",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 

@@ -79,8 +79,12 @@ class GroupedMatmulExperts(SequentialMLP):
     directly); forward pre-hooks registered on them (Megatron DDP's ``overlap_param_gather``
     waits) are run first, so a parameter all-gather is still awaited.
 
+    Linear biases (``add_bias_linear``, gpt-oss) as ``MLP.forward`` adds them to an expert's
+    tokens: fc1's before the activation, fc2's scaled by the token's probability (``fc2(prob *
+    act) + prob * bias``); each row's expert comes from the counts on the device.
+
     Refused at construction (:class:`GroupedExpertsError`): expert tensor parallelism (this
-    plugin runs MoE with TP=1), linear biases, FP8/FP4.
+    plugin runs MoE with TP=1), FP8/FP4.
 
     On CUDA, torch's grouped GEMM kernel (no host sync) takes bfloat16 on SM90+; float32 or
     float16 operands take torch's per-group fallback loop instead (correct, no speed-up
@@ -99,8 +103,6 @@ class GroupedMatmulExperts(SequentialMLP):
             raise GroupedExpertsError(
                 f"grouped experts run with expert tensor parallel size 1, not {tp_size}"
             )
-        if self.config.add_bias_linear:
-            raise GroupedExpertsError("grouped experts have no linear bias (add_bias_linear)")
         if self.config.fp8 or self.config.fp4:
             raise GroupedExpertsError("grouped experts do not run FP8/FP4")
         # CUDA's grouped GEMM wants every operand stride a multiple of 16 bytes ("strides
@@ -157,7 +159,21 @@ class GroupedMatmulExperts(SequentialMLP):
         offs = offs.to(torch.int32)
         fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
         fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
-        intermediate = self._activation(_GroupedLinear.apply(hidden.contiguous(), offs, *fc1))
+        projected = _GroupedLinear.apply(hidden.contiguous(), offs, *fc1)
+        if self.config.add_bias_linear:
+            # Row r's expert, without reading the counts on the host (output_size is known).
+            experts = torch.repeat_interleave(
+                torch.arange(len(self.local_experts), device=hidden.device),
+                tokens_per_expert.to(hidden.device),
+                output_size=hidden.shape[0],
+            )
+            fc1_bias = torch.stack([expert.linear_fc1.bias for expert in self.local_experts])
+            projected = projected + fc1_bias[experts]
+        intermediate = self._activation(projected)
         scaled = intermediate * permuted_probs.unsqueeze(-1)
         intermediate = scaled.to(intermediate.dtype)
-        return _GroupedLinear.apply(intermediate, offs, *fc2), None
+        output = _GroupedLinear.apply(intermediate, offs, *fc2)
+        if self.config.add_bias_linear:
+            fc2_bias = torch.stack([expert.linear_fc2.bias for expert in self.local_experts])
+            output = output + fc2_bias[experts] * permuted_probs.unsqueeze(-1)
+        return output, None

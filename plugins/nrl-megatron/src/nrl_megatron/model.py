@@ -1,4 +1,5 @@
-"""Building a Megatron-Core ``GPTModel`` for a Llama/Qwen2 (or Qwen3-MoE) Hugging Face config.
+"""Building a Megatron-Core ``GPTModel`` for a Llama/Qwen2 (or Qwen3-MoE, gpt-oss) Hugging Face
+config.
 
 Two layer specs:
 
@@ -10,6 +11,14 @@ Two layer specs:
   Megatron-Core's own local ``DotProductAttention`` takes its score buffer from
   ``parallel_state``'s global memory buffer and its dropout RNG from the CUDA RNG tracker, so
   it cannot run without a GPU.
+
+gpt-oss (:func:`gpt_oss_settings`): megatron-core's own switches where its layers read them
+(``add_bias_linear``, the experts' clamped gate ``activation_func_clamp_value`` and
+``glu_linear_offset``), and :class:`SDPAttention` for what its local attention would do on a
+GPU only: the learnable softmax offset (``softmax_type='learnable'``, one sink logit per head)
+and the sliding window of the layers ``window_attn_skip_freq`` marks. YaRN RoPE
+(:func:`yarn_inv_freq`): transformers' frequencies in the rotary embedding, its cos/sin factor
+squared into ``softmax_scale``.
 
 On CPU the rotary embedding is also replaced by :class:`DeviceRotaryEmbedding`: Megatron-Core
 0.16's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on
@@ -35,6 +44,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from nrl_core.errors import NrlError
@@ -56,6 +66,21 @@ class SDPAttention(MegatronModule):
 
     Padding needs no mask: sequences are right-padded and attention is causal, so padding
     never influences a valid position.
+
+    Two of megatron-core's attention options, read from the config as its own
+    ``DotProductAttention`` reads them (which would build its offset on the GPU):
+
+    - ``softmax_type='learnable'``: the parameter ``softmax_offset`` (``[heads]``, the heads of
+      this tensor-parallel rank), one logit per head that joins every query's softmax
+      denominator and attends to nothing (gpt-oss's sinks): ``softmax([scores, offset])``
+      without its last column.
+    - ``window_size=(left, right)`` on the layers :func:`is_layer_window_attention` selects
+      (``window_attn_skip_freq``): query ``i`` sees keys ``i - left .. i`` (causal, so
+      ``right`` must be 0). A Hugging Face ``sliding_window`` of ``w`` tokens is ``left = w -
+      1`` (transformers' mask keeps ``kv > q - w``).
+
+    Either one runs the attention as explicit float32 matrix products (``[b, heads, s, s]``
+    scores) instead of the fused kernel.
     """
 
     def __init__(
@@ -87,6 +112,32 @@ class SDPAttention(MegatronModule):
         self.heads_per_partition = divide(
             config.num_attention_heads, config.tensor_model_parallel_size
         )
+        self.window = None
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
+            left, right = config.window_size
+            if right != 0:
+                raise MegatronModelError(
+                    f"SDPAttention runs causal sliding windows only (window_size=({left}, "
+                    f"{right}): right must be 0)"
+                )
+            self.window = left
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            # Zeros until the checkpoint's sinks are loaded (perform_initialization is off).
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(
+                    self.heads_per_partition,
+                    dtype=config.params_dtype,
+                    device="cpu" if config.use_cpu_initialization else torch.cuda.current_device(),
+                )
+            )
+        elif config.softmax_type != "vanilla":
+            raise MegatronModelError(
+                f"SDPAttention implements softmax_type 'vanilla' and 'learnable', not "
+                f"{config.softmax_type!r}"
+            )
 
     def forward(
         self,
@@ -113,6 +164,8 @@ class SDPAttention(MegatronModule):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal SDPA on ``[b, n, s, d]`` query and ``[b, g, s, d]`` key/value."""
+        if self.softmax_offset is not None or self.window is not None:
+            return self._explicit(q, k, v)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -122,6 +175,30 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`_sdpa` with the sliding window and the sinks (class docstring), the scores
+        and softmax in float32."""
+        s_q, s_k = q.shape[2], k.shape[2]
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: head i reads group i // rep
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # Query i sits at key position i + s_k - s_q (the last queries of the keys).
+        qi = torch.arange(s_q, device=q.device)[:, None] + (s_k - s_q)
+        kj = torch.arange(s_k, device=q.device)[None, :]
+        allowed = kj <= qi
+        if self.window is not None and self.window >= 0:  # -1: unbounded (megatron-core's)
+            allowed &= kj >= qi - self.window
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if self.softmax_offset is not None:
+            sink = self.softmax_offset.float().reshape(1, -1, 1, 1)
+            scores = torch.cat([scores, sink.expand(q.shape[0], -1, s_q, 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        probs = F.dropout(probs, p=self.dropout, training=self.training)
+        return torch.matmul(probs.to(v.dtype), v)
 
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """THD: Megatron's attention squeezed the dummy batch dimension (``[t, heads, dim]``).
@@ -285,7 +362,10 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     merged = {**scaling, **params}
-    if rope_type == "default":
+    # YaRN (checked for gpt-oss only): these base frequencies are replaced by yarn_inv_freq's
+    # in build_gpt_model.
+    yarn = rope_type == "yarn" and getattr(hf_config, "model_type", None) == "gpt_oss"
+    if rope_type == "default" or yarn:
         return {"rotary_base": int(theta), "rope_scaling": False}
     if rope_type == "llama3" and (
         merged.get("low_freq_factor") == 1
@@ -301,6 +381,110 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
         f"RoPE type {rope_type!r} with {merged} is not reproduced by Megatron-Core's GPTModel; "
         "use policy.backend=dtensor for this model"
     )
+
+
+def yarn_inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
+    """YaRN's ``([head_dim / 2] inverse frequencies, attention factor)`` as transformers 5
+    computes them for ``rope_type='yarn'`` (``modeling_rope_utils``): each frequency blends the
+    original ``1 / theta^(2i/d)`` (fast dimensions, many rotations over the original context)
+    with it divided by ``factor`` (slow ones), along a linear ramp between the dimensions
+    where the original context makes ``beta_fast`` and ``beta_slow`` rotations; the ramp ends
+    rounded outwards to whole dimensions unless ``truncate`` is false (gpt-oss). The attention
+    factor (``0.1 ln(factor) + 1`` unless the config sets it or ``mscale``/``mscale_all_dim``)
+    multiplies transformers' cos and sin, so it scales every query-key product by its
+    square.
+
+    Megatron-Core's ``YarnRotaryEmbedding`` has the same blend but reads its parameters from
+    MLA config fields and applies the factor inside the rotary kernels; here the frequencies go
+    into the plain rotary embedding and the factor into ``softmax_scale``."""
+    p = {**dict(getattr(hf_config, "rope_scaling", None) or {})}
+    p.update(dict(getattr(hf_config, "rope_parameters", None) or {}))
+    if p.get("partial_rotary_factor", 1.0) != 1.0:
+        raise MegatronModelError("YaRN with partial_rotary_factor != 1 is not reproduced")
+    dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    theta = float(p.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or hf_config.max_position_embeddings / original
+
+    def ramp_end(rotations: float) -> float:
+        # The dimension whose wavelength fits ``rotations`` times into the original context.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = ramp_end(p.get("beta_fast") or 32), ramp_end(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    original_freq, scaled_freq = 1.0 / base, 1.0 / (factor * base)
+    inv_freq = scaled_freq * ramp + original_freq * (1 - ramp)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return inv_freq, float(attention_factor)
+
+
+def _is_yarn(hf_config: Any) -> bool:
+    """Whether ``hf_config`` uses YaRN RoPE (:func:`rope_settings` refuses it but for gpt-oss)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    return params.get("rope_type", scaling.get("rope_type", scaling.get("type"))) == "yarn"
+
+
+def gpt_oss_quick_glu(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """gpt-oss's gate activation ``x * sigmoid(alpha x)`` (megatron-core's ``quick_gelu`` is
+    this at ``alpha = 1.702``, gpt-oss's published value; the config may say otherwise)."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def gpt_oss_settings(hf_config: Any, shape: ModelShape) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields that make a Megatron layer a gpt-oss one (empty for
+    other families), checked against transformers 5's ``modeling_gpt_oss``:
+
+    - every linear biased (q/k/v/o, router, experts): ``add_bias_linear``;
+    - the experts' clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)`` with ``g =
+      clamp(gate, max=l)``: megatron-core's gated unit with ``activation_func_clamp_value=l``,
+      ``glu_linear_offset=1`` and :func:`gpt_oss_quick_glu` (the converter de-interleaves
+      transformers' gate/up columns into Megatron's ``[gate; up]``);
+    - attention sinks: ``softmax_type='learnable'``; the sliding window of the
+      ``sliding_attention`` layers: ``window_size=(sliding_window - 1, 0)`` with
+      ``window_attn_skip_freq`` the per-layer list (1: windowed); both run in
+      :class:`SDPAttention`;
+    - YaRN's attention factor ``f`` (:func:`yarn_inv_freq`): ``softmax_scale = f^2 /
+      sqrt(head_dim)``.
+    """
+    if shape.model_type != "gpt_oss":
+        return {}
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    if len(layer_types) != shape.num_layers or not set(layer_types) <= {
+        "sliding_attention",
+        "full_attention",
+    }:
+        raise MegatronModelError(
+            f"gpt-oss layer_types {layer_types} are not one of 'sliding_attention'/"
+            f"'full_attention' per layer ({shape.num_layers} layers)"
+        )
+    windowed = [int(t == "sliding_attention") for t in layer_types]
+    window = getattr(hf_config, "sliding_window", None)
+    if any(windowed) and not window:
+        raise MegatronModelError("gpt-oss has sliding_attention layers but no sliding_window")
+    return {
+        "softmax_type": "learnable",
+        "window_size": (window - 1, 0) if any(windowed) else None,
+        "window_attn_skip_freq": windowed if any(windowed) else None,
+        "activation_func": functools.partial(gpt_oss_quick_glu, alpha=hf_config.swiglu_alpha),
+        "activation_func_clamp_value": float(hf_config.swiglu_limit),
+        "glu_linear_offset": 1.0,
+    }
 
 
 UNFUSED: dict[str, bool] = {
@@ -346,10 +530,19 @@ def transformer_config(
     """The ``TransformerConfig`` equivalent of a Llama/Qwen2/Qwen3-MoE HF config (MoE fields:
     :func:`moe_settings`)."""
     shape = ModelShape.from_hf_config(hf_config)
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
+    # gpt-oss names hidden_act 'silu' but uses its own clamped gate (gpt_oss_settings).
+    if shape.model_type != "gpt_oss" and getattr(hf_config, "hidden_act", "silu") != "silu":
         raise MegatronModelError(f"hidden_act={hf_config.hidden_act!r} is not supported (silu)")
+    family = {
+        "activation_func": F.silu,
+        "add_bias_linear": shape.linear_bias,
+        **gpt_oss_settings(hf_config, shape),
+    }
+    if _is_yarn(hf_config):
+        family["softmax_scale"] = yarn_inv_freq(hf_config)[1] ** 2 / math.sqrt(shape.head_dim)
     return TransformerConfig(
         **moe_settings(shape, tp=tp, ep=ep, on_gpu=on_gpu),
+        **family,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -359,8 +552,6 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         # Qwen3's q/k RMSNorm. The local spec carries the norm modules; megatron-core 0.16 built
         # them whatever the config said, 0.19 refuses a spec with them unless the config asks
@@ -539,9 +730,9 @@ def build_gpt_model(
     never tied to an output layer, whatever ``hf_config`` says.
     """
     shape = ModelShape.from_hf_config(hf_config)
-    if transformer_engine and (shape.is_moe or shape.qk_norm):
+    if transformer_engine and (shape.is_moe or shape.qk_norm or shape.attention_sinks):
         raise MegatronModelError(
-            "Qwen3-MoE models run on the local layer spec only; set "
+            "mixture-of-experts and Qwen3 models run on the local layer spec only; set "
             "policy.megatron.transformer_engine=false"
         )
     if transformer_engine:
@@ -576,6 +767,10 @@ def build_gpt_model(
             rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
             use_cpu_initialization=True,
         )
+    if _is_yarn(hf_config):
+        rotary = model.rotary_pos_emb
+        # Before any forward: the embedding caches its cos/sin per length (lru_cache).
+        rotary.inv_freq = yarn_inv_freq(hf_config)[0].to(rotary.inv_freq.device)
     if shape.is_moe and config.use_cpu_initialization:
         for module in model.modules():
             dispatcher = getattr(module, "token_dispatcher", None)
