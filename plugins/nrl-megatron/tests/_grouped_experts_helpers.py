@@ -44,7 +44,11 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
     )
     config = TransformerConfig(**{**settings, **overrides})
     moe = moe_submodules(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp)
-    cls = {"sequential": SequentialMLP, "grouped": GroupedMatmulExperts}[cls_name]
+    cls = {
+        "sequential": SequentialMLP,
+        "grouped": GroupedMatmulExperts,
+        "reference": _PlainTorchExperts,
+    }[cls_name]
     module = cls(
         experts,
         config,
@@ -61,10 +65,50 @@ def _experts(cls_name: str, counts: list[int], dtype: torch.dtype, seed: int = 0
     return module, x, probs, torch.tensor(counts)
 
 
-def forward_backward(_probe, cls_name: str, counts: list[int], dtype_name: str) -> dict:
+class _PlainTorchExperts(torch.nn.Module):
+    """``SequentialMLP``'s modules and names, its forward written out in plain torch per expert
+    as megatron-core 0.16.1's ``MLP.forward`` computes an expert (unfused): ``fc1`` plus its
+    bias, the gated activation (clamped, offset), times the probability, ``fc2``, plus its
+    bias times the probability. The reference for biased experts: ``SequentialMLP`` itself
+    cannot backpropagate them on one rank (``MLP.forward`` adds fc2's bias in place into the
+    view a tensor-parallel region returns, which autograd refuses)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__()
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        self._sequential = [SequentialMLP(num_local_experts, config, submodules, pg_collection)]
+        self.local_experts = self._sequential[0].local_experts
+        self.config = config
+
+    def forward(self, x, tokens_per_expert, probs):
+        config, outputs = self.config, []
+        for expert, rows, p in zip(
+            self.local_experts,
+            torch.split(x, tokens_per_expert.tolist()),
+            torch.split(probs, tokens_per_expert.tolist()),
+            strict=True,
+        ):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            h = rows @ fc1.weight.t() + (fc1.bias if fc1.bias is not None else 0)
+            gate, linear = torch.chunk(h, 2, dim=-1)
+            if (clamp := config.activation_func_clamp_value) is not None:
+                gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+            h = config.activation_func(gate) * (linear + config.glu_linear_offset)
+            out = (h * p[:, None]) @ fc2.weight.t()
+            if fc2.bias is not None:
+                out = out + fc2.bias * p[:, None]
+            outputs.append(out)
+        return torch.cat(outputs), None
+
+
+def forward_backward(
+    _probe, cls_name: str, counts: list[int], dtype_name: str, overrides: dict | None = None
+) -> dict:
     """Output and every gradient (weights by name, input, probabilities) of one forward and
-    backward with a random upstream gradient."""
-    module, x, probs, counts_t = _experts(cls_name, counts, getattr(torch, dtype_name))
+    backward with a random upstream gradient (``overrides``: config fields)."""
+    dtype = getattr(torch, dtype_name)
+    module, x, probs, counts_t = _experts(cls_name, counts, dtype, **(overrides or {}))
     x.requires_grad_(True)
     probs.requires_grad_(True)
     saved = []  # the shapes of the tensors autograd keeps for the backward
@@ -112,21 +156,10 @@ def _host_reads_raise():
                 delattr(torch.Tensor, name)
 
 
-def refusal(_probe, overrides: dict) -> str | None:
-    """The :class:`GroupedExpertsError` building grouped experts with ``overrides`` raises."""
-    from nrl_megatron.grouped_experts import GroupedExpertsError
-
-    try:
-        _experts("grouped", [1, 1], torch.float32, **overrides)
-    except GroupedExpertsError as error:
-        return str(error)
-    return None
-
-
-def host_read_in_forward(_probe, cls_name: str) -> str | None:
+def host_read_in_forward(_probe, cls_name: str, overrides: dict | None = None) -> str | None:
     """The host read a forward of ``cls_name``'s experts makes (the error raised when the
-    :data:`HOST_READS` methods raise), or None."""
-    module, x, probs, counts = _experts(cls_name, [5, 0, 9, 2], torch.float32)
+    :data:`HOST_READS` methods raise), or None (``overrides``: config fields)."""
+    module, x, probs, counts = _experts(cls_name, [5, 0, 9, 2], torch.float32, **(overrides or {}))
     with _host_reads_raise():
         try:
             module(x, counts, probs)

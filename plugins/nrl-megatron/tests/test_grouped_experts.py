@@ -80,11 +80,40 @@ def test_grouped_forward_reads_no_token_count_on_the_host(probe):
     assert probe.run_all(read, "grouped")[0] is None
 
 
-def test_linear_biases_are_refused_at_construction(probe):
-    """The grouped forward has no bias term: refused, not silently dropped."""
-    error = probe.run_all(_helper("refusal"), {"add_bias_linear": True})[0]
-    assert error == "grouped experts have no linear bias (add_bias_linear)"
-    assert probe.run_all(_helper("refusal"), {})[0] is None
+def test_grouped_experts_with_biases_equal_the_per_expert_forward(probe):
+    """gpt-oss's experts: linear biases (``add_bias_linear``, fc2's scaled by the routing
+    probability as ``MLP.forward`` scales it) and its clamped gate (``glu_linear_offset``,
+    ``activation_func_clamp_value``): output and every gradient, the biases' included, equal
+    ``MLP.forward``'s per-expert computation written out in plain torch (the helpers'
+    ``_PlainTorchExperts``: ``SequentialMLP`` cannot backpropagate biases on one rank); the
+    forward still reads no count on the host."""
+    import functools
+
+    from nrl_megatron.model import gpt_oss_quick_glu
+
+    gpt_oss = {
+        "add_bias_linear": True,
+        "glu_linear_offset": 1.0,
+        # Small enough that some of the 0.2-scale pre-activations are clamped.
+        "activation_func_clamp_value": 0.3,
+        "activation_func": functools.partial(gpt_oss_quick_glu, alpha=1.702),
+    }
+    run = _helper("forward_backward")
+    counts = [7, 0, 12, 3]
+    want = probe.run_all(run, "reference", counts, "float32", gpt_oss)[0]
+    got = probe.run_all(run, "grouped", counts, "float32", gpt_oss)[0]
+    assert "local_experts.2.linear_fc2.bias" in want["grads"]
+    assert sorted(got["grads"]) == sorted(want["grads"])
+    close = {"rtol": 0, "atol": 1e-6}
+    torch.testing.assert_close(got["out"], want["out"], **close)
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, **close, msg=name)
+    torch.testing.assert_close(got["grad_x"], want["grad_x"], **close)
+    torch.testing.assert_close(got["grad_probs"], want["grad_probs"], **close)
+    assert got["grads"]["local_experts.1.linear_fc1.bias"].abs().max() == 0  # no tokens
+    assert want["grads"]["local_experts.2.linear_fc2.bias"].abs().max() > 0
+    read = _helper("host_read_in_forward")
+    assert probe.run_all(read, "grouped", gpt_oss)[0] is None
 
 
 @pytest.mark.gpu_sim
