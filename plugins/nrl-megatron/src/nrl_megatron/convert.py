@@ -60,15 +60,18 @@ _GDN = (
     "megatron-core's GatedDeltaNet (0.16 and 0.19) runs only on flash-linear-attention's CUDA "
     "kernels, so its forward cannot be checked against transformers' here"
 )
+_LLAMA4 = (
+    "Llama 4's chunked attention layers (attention_chunk_size), NoPE layers with attention "
+    "temperature tuning and its sigmoid router weighting the experts' input are not mapped "
+    "yet (megatron-core 0.16 and 0.19 have no chunked local attention)"
+)
 REFUSED_LAYERS = {
     "qwen3_5": _GDN,
     "qwen3_5_text": _GDN,
     "qwen3_5_moe": _GDN,
     "qwen3_5_moe_text": _GDN,
-    "llama4": "Llama 4's chunked attention layers (attention_chunk_size) have no "
-    "megatron-core equivalent (0.16 and 0.19)",
-    "llama4_text": "Llama 4's chunked attention layers (attention_chunk_size) have no "
-    "megatron-core equivalent (0.16 and 0.19)",
+    "llama4": _LLAMA4,
+    "llama4_text": _LLAMA4,
 }
 """Model families transformers ships that the converter refuses, each with the layer that it
 cannot map (docs/megatron.md, "Model families")."""
