@@ -248,3 +248,32 @@ def test_gpt_oss_packed_training_matches_padded(gpt_oss_path, pool1, start_group
     expected = run(pool1, start_group, gpt_oss_path, batch, loss(), packing=False, name="pad")
     got = run(pool1, start_group, gpt_oss_path, batch, loss(), packing=True, name="pack")
     assert_same(got, expected, initial, "gpt_oss")
+
+
+@requires_megatron
+def test_gpt_oss_checkpoint_layout_stream_and_export_are_the_checkpoint(
+    gpt_oss_path, tmp_path, pool1, start_group
+):
+    """The refit stream in the layout vLLM and SGLang load (``EngineOptions.weight_layout``)
+    and ``export_hf`` are the saved ``model.safetensors``, name for name and bit for bit, and
+    the export loads in ``from_pretrained`` as a gpt-oss."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from nrl_core.config.schema import EngineOptions
+
+    config = make_config(gpt_oss_path)
+    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
+    want = load_file(str(gpt_oss_path / "model.safetensors"))
+    buckets = group.run_all("state_dict_buckets", 1 << 16, EngineOptions.weight_layout)[0]
+    sent = [item for bucket in buckets for item in bucket.items()]
+    assert sorted(name for name, _ in sent) == sorted(want)  # each name once
+    for name, tensor in sent:
+        assert torch.equal(tensor, want[name]), name
+    group.run_all("export_hf", str(tmp_path / "hf"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(exported[name], tensor), name
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(model).__name__ == "GptOssForCausalLM"
