@@ -184,10 +184,13 @@ class RunSession:
 
     def _setup(self) -> None:
         config, registry = self.config, self.registry
-        # First, so that the phases below (each a line once done) come under it.
+        # First, so that the phases below (each a line once done) come under it. One line
+        # however long its paths (soft_wrap): off a terminal rich would break it at 80 columns,
+        # and a path cut in two can be neither copied nor grepped from a CI log.
         self.console.print(
             f"[bold]nrl {self.algorithm}[/bold] run dir: {escape(str(self.run_dir))}"
-            + (f" (resuming from {escape(str(self.resume_path))})" if self.resume_path else "")
+            + (f" (resuming from {escape(str(self.resume_path))})" if self.resume_path else ""),
+            soft_wrap=True,
         )
         # Data first: a dataset the run cannot use is a config error, reported before the run
         # directory, Ray or any worker exists (it needs only the driver's tokenizer).
