@@ -20,7 +20,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-BUILDER_VERSION = "3"
+BUILDER_VERSION = "4"
 """Bump when the builder's output changes, so cached copies are rebuilt."""
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
@@ -232,6 +232,11 @@ def build_tiny_model(
         # vLLM 0.32 reads Llama 4's attention temperature tuning from generation_config.json
         # and turns it off below 32K context when that does not say (llama4.py,
         # Llama4ForCausalLM.__init__); transformers applies the config's (on by default).
+        # A generation config derived from the model config ("_from_model_config": true in the
+        # file) drops every key GenerationConfig does not define when it is loaded
+        # (transformers 5.19 and 5.24, GenerationConfig.__init__), so vLLM would not see the
+        # flag: the derived mark goes, the flag stays.
+        model.generation_config._from_model_config = False
         model.generation_config.attn_temperature_tuning = config.attn_temperature_tuning
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

