@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1, help="lengths and run seed (1)")
     parser.add_argument(
+        "--cpu-profile",
+        action="store_true",
+        help="per run: where the CPU time of the run's processes went (steady steps only)",
+    )
+    parser.add_argument(
         "--convergence",
         action="store_true",
         help="compare final validation of sync and async (ages --ages) on the main job",
@@ -229,6 +234,27 @@ def idle_fraction(record: dict) -> float:
     if "async/engine_idle_fraction" in record:
         return record["async/engine_idle_fraction"]
     return 1 - record["timing/generation_s"] / record["timing/step_s"]
+
+
+def phases(records: list[dict]) -> str:
+    """Where the trainer's step went (medians): training, refit, waiting for rollouts, and
+    the engines' side (async: how long a batch took to generate and the share of the step
+    they were idle)."""
+    keys = [
+        ("train_s", "timing/train_s"),
+        ("refit_s", "timing/refit_s"),
+        ("wait_s", "timing/generation_s"),
+        ("logprobs_s", "timing/logprobs_s"),
+        ("gen_s", "async/generation_s"),
+        ("engine_idle", "async/engine_idle_fraction"),
+        ("age", "async/age_mean"),
+        ("partial", "async/partial_fraction"),
+    ]
+    return "step: " + " ".join(
+        f"{label}={statistics.median(r[key] for r in records):.3f}"
+        for label, key in keys
+        if all(key in r for r in records)
+    )
 
 
 def steps_per_minute(records: list[dict]) -> float:
@@ -421,6 +447,127 @@ def convergence(args: argparse.Namespace) -> None:
             print(line, flush=True)
 
 
+def _role(title: str, driver_pid: int, pid: int) -> str:
+    """A process's part in a run from its title: ``driver`` (the ``nrl`` process), the worker
+    group of a Ray actor (``ray::nrl-<group>-<rank>[.method]`` -> ``<group>``), or
+    ``ray-system`` (Ray's own processes)."""
+    if pid == driver_pid:
+        return "driver"
+    if title.startswith("ray::nrl-"):
+        return title.removeprefix("ray::nrl-").split(".")[0].rsplit("-", 1)[0]
+    return "ray-system"
+
+
+def _schedstat(pid: int) -> tuple[int, int] | None:
+    """(nanoseconds on a CPU, nanoseconds runnable but waiting for one) summed over the
+    process's threads (``/proc/<pid>/task/*/schedstat``), or None once it is gone."""
+    run = wait = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/schedstat") as f:
+                fields = f.read().split()
+            run, wait = run + int(fields[0]), wait + int(fields[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return run, wait
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every CPU of the machine so far (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class CpuProfile:
+    """Samples, every ``interval`` seconds while a run goes, the CPU time (on a CPU and
+    waiting in the run queue) of every process below this one, by role (:func:`_role`), and
+    how many steps ``metrics`` holds, so that :meth:`report` can take the figures over the
+    steady steps only (start-up loads models and starts Ray)."""
+
+    def __init__(self, metrics: Path, interval: float = 0.5) -> None:
+        import threading
+
+        self.metrics, self.interval = metrics, interval
+        self.samples: list[tuple[float, int, tuple[float, float], dict[int, tuple]]] = []
+        self.roles: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuProfile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _steps(self) -> int:
+        try:
+            return self.metrics.read_text().count('"timing/step_s"')
+        except FileNotFoundError:
+            return 0
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.interval):
+            counters, driver = {}, None
+            for proc in me.children(recursive=True):
+                try:
+                    cmdline = proc.cmdline()
+                except psutil.Error:
+                    continue
+                if "nrl_core.cli" in cmdline and driver is None:
+                    driver = proc.pid
+                stat = _schedstat(proc.pid)
+                if stat is None:
+                    continue
+                counters[proc.pid] = stat
+                title = " ".join(cmdline)
+                # A Ray worker's title names its actor once it holds one; keep the first.
+                if self.roles.get(proc.pid, "ray-system") == "ray-system":
+                    self.roles[proc.pid] = _role(title, driver or -1, proc.pid)
+            self.samples.append((time.monotonic(), self._steps(), _machine_busy(), counters))
+
+    def report(self, warmup: int) -> list[str]:
+        """Per role over the steady steps (from the sample that first saw ``warmup`` steps to
+        the first that saw the last): CPU seconds per step, run-queue seconds per step, and cores busy and
+        wanted on average (``(cpu + run queue) / wall``: more than the machine's cores means
+        the role's work was waiting for a CPU, not for another role)."""
+        start = next((i for i, s in enumerate(self.samples) if s[1] >= warmup), None)
+        # the first sample that saw the last step: after it the run only shuts down
+        last = max((s[1] for s in self.samples), default=0)
+        end = next((i for i, s in enumerate(self.samples) if s[1] == last), None)
+        if start is None or end is None or end <= start:
+            return ["cpu profile: no steady steps sampled"]
+        (t0, n0, m0, c0), (t1, n1, m1, c1) = self.samples[start], self.samples[end]
+        wall, steps = t1 - t0, n1 - n0
+        totals: dict[str, list[float]] = {}
+        for pid, (run, wait) in c1.items():
+            run0, wait0 = c0.get(pid, (0, 0))  # a process started later counts from 0
+            role = totals.setdefault(self.roles.get(pid, "ray-system"), [0.0, 0.0])
+            role[0] += (run - run0) / 1e9
+            role[1] += (wait - wait0) / 1e9
+        machine = (m1[0] - m0[0]) / max(1, m1[1] - m0[1]) * (os.cpu_count() or 1)
+        lines = [
+            f"  cpu profile: {steps} steps in {wall:.1f} s ({wall / max(1, steps):.3f} s/step), "
+            f"machine busy {machine:.2f} of {os.cpu_count()} cores (every process on it)",
+            f"  {'role':<14}{'cpu_s/step':>12}{'runq_s/step':>13}{'cores_busy':>12}"
+            f"{'cores_wanted':>14}",
+        ]
+        total = [sum(v[0] for v in totals.values()), sum(v[1] for v in totals.values())]
+        rows = [*sorted(totals.items()), ("total", total)]
+        for name, (run, wait) in rows:
+            lines.append(
+                f"  {name:<14}{run / max(1, steps):>12.3f}{wait / max(1, steps):>13.3f}"
+                f"{run / wall:>12.2f}{(run + wait) / wall:>14.2f}"
+            )
+        return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.convergence:
@@ -436,12 +583,20 @@ def main(argv: list[str] | None = None) -> None:
             shift = round_ % len(CONFIGS)
             for name in CONFIGS[shift:] + CONFIGS[:shift]:
                 log_dir = root / f"{name}-{round_}"
-                records = run_grpo(args.steps, [*shared, *variants[name], *args.overrides], log_dir)
+                overrides = [*shared, *variants[name], *args.overrides]
+                if args.cpu_profile:
+                    with CpuProfile(log_dir / "bench" / "metrics.jsonl") as profile:
+                        records = run_grpo(args.steps, overrides, log_dir)
+                else:
+                    records = run_grpo(args.steps, overrides, log_dir)
                 steady = [r for r in records if r["step"] > args.warmup]
                 runs[name].append(steady)
                 print(
                     f"round {round_} {name}: steps/min={steps_per_minute(steady):.1f}", flush=True
                 )
+                if args.cpu_profile:
+                    print("\n".join(profile.report(args.warmup)), flush=True)
+                    print("  " + phases(steady), flush=True)
         for line in summarize(runs):
             print(line, flush=True)
 

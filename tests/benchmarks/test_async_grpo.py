@@ -205,3 +205,34 @@ def test_convergence_table_and_verdict(bench):
     results["age2"][42] = None
     lines = bench.convergence_summary(results)
     assert "failed" in lines[3] and lines[-1].startswith("async_within_sync_band=no ")
+
+
+def test_cpu_profile_roles_and_phases(bench):
+    assert bench._role("python -m nrl_core.cli run grpo", 7, 7) == "driver"
+    assert bench._role("ray::nrl-policy-1.train", 7, 8) == "policy"
+    assert bench._role("ray::nrl-generation-0", 7, 9) == "generation"
+    assert bench._role("ray::DashboardAgent", 7, 10) == "ray-system"
+    assert bench._role("/venv/bin/raylet --raylet_socket_name=x", 7, 11) == "ray-system"
+    records = [
+        {"timing/train_s": t, "timing/refit_s": 0.1, "timing/generation_s": 0.0} for t in (1, 2, 9)
+    ]
+    assert bench.phases(records) == "step: train_s=2.000 refit_s=0.100 wait_s=0.000"
+
+
+def test_cpu_profile_report_takes_the_steady_steps(bench, tmp_path):
+    profile = bench.CpuProfile(tmp_path / "metrics.jsonl")
+    profile.roles = {1: "driver", 2: "policy", 3: "policy"}
+    s = 1_000_000_000  # schedstat counts nanoseconds
+    machine = [(0, 0), (100, 200), (300, 400), (500, 600)]  # busy, total jiffies
+    profile.samples = [
+        (0.0, 0, machine[0], {1: (5 * s, 0), 2: (9 * s, 0)}),  # start-up: not counted
+        (10.0, 2, machine[1], {1: (6 * s, 0), 2: (10 * s, 1 * s), 3: (0, 0)}),
+        (20.0, 4, machine[2], {1: (8 * s, 0), 2: (15 * s, 2 * s), 3: (5 * s, 1 * s)}),
+        (30.0, 4, machine[3], {1: (99 * s, 0), 2: (99 * s, 0), 3: (99 * s, 0)}),  # shut-down
+    ]
+    lines = profile.report(warmup=2)
+    assert "2 steps in 10.0 s (5.000 s/step)" in lines[0]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:]}
+    assert rows["driver"] == [1.0, 0.0, 0.2, 0.2]  # 2 s on a CPU over 2 steps, 10 s wall
+    assert rows["policy"] == [5.0, 1.0, 1.0, 1.2]  # ranks 2 and 3: 5 + 5 s, queued 1 + 1 s
+    assert rows["total"] == [6.0, 1.0, 1.2, 1.4]
