@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1, help="lengths and run seed (1)")
     parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="the configurations to run (default: all three; the last line needs async_batch "
+        "and async_inflight)",
+    )
+    parser.add_argument(
         "--cpu-profile",
         action="store_true",
         help="per run: where the CPU time of the run's processes went (steady steps only)",
@@ -144,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for item in args.overrides:
         if "=" not in item:
             bad(f"overrides must be KEY=VALUE, got {item!r}")
+    args.configs = args.configs.split(",")
+    if not {"async_batch", "async_inflight"} <= set(args.configs) <= set(CONFIGS):
+        bad(
+            f"--configs ({','.join(args.configs)}) must name async_batch and async_inflight, "
+            f"and nothing but {', '.join(CONFIGS)}"
+        )
     for name in ("seeds", "ages"):
         text = getattr(args, name)
         try:
@@ -578,10 +590,11 @@ def main(argv: list[str] | None = None) -> None:
         model, data = build_workload(root, args.prompts, args.longest, args.seed)
         shared = workload(model, data, args.longest, args.seed)
         variants = configs(args.engines, args.groups_per_call, args.max_tokens_per_call)
-        runs: dict[str, list[list[dict]]] = {name: [] for name in CONFIGS}
+        chosen = [name for name in CONFIGS if name in args.configs]
+        runs: dict[str, list[list[dict]]] = {name: [] for name in chosen}
         for round_ in range(args.rounds):
-            shift = round_ % len(CONFIGS)
-            for name in CONFIGS[shift:] + CONFIGS[:shift]:
+            shift = round_ % len(chosen)
+            for name in chosen[shift:] + chosen[:shift]:
                 log_dir = root / f"{name}-{round_}"
                 overrides = [*shared, *variants[name], *args.overrides]
                 if args.cpu_profile:

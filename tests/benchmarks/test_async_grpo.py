@@ -236,3 +236,15 @@ def test_cpu_profile_report_takes_the_steady_steps(bench, tmp_path):
     assert rows["driver"] == [1.0, 0.0, 0.2, 0.2]  # 2 s on a CPU over 2 steps, 10 s wall
     assert rows["policy"] == [5.0, 1.0, 1.0, 1.2]  # ranks 2 and 3: 5 + 5 s, queued 1 + 1 s
     assert rows["total"] == [6.0, 1.0, 1.2, 1.4]
+
+
+def test_configs_choose_the_runs(bench, capsys):
+    assert bench.parse_args([]).configs == list(bench.CONFIGS)
+    assert bench.parse_args(["--configs", "async_inflight,async_batch"]).configs == [
+        "async_inflight",
+        "async_batch",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--configs", "sync,async_batch"])  # no ratio without async_inflight
+    assert exit_info.value.code == 2
+    assert "must name async_batch and async_inflight" in capsys.readouterr().err
