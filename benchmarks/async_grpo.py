@@ -471,16 +471,26 @@ def _role(title: str, driver_pid: int, pid: int) -> str:
 
 
 def _schedstat(pid: int) -> tuple[int, int] | None:
-    """(nanoseconds on a CPU, nanoseconds runnable but waiting for one) summed over the
-    process's threads (``/proc/<pid>/task/*/schedstat``), or None once it is gone."""
-    run = wait = 0
+    """(nanoseconds on a CPU, nanoseconds runnable but waiting for one) of a process, or None
+    once it is gone. The CPU time is the kernel's process total (``/proc/<pid>/stat``: every
+    thread, those that ended too); the run-queue time is summed over the threads alive now
+    (``/proc/<pid>/task/*/schedstat``: a thread that ends takes its share with it, and one
+    that ends while it is read is skipped, not the process)."""
     try:
-        for task in os.scandir(f"/proc/{pid}/task"):
-            with open(f"{task.path}/schedstat") as f:
-                fields = f.read().split()
-            run, wait = run + int(fields[0]), wait + int(fields[1])
+        with open(f"/proc/{pid}/stat") as f:
+            # after the command's closing parenthesis: utime and stime are fields 14 and 15
+            fields = f.read().rsplit(")", 1)[1].split()
+        run = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        tasks = list(os.scandir(f"/proc/{pid}/task"))
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
+    wait = 0
+    for task in tasks:
+        try:
+            with open(f"{task.path}/schedstat") as f:
+                wait += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
     return run, wait
 
 
@@ -494,14 +504,14 @@ def _machine_busy() -> tuple[float, float]:
 
 class CpuProfile:
     """Samples, every ``interval`` seconds while a run goes, the CPU time (on a CPU and
-    waiting in the run queue) of every process below this one, by role (:func:`_role`), and
+    waiting in the run queue) of every process below this one (or below ``root``), by role (:func:`_role`), and
     how many steps ``metrics`` holds, so that :meth:`report` can take the figures over the
     steady steps only (start-up loads models and starts Ray)."""
 
-    def __init__(self, metrics: Path, interval: float = 0.5) -> None:
+    def __init__(self, metrics: Path, interval: float = 0.5, root: int | None = None) -> None:
         import threading
 
-        self.metrics, self.interval = metrics, interval
+        self.metrics, self.interval, self.root = metrics, interval, root
         self.samples: list[tuple[float, int, tuple[float, float], dict[int, tuple]]] = []
         self.roles: dict[int, str] = {}
         self._stop = threading.Event()
@@ -524,10 +534,12 @@ class CpuProfile:
     def _run(self) -> None:
         import psutil
 
-        me = psutil.Process()
+        me = psutil.Process(self.root)  # None: this process
         while not self._stop.wait(self.interval):
             counters, driver = {}, None
-            for proc in me.children(recursive=True):
+            # the root itself when given (the run's own driver), else only what it started
+            below = me.children(recursive=True)
+            for proc in [me, *below] if self.root else below:
                 try:
                     cmdline = proc.cmdline()
                 except psutil.Error:
@@ -546,8 +558,8 @@ class CpuProfile:
 
     def report(self, warmup: int) -> list[str]:
         """Per role over the steady steps (from the sample that first saw ``warmup`` steps to
-        the first that saw the last): CPU seconds per step, run-queue seconds per step, and cores busy and
-        wanted on average (``(cpu + run queue) / wall``: more than the machine's cores means
+        the first that saw the last): CPU seconds per step, run-queue seconds per step, and
+        cores busy and wanted on average (``(cpu + run queue) / wall``: more than the machine's cores means
         the role's work was waiting for a CPU, not for another role)."""
         start = next((i for i, s in enumerate(self.samples) if s[1] >= warmup), None)
         # the first sample that saw the last step: after it the run only shuts down
@@ -555,14 +567,23 @@ class CpuProfile:
         end = next((i for i, s in enumerate(self.samples) if s[1] == last), None)
         if start is None or end is None or end <= start:
             return ["cpu profile: no steady steps sampled"]
-        (t0, n0, m0, c0), (t1, n1, m1, c1) = self.samples[start], self.samples[end]
+        (t0, n0, m0, _), (t1, n1, m1, _) = self.samples[start], self.samples[end]
         wall, steps = t1 - t0, n1 - n0
+        # Each process from its first sample in the window to its last (a sample that missed
+        # it, or a process that ended early, takes nothing away); one that started later
+        # counts from its first sample.
+        earliest: dict[int, tuple[int, int]] = {}
+        latest: dict[int, tuple[int, int]] = {}
+        for _, _, _, counters in self.samples[start : end + 1]:
+            for pid, stat in counters.items():
+                earliest.setdefault(pid, stat)
+                latest[pid] = stat
         totals: dict[str, list[float]] = {}
-        for pid, (run, wait) in c1.items():
-            run0, wait0 = c0.get(pid, (0, 0))  # a process started later counts from 0
+        for pid, (run, wait) in latest.items():
+            run0, wait0 = earliest[pid]
             role = totals.setdefault(self.roles.get(pid, "ray-system"), [0.0, 0.0])
             role[0] += (run - run0) / 1e9
-            role[1] += (wait - wait0) / 1e9
+            role[1] += max(0, wait - wait0) / 1e9
         machine = (m1[0] - m0[0]) / max(1, m1[1] - m0[1]) * (os.cpu_count() or 1)
         lines = [
             f"  cpu profile: {steps} steps in {wall:.1f} s ({wall / max(1, steps):.3f} s/step), "

@@ -248,3 +248,18 @@ def test_configs_choose_the_runs(bench, capsys):
         bench.parse_args(["--configs", "sync,async_batch"])  # no ratio without async_inflight
     assert exit_info.value.code == 2
     assert "must name async_batch and async_inflight" in capsys.readouterr().err
+
+
+def test_schedstat_reads_this_process(bench):
+    import os
+    import time
+
+    before = bench._schedstat(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # 50 ms on a CPU
+        pass
+    after = bench._schedstat(os.getpid())
+    # /proc/<pid>/stat counts clock ticks (10 ms), so allow one either side
+    assert 0.03e9 <= after[0] - before[0] <= 0.2e9
+    assert after[1] >= before[1] >= 0
+    assert bench._schedstat(2**22 + 1) is None  # past pid_max: no such process
