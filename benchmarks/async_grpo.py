@@ -41,6 +41,13 @@ step). The last line is
 Trailing ``KEY=VALUE`` arguments are config overrides for every configuration (after the
 benchmark's own, so they win), e.g. ``grpo.num_generations_per_prompt=8``.
 
+``--configs`` runs some of the configurations only (async_batch and async_inflight at least).
+``--cpu-profile`` adds, after each run, where its CPU went over the steady steps
+(:class:`CpuProfile`: CPU and run-queue seconds per step of the driver, the policy ranks, the
+engines, the environment and Ray's own processes, the cores they kept busy and wanted) and the
+step's phases (training, refit, the trainer's wait for rollouts, the engines' generation and
+idle share): whether the machine has idle time that streaming could fill (docs/async-grpo.md).
+
 ``--convergence`` compares learning instead of speed, on the main job (``nrl run grpo``'s
 embedded recipe: one-digit addition, 30 supervised warm-up steps, 275 GRPO steps, greedy
 validation of 64 problems every 25 steps and at the end), for each of ``--seeds`` (42, 1, 2):
