@@ -112,3 +112,154 @@ def test_script_rejects_bad_steps_before_anything_heavy():
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == "async_grpo.py: --steps (1) must exceed --warmup (1)"
+
+
+def test_convergence_arguments_and_configurations(bench):
+    args = bench.parse_args(["--convergence", "--seeds", "42,1,2", "--ages", "1,2"])
+    assert args.convergence and args.seeds == [42, 1, 2] and args.ages == [1, 2]
+    assert not bench.parse_args([]).convergence  # steps per minute stays the default
+    variants = bench.convergence_configs(
+        [1, 2], engines=2, groups_per_call=4, max_tokens_per_call=0
+    )
+    assert list(variants) == ["sync", "age1", "age2"]
+    assert variants["sync"] == []  # the main job exactly as the README runs it
+    for age in (1, 2):
+        assert {
+            "generation.colocated=false",
+            "generation.num_engines=2",
+            "grpo.async.enabled=true",
+            f"grpo.async.max_trajectory_age_steps={age}",
+            "grpo.async.groups_per_call=4",
+            "grpo.async.in_flight_weight_updates=true",
+        } <= set(variants[f"age{age}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ages", "0,1"], "--ages (0,1) must be 1 or more"),
+        (["--seeds", "42,x"], "--seeds ('42,x') must be integers separated by commas"),
+        (["--seeds", "1,1"], "--seeds (1,1) repeats a value"),
+    ],
+)
+def test_bad_convergence_input_is_one_line_exit_2(bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--convergence", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def job(final: float, best: float, rewards: list[float], step_s: float, age: float = 0.0):
+    """A run's metrics records as the main job writes them: validation at step 0, in the
+    middle and at the end, one record per step."""
+    records = [{"step": 0, "val/accuracy": 0.1}]
+    last = len(rewards)
+    for step, reward in enumerate(rewards, start=1):
+        r = {"step": step, "timing/step_s": step_s, "train/reward_mean": reward}
+        if age:
+            r["async/trajectory_age_mean"] = age
+        if step == last // 2:
+            r["val/accuracy"] = best
+        if step == last:
+            r["val/accuracy"] = final
+        records.append(r)
+    return records
+
+
+def test_run_figures(bench):
+    figures = bench.run_figures(job(0.9, 0.95, [0.0, 0.5, 1.0, 1.0], 30.0, age=1.5), 200.0)
+    assert (figures["final"], figures["best"], figures["age"]) == (0.9, 0.95, 1.5)
+    assert (figures["wall_s"], figures["train_s"]) == (200.0, 120.0)
+    assert figures["curve"][1] == (60.0, 2, 0.5)  # (training seconds so far, step, reward)
+
+
+def test_convergence_table_and_verdict(bench):
+    def fig(final, rewards=(0.0, 0.5, 1.0, 1.0), step_s=30.0, age=0.0):
+        return bench.run_figures(job(final, 1.0, list(rewards), step_s, age), 100.0)
+
+    sync = {42: fig(0.9), 1: fig(1.0), 2: fig(0.95)}
+    results = {
+        "sync": sync,
+        "age1": {42: fig(1.0, age=1.0), 1: fig(1.0, age=1.0), 2: fig(0.9, age=1.0)},
+        "age2": {42: fig(0.85, step_s=45.0), 1: fig(1.0, step_s=45.0), 2: fig(0.95, step_s=45.0)},
+    }
+    lines = bench.convergence_summary(results, windows=2)
+    rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    assert rows["sync"][1:7] == ["0.900", "1.000", "0.950", "0.950", "1.000", "3/3"]
+    assert rows["age1"][4] == "0.967" and rows["age1"][6] == "3/3"  # above the band counts
+    assert rows["age1"][7] == "1.00"  # mean trajectory age
+    assert rows["age2"][4] == "0.933" and rows["age2"][6] == "2/3"  # seed 42 under 0.9
+    assert rows["age2"][9] == "180"  # training seconds: 4 steps of 45 s
+    assert "[0.900, 1.000]" in lines[4]
+    by_step = lines[lines.index("train reward by step: 1-2 3-4") + 1].split()
+    assert by_step == ["sync", "0.250", "1.000"]
+    minute = lines.index("train reward by minute of training: 1 2 3")
+    # age2's steps end at 45, 90, 135, 180 s: one per minute after the first
+    assert lines[minute + 3].split() == ["age2", "0.000", "0.500", "1.000"]
+    assert lines[-1] == "async_within_sync_band=yes age1=0.967 age2=0.933 sync=0.900-1.000"
+
+    # a mean under the band's minimum, or a run that failed, is a "no"
+    results["age2"][42] = fig(0.5)
+    assert bench.convergence_summary(results)[-1].startswith("async_within_sync_band=no ")
+    results["age2"][42] = None
+    lines = bench.convergence_summary(results)
+    assert "failed" in lines[3] and lines[-1].startswith("async_within_sync_band=no ")
+
+
+def test_cpu_profile_roles_and_phases(bench):
+    assert bench._role("python -m nrl_core.cli run grpo", 7, 7) == "driver"
+    assert bench._role("ray::nrl-policy-1.train", 7, 8) == "policy"
+    assert bench._role("ray::nrl-generation-0", 7, 9) == "generation"
+    assert bench._role("ray::DashboardAgent", 7, 10) == "ray-system"
+    assert bench._role("/venv/bin/raylet --raylet_socket_name=x", 7, 11) == "ray-system"
+    records = [
+        {"timing/train_s": t, "timing/refit_s": 0.1, "timing/generation_s": 0.0} for t in (1, 2, 9)
+    ]
+    assert bench.phases(records) == "step: train_s=2.000 refit_s=0.100 wait_s=0.000"
+
+
+def test_cpu_profile_report_takes_the_steady_steps(bench, tmp_path):
+    profile = bench.CpuProfile(tmp_path / "metrics.jsonl")
+    profile.roles = {1: "driver", 2: "policy", 3: "policy"}
+    s = 1_000_000_000  # schedstat counts nanoseconds
+    machine = [(0, 0), (100, 200), (300, 400), (500, 600)]  # busy, total jiffies
+    profile.samples = [
+        (0.0, 0, machine[0], {1: (5 * s, 0), 2: (9 * s, 0)}),  # start-up: not counted
+        (10.0, 2, machine[1], {1: (6 * s, 0), 2: (10 * s, 1 * s), 3: (0, 0)}),
+        (20.0, 4, machine[2], {1: (8 * s, 0), 2: (15 * s, 2 * s), 3: (5 * s, 1 * s)}),
+        (30.0, 4, machine[3], {1: (99 * s, 0), 2: (99 * s, 0), 3: (99 * s, 0)}),  # shut-down
+    ]
+    lines = profile.report(warmup=2)
+    assert "2 steps in 10.0 s (5.000 s/step)" in lines[0]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:]}
+    assert rows["driver"] == [1.0, 0.0, 0.2, 0.2]  # 2 s on a CPU over 2 steps, 10 s wall
+    assert rows["policy"] == [5.0, 1.0, 1.0, 1.2]  # ranks 2 and 3: 5 + 5 s, queued 1 + 1 s
+    assert rows["total"] == [6.0, 1.0, 1.2, 1.4]
+
+
+def test_configs_choose_the_runs(bench, capsys):
+    assert bench.parse_args([]).configs == list(bench.CONFIGS)
+    assert bench.parse_args(["--configs", "async_inflight,async_batch"]).configs == [
+        "async_inflight",
+        "async_batch",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--configs", "sync,async_batch"])  # no ratio without async_inflight
+    assert exit_info.value.code == 2
+    assert "must name async_batch and async_inflight" in capsys.readouterr().err
+
+
+def test_schedstat_reads_this_process(bench):
+    import os
+    import time
+
+    before = bench._schedstat(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # 50 ms on a CPU
+        pass
+    after = bench._schedstat(os.getpid())
+    # /proc/<pid>/stat counts clock ticks (10 ms), so allow one either side
+    assert 0.03e9 <= after[0] - before[0] <= 0.2e9
+    assert after[1] >= before[1] >= 0
+    assert bench._schedstat(2**22 + 1) is None  # past pid_max: no such process
