@@ -484,6 +484,9 @@ def test_grpo_run_hands_each_rows_extra_fields_to_the_environment(tmp_path):
         "logger.run_name=run",
         "checkpointing.enabled=false",
         "policy.backend=dtensor",
+        # One rank, in the `nrl` process: the rows reach the environment as copies there too
+        # (the in-process cluster copies what Ray would pickle), without starting Ray.
+        "policy.num_workers=1",
         "cluster.num_cpus=2",
         "env.name=metadata_recorder",
         "data.dataset=prompts",

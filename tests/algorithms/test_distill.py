@@ -32,12 +32,23 @@ def run_distill(tmp_path: Path, *overrides: str, check: bool = True, quiet: bool
     return run_nrl(tmp_path, *overrides, check=check, quiet=quiet, algorithm="distill", base=SMALL)
 
 
-def test_three_steps_score_with_the_teacher_and_keep_it(tmp_path):
-    run_distill(
-        tmp_path, "distill.max_num_steps=3", "distill.val_period=3", "checkpointing.save_period=3"
-    )
-    records = metrics(tmp_path)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+# One 4-step run read by the next two tests (a distillation run starts Ray, a 2-rank student
+# and a 1-rank teacher: about 30 CPU-s before its first step): validation at steps 0 and 4,
+# checkpoints at steps 2 and 4.
+FOUR_STEPS = ["distill.max_num_steps=4", "distill.val_period=4", "checkpointing.save_period=2"]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+    """The run folder (``run/``, ``ckpt/``) of one `nrl run distill` of FOUR_STEPS."""
+    path = tmp_path_factory.mktemp("distill")
+    run_distill(path, *FOUR_STEPS)
+    return path
+
+
+def test_four_steps_score_with_the_teacher_and_keep_it(four_steps, tmp_path):
+    records = metrics(four_steps)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     start = records[0]
     assert start["teacher_warmup/steps"] == 2
     assert start["teacher_warmup/loss_last"] < start["teacher_warmup/loss_first"]
@@ -51,30 +62,33 @@ def test_three_steps_score_with_the_teacher_and_keep_it(tmp_path):
         assert record["timing/step_s"] > record["timing/teacher_s"] > 0
         assert "train/reward_mean" in record
     assert "val/accuracy" in records[-1]
-    assert (tmp_path / "ckpt" / "step_3").is_dir()
-    assert (tmp_path / "ckpt" / "teacher_after_warmup" / "model.safetensors").is_file()
+    assert (four_steps / "ckpt" / "step_4").is_dir()
+    assert (four_steps / "ckpt" / "teacher_after_warmup" / "model.safetensors").is_file()
 
+    # The charts go to a copy: the shared run folder stays as the run left it.
+    run = tmp_path / "run"
+    shutil.copytree(four_steps / "run", run)
     plot = subprocess.run(
-        [sys.executable, "-m", "nrl_core.cli", "plot", str(tmp_path / "run")],
+        [sys.executable, "-m", "nrl_core.cli", "plot", str(run)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert plot.returncode == 0, plot.stderr
     for chart in ("kl_to_teacher.png", "logprob_gap.png", "val_accuracy.png", "step_time.png"):
-        assert (tmp_path / "run" / chart).stat().st_size > 1000
+        assert (run / chart).stat().st_size > 1000
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(four_steps, tmp_path):
     """Resumed from step 2 to step 4 (the student from its checkpoint, the teacher from the
     snapshot its warm-up left): steps 3 and 4 are the uninterrupted run's. The uninterrupted
-    run is the reference and, without its step-4 checkpoint, the run to resume (the resume
-    drops its metrics after step 2): two runs instead of three (a stopped one), for CI time."""
-    steps = ["distill.max_num_steps=4", "distill.val_period=0", "checkpointing.save_period=2"]
-    run_distill(tmp_path, *steps)
-    expected = {r["step"]: r for r in metrics(tmp_path)}
+    run is the shared four-step run; a copy of it without its step-4 checkpoint is the run to
+    resume (the resume drops its metrics after step 2): one run of its own instead of three (a
+    reference, a stopped one, the resume), for CI time."""
+    expected = {r["step"]: r for r in metrics(four_steps)}
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / "ckpt" / "step_4")
-    resumed_run = run_distill(tmp_path, *steps, quiet=False)
+    resumed_run = run_distill(tmp_path, *FOUR_STEPS, quiet=False)
     # Without whitespace: the console wraps long paths anywhere, even inside a word.
     said = "".join((resumed_run.stdout + resumed_run.stderr).split())
     assert "resumingfrom" in said and "ckpt/step_2" in said, said

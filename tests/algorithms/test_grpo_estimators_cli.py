@@ -10,14 +10,16 @@ import sys
 
 import pytest
 
-from tests.algorithms.test_grpo_cli import metrics
+from tests.algorithms.test_grpo_cli import IN_PROCESS, metrics
 
 pytestmark = pytest.mark.slow
 
 # The embedded recipe's sizes (256 samples a step after 30 warm-up steps), not test_grpo_cli's
 # TINY ones: with 16 samples after 1 warm-up step every reward can be 0, hence every advantage
-# and gradient, and a step would show nothing.
-BASE = ["cluster.num_cpus=2", "data.max_val_samples=16"]
+# and gradient, and a step would show nothing. One policy rank, in the `nrl` process: what is
+# checked is the estimators' arithmetic, which does not depend on the rank count (test_grpo_cli
+# runs 2 ranks on Ray).
+BASE = ["cluster.num_cpus=2", "data.max_val_samples=16", *IN_PROCESS]
 VARIANTS = {
     "cispo": [
         "loss.clipped_pg.use_cispo=true",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,20 +49,32 @@ def run_ppo(tmp_path: Path, *overrides: str, check: bool = True, quiet: bool = T
     return run_nrl(tmp_path, *overrides, check=check, quiet=quiet, algorithm="ppo", base=SMALL)
 
 
-def test_three_steps_train_the_critic_then_the_policy(tmp_path):
-    result = run_ppo(
-        tmp_path,
-        "ppo.max_num_steps=3",
-        "ppo.val_period=3",
-        "ppo.ppo_epochs=2",
-        "checkpointing.save_period=3",
-        quiet=False,
-    )
+# One 4-step run, the first test's subject and the second's uninterrupted reference (a PPO run
+# starts Ray, a 2-rank policy and a 1-rank critic: about 30 CPU-s before its first step): two
+# PPO epochs a step, validation at steps 0 and 4, checkpoints at steps 2 and 4.
+FOUR_STEPS = [
+    "ppo.max_num_steps=4",
+    "ppo.val_period=4",
+    "ppo.ppo_epochs=2",
+    "checkpointing.save_period=2",
+]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run folder (``run/``, ``ckpt/``) and the finished process of one `nrl run ppo` of
+    FOUR_STEPS."""
+    path = tmp_path_factory.mktemp("ppo")
+    return path, run_ppo(path, *FOUR_STEPS, quiet=False)
+
+
+def test_four_steps_train_the_critic_then_the_policy(four_steps, tmp_path):
+    path, result = four_steps
     assert "critic: 1 dtensor rank ready" in result.stdout, result.stdout
     assert "value loss" in result.stdout and "expl var" in result.stdout  # the console line
-    records = {r["step"]: r for r in metrics(tmp_path)}
-    assert sorted(records) == [0, 1, 2, 3]
-    for step in (1, 2, 3):
+    records = {r["step"]: r for r in metrics(path)}
+    assert sorted(records) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
         record = records[step]
         for key in CRITIC_KEYS:
             if key == "train/explained_variance" and record["train/reward_std"] == 0:
@@ -77,26 +90,29 @@ def test_three_steps_train_the_critic_then_the_policy(tmp_path):
     if records[1]["train/explained_variance"] is not None:
         assert records[1]["train/explained_variance"] == pytest.approx(0.0, abs=1e-9)
     assert "train/loss" in records[2] and "train/critic_warmup" not in records[2]
-    step = tmp_path / "ckpt" / "step_3"
+    step = path / "ckpt" / "step_4"
     assert (step / "critic").is_dir() and (step / "policy").is_dir()
 
+    # The charts go to a copy: the shared run folder stays as the run left it.
+    run = tmp_path / "run"
+    shutil.copytree(path / "run", run)
     plot = subprocess.run(
-        [sys.executable, "-m", "nrl_core.cli", "plot", str(tmp_path / "run")],
+        [sys.executable, "-m", "nrl_core.cli", "plot", str(run)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert plot.returncode == 0, plot.stderr
     for chart in ("value_loss.png", "explained_variance.png", "reward.png"):
-        assert (tmp_path / "run" / chart).stat().st_size > 1000
+        assert (run / chart).stat().st_size > 1000
 
 
-def test_kill_then_resume_gives_the_uninterrupted_runs_metrics(tmp_path):
+def test_kill_then_resume_gives_the_uninterrupted_runs_metrics(four_steps, tmp_path):
     """kill -9 once the step-2 checkpoint is written; the resumed run's steps 3 and 4 (policy
-    and critic restored with their optimizers) are the uninterrupted run's."""
-    steps = ["ppo.max_num_steps=4", "ppo.val_period=0", "checkpointing.save_period=2"]
-    reference = tmp_path / "reference"
-    run_ppo(reference, *steps)
+    and critic restored with their optimizers) are the uninterrupted run's (the shared
+    four-step run)."""
+    steps = FOUR_STEPS
+    reference = four_steps[0]
 
     killed = tmp_path / "killed"
     command = [
