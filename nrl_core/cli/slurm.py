@@ -143,13 +143,15 @@ def _submit(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nodes {args.nodes}: a run needs at least 1 node")
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: give 0 or more")
+    # The config first ("check the config, then sbatch"): a bad key is the user's to fix
+    # wherever they are, and a machine without sbatch must not hide it.
+    config = _resolve_run(nrl_args)
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise ConfigError(
             "sbatch is not on PATH: run this on a Slurm login node, or write the script with "
             "`nrl slurm script -o nrl.sbatch` and submit it where Slurm is"
         )
-    config = _resolve_run(nrl_args)
     gpus = args.gpus_per_node
     if gpus is None:
         gpus = config.cluster.gpus_per_node
