@@ -174,6 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if len(set(values)) != len(values):
             bad(f"--{name} ({text}) repeats a value")
         setattr(args, name, values)
+    if args.out is not None and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        # The runs go to DIR/<config>-seed<S>: a run folder already there would be resumed
+        # (or refused) by `nrl run`, and its records are not this benchmark's to reuse.
+        bad(f"--out {args.out} is not empty: name a new or empty folder for the runs' logs")
     return args
 
 

@@ -150,6 +150,18 @@ def test_bad_convergence_input_is_one_line_exit_2(bench, capsys, argv, message):
     assert message in err and err.count("\n") == 1
 
 
+def test_convergence_out_must_be_new_or_empty(bench, capsys, tmp_path):
+    # An earlier run's folder under --out: `nrl run` would resume it instead of training anew.
+    (tmp_path / "sync-seed42").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--convergence", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is not empty" in err and err.count("\n") == 1
+    empty = tmp_path / "new"
+    assert bench.parse_args(["--convergence", "--out", str(empty)]).out == str(empty)
+
+
 def job(final: float, best: float, rewards: list[float], step_s: float, age: float = 0.0):
     """A run's metrics records as the main job writes them: validation at step 0, in the
     middle and at the end, one record per step."""
