@@ -349,6 +349,15 @@ class DeviceAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return hidden_states
 
 
+def _rope_parameters(hf_config: Any) -> tuple[str, dict[str, Any]]:
+    """``(rope type, RoPE parameters)`` of a HF config: transformers 5's ``rope_parameters``
+    over older configs' ``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    return rope_type, {**scaling, **params}
+
+
 def rope_settings(hf_config: Any) -> dict[str, Any]:
     """``rotary_base`` (and Llama 3 scaling) for ``GPTModel`` from a HF config.
 
@@ -358,10 +367,8 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     8192) are reproduced exactly; anything else is refused rather than silently approximated.
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    merged = {**scaling, **params}
+    rope_type, merged = _rope_parameters(hf_config)
     # YaRN (checked for gpt-oss only): these base frequencies are replaced by yarn_inv_freq's
     # in build_gpt_model.
     yarn = rope_type == "yarn" and getattr(hf_config, "model_type", None) == "gpt_oss"
@@ -397,8 +404,7 @@ def yarn_inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
     Megatron-Core's ``YarnRotaryEmbedding`` has the same blend but reads its parameters from
     MLA config fields and applies the factor inside the rotary kernels; here the frequencies go
     into the plain rotary embedding and the factor into ``softmax_scale``."""
-    p = {**dict(getattr(hf_config, "rope_scaling", None) or {})}
-    p.update(dict(getattr(hf_config, "rope_parameters", None) or {}))
+    p = _rope_parameters(hf_config)[1]
     if p.get("partial_rotary_factor", 1.0) != 1.0:
         raise MegatronModelError("YaRN with partial_rotary_factor != 1 is not reproduced")
     dim = getattr(hf_config, "head_dim", None) or (
@@ -435,9 +441,7 @@ def yarn_inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
 
 def _is_yarn(hf_config: Any) -> bool:
     """Whether ``hf_config`` uses YaRN RoPE (:func:`rope_settings` refuses it but for gpt-oss)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return params.get("rope_type", scaling.get("rope_type", scaling.get("type"))) == "yarn"
+    return _rope_parameters(hf_config)[0] == "yarn"
 
 
 def gpt_oss_quick_glu(x: torch.Tensor, alpha: float) -> torch.Tensor:
