@@ -16,10 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 from _megatron_helpers import requires_megatron
-from test_megatron import WORKER, context, dtensor_worker, make_config, megatron_options, policy
+from test_megatron import (
+    WORKER,
+    assert_one_step_matches_dtensor,
+    context,
+    make_config,
+    megatron_options,
+    policy,
+)
 
-from nrl_core.distributed.worker_group import InProcessGroup
-from nrl_core.policy import Policy
 from nrl_core.testing.batches import TokenMeanNLL, make_batch
 
 EXPERTS, TOP_K, WINDOW = 4, 2, 8
@@ -162,22 +167,7 @@ def test_gpt_oss_forward_negative_controls_differ(dropped, gpt_oss_path, pool1, 
 
 @requires_megatron
 def test_gpt_oss_train_step_matches_dtensor(gpt_oss_path, pool1, start_group):
-    config = make_config(gpt_oss_path)
-    batch = make_batch(8, seed=1)
-    reference = Policy.from_config(InProcessGroup(dtensor_worker(config)), config.policy)
-    want_lp = reference.get_logprobs(batch)
-    want = reference.train(batch, TokenMeanNLL())
-    want_after = reference.get_logprobs(batch)
-
-    megatron = policy(start_group(pool1, WORKER, (megatron_options(), context(config))), config)
-    got_lp = megatron.get_logprobs(batch)
-    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
-    got = megatron.train(batch, TokenMeanNLL())
-    for key in ("loss", "nll_sum", "tokens", "grad_norm"):
-        assert got[key] == pytest.approx(want[key], rel=1e-5), key
-    got_after = megatron.get_logprobs(batch)
-    assert (got_after - got_lp).abs().max() > 1e-4  # the step changed the model
-    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    assert_one_step_matches_dtensor(make_config(gpt_oss_path), pool1, start_group)
 
 
 @requires_megatron

@@ -81,8 +81,10 @@ def policy(group, config) -> Policy:
     return Policy.from_config(group, config.policy)
 
 
-def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
-    config = make_config(tiny_path, temperature=0.7)
+def assert_one_step_matches_dtensor(config, pool1, start_group):
+    """One training step of a one-rank Megatron policy against the dtensor policy on the same
+    batch: logprobs before and after, loss, NLL sum, tokens and grad norm; return ``(megatron
+    policy, batch, dtensor's logprobs before the step, megatron's step metrics, dtensor's)``."""
     batch = make_batch(8, seed=1)
     reference = Policy.from_config(InProcessGroup(dtensor_worker(config)), config.policy)
     want_lp = reference.get_logprobs(batch)
@@ -95,10 +97,18 @@ def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
     got = megatron.train(batch, TokenMeanNLL())
     for key in ("loss", "nll_sum", "tokens", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
-    assert got["lr"] == want["lr"]
     got_after = megatron.get_logprobs(batch)
     assert (got_after - got_lp).abs().max() > 1e-4  # the step changed the model
     torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    return megatron, batch, want_lp, got, want
+
+
+def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
+    config = make_config(tiny_path, temperature=0.7)
+    megatron, batch, want_lp, got, want = assert_one_step_matches_dtensor(
+        config, pool1, start_group
+    )
+    assert got["lr"] == want["lr"]
     # The reference stays at the initial weights.
     torch.testing.assert_close(
         megatron.get_logprobs(batch, reference=True), want_lp, rtol=0, atol=1e-5
