@@ -131,6 +131,26 @@ def test_engine_kwargs_from_config():
         VllmConfig(sleep_level=3)
 
 
+def test_llama4_engines_take_the_trainers_attention_temperature_tuning():
+    """vLLM reads Llama 4's temperature tuning from generation_config.json (off below 32K
+    context when unset), transformers from config.json: the engine gets config.json's value,
+    also from a multimodal config's text part; other models get no override."""
+    from transformers import Llama4Config, Llama4TextConfig, Qwen2Config
+
+    options = VllmConfig()
+    for config, expected in (
+        (Llama4TextConfig(), True),  # transformers' default
+        (Llama4TextConfig(attn_temperature_tuning=False), False),
+        (Llama4Config(text_config={"attn_temperature_tuning": True}), True),
+    ):
+        kw = engine_kwargs(options, "m", seed=0, hf_config=config)
+        assert kw["override_generation_config"] == {"attn_temperature_tuning": expected}
+    assert "override_generation_config" not in engine_kwargs(
+        options, "m", seed=0, hf_config=Qwen2Config()
+    )
+    assert "override_generation_config" not in engine_kwargs(options, "m", seed=0)
+
+
 def test_a_colocated_engine_sleeps_at_level_2_by_default():
     """Level 1 keeps a pinned host copy of every weight across each sleep, which the refit
     that always follows a wake-up overwrites; by default the engine drops them (level 2)."""

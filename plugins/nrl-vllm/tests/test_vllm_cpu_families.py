@@ -11,6 +11,8 @@ Marked ``vllm_cpu`` and ``slow``: each family starts its own engine (minutes on 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -88,6 +90,15 @@ def family_engine(request, tmp_path_factory, start_cpu_engines):
     family = request.param
     tiny = TINY.get(family, {})
     path = tiny_model_path(tmp_path_factory.mktemp(f"nrl-{family}"), arch=family, **tiny)
+    if family == "llama4":
+        # As in a checkpoint whose generation_config.json does not set the NoPE layers'
+        # attention temperature tuning: vLLM alone would leave it off below 32K context while
+        # the trainer applies config.json's (on), from position floor_scale - 1 = 7 on. The
+        # engine must follow the trainer's config (nrl_vllm.translate.trainer_generation_overrides).
+        generation_config = path / "generation_config.json"
+        settings = json.loads(generation_config.read_text())
+        del settings["attn_temperature_tuning"]
+        generation_config.write_text(json.dumps(settings))
     engines = start_cpu_engines(
         path, max_model_len=_max_model_len(family), cpu_dtype=CPU_DTYPE.get(family, "float32")
     )

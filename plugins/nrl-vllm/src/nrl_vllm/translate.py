@@ -149,6 +149,23 @@ def lora_kwargs(lora_rank: int) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1, "max_cpu_loras": 2}
 
 
+def trainer_generation_overrides(hf_config: Any) -> dict[str, Any]:
+    """The generation-config keys vLLM reads as *model* settings, set to the model config's
+    values that the trainer (transformers, or the Megatron converter from it) applies.
+
+    Llama 4's ``attn_temperature_tuning`` (the NoPE layers' query scaling): transformers reads
+    it from config.json (on by default), vLLM 0.32 from generation_config.json and, when that
+    file does not set it, only above 32K context (``Llama4ForCausalLM.__init__``). A checkpoint
+    without the key in generation_config.json would then generate under other attention than
+    the trainer's from position ``floor_scale - 1`` on (8191 by default): logprob mismatch that
+    grows with the sequence. Empty for models without such keys."""
+    text_config = (
+        hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    )
+    tuning = getattr(text_config, "attn_temperature_tuning", None)
+    return {} if tuning is None else {"attn_temperature_tuning": bool(tuning)}
+
+
 def engine_kwargs(
     options: Any,
     model: str,
@@ -157,6 +174,7 @@ def engine_kwargs(
     generation: Any | None = None,
     on_cpu: bool = False,
     lora_rank: int = 0,
+    hf_config: Any | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for ``generation.vllm``.
 
@@ -175,6 +193,8 @@ def engine_kwargs(
       ``gpu_memory_utilization`` of the host's memory (``vllm/v1/worker/cpu_worker.py``).
 
     ``lora_rank`` > 0: adapter-only LoRA refits (:func:`lora_kwargs`).
+
+    ``hf_config``: the model's transformers config, for :func:`trainer_generation_overrides`.
     """
     temperature = getattr(generation, "temperature", 1.0)
     top_p = getattr(generation, "top_p", 1.0)
@@ -209,6 +229,8 @@ def engine_kwargs(
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
     kwargs.update(lora_kwargs(lora_rank))
+    if hf_config is not None and (overrides := trainer_generation_overrides(hf_config)):
+        kwargs["override_generation_config"] = overrides
     return kwargs
 
 

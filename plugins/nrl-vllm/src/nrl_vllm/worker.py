@@ -104,6 +104,9 @@ class VllmGenerationWorker:
         config = context.config
         generation = getattr(config, "generation", None)
         model = resolve_model_name(config.policy.model_name)
+        # The config the trainer builds its model from (config.json only: no code runs).
+        from transformers import AutoConfig
+
         # Each engine gets its own seed stream: data-parallel engines must not sample alike.
         kwargs = engine_kwargs(
             self.options,
@@ -112,6 +115,7 @@ class VllmGenerationWorker:
             generation=generation,
             on_cpu=self.on_cpu,
             lora_rank=getattr(context, "lora_adapter_rank", 0),
+            hf_config=AutoConfig.from_pretrained(model),
         )
         self.rank = context.rank
         self.records_routing = _records_routing(config, kwargs)
