@@ -269,21 +269,28 @@ def test_three_grpo_steps_over_two_pipeline_stages(tmp_path, pool1, start_group)
 
 
 @pytest.mark.slow
-def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, start_group):
-    """Issue 52 item 2 (2 min 30 s on 2 shared cores, 2026-11-29): ``nrl run grpo`` with the Megatron policy at ``lora_rank=8`` and a
+def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool1, start_group):
+    """Issue 52 item 2: ``nrl run grpo`` with the Megatron policy at ``lora_rank=8`` and a
     separate torch engine (``generation.lora_refit``'s ``auto``: adapters): each step's refit
     moves the rank-8 adapters' float32 bytes, not the model's (the merged figure), and the
     engine's logprobs, with the new adapter applied by peft, equal the trainer's. Then
     ``nrl convert`` of the LoRA checkpoint writes the merged model, and with ``--lora adapters``
     a PEFT folder that peft loads on the base model: both give the logprobs of the policy that
-    loads the checkpoint."""
+    loads the checkpoint. One policy rank, so the run is in the ``nrl`` process without Ray
+    (the refit, convert and export do not depend on the rank count; LoRA over tensor, pipeline
+    and data-parallel ranks is test_lora.py's)."""
     import math
 
     from transformers import AutoModelForCausalLM
 
     from nrl_core.testing.tiny import lora_adapter_bytes, resolve_model_name
 
-    root = _grpo(tmp_path, "policy.megatron.lora_rank=8", "generation.torch.colocated=false")
+    root = _grpo(
+        tmp_path,
+        "policy.megatron.lora_rank=8",
+        "generation.torch.colocated=false",
+        "policy.num_workers=1",
+    )
     lines = (root / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines][1:]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -304,7 +311,7 @@ def test_three_grpo_steps_with_lora_refit_only_the_adapters(tmp_path, pool2, sta
     config = make_config("tiny")
     options = megatron_options()
     options.lora_rank = 8
-    group = start_group(pool2, WORKER, (options, context(config)))
+    group = start_group(pool1, WORKER, (options, context(config)))
     group.run_all("load_checkpoint", str(root / "ckpt" / "step_3" / "policy"))
     batch = make_batch(6, seed=7)
     want = Policy.from_config(group, config.policy).get_logprobs(batch)
