@@ -296,3 +296,39 @@ def test_llama4_checkpoint_layout_stream_and_export_are_the_checkpoint(
         assert torch.equal(exported[name], tensor), name
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert type(model).__name__ == "Llama4ForCausalLM"
+
+
+@pytest.mark.slow  # 2 gloo ranks, as test_moe.py's EP=2 test
+@requires_megatron
+def test_llama4_expert_parallel_two_ranks_match_one_rank(llama4_path, pool1, pool2, start_group):
+    """EP=2 on 2 gloo ranks (2 experts each, the shared expert and the router replicated;
+    allgather dispatcher, the sigmoid score applied on each gathered token's input) vs one
+    rank: the same logprobs before and after one step, loss and grad norm; each rank's refit
+    stream holds every checkpoint tensor once, bit for bit."""
+    from test_moe import moe_options
+
+    config = make_config(llama4_path)
+    batch = make_batch(8, seed=2)
+    single = policy(
+        start_group(pool1, WORKER, (moe_options(), context(config)), name="single"), config
+    )
+    want_lp = single.get_logprobs(batch)
+    want = single.train(batch, TokenMeanNLL())
+    want_after = single.get_logprobs(batch)
+
+    group = start_group(pool2, WORKER, (moe_options(2), context(config)))
+    checkpoint = hf_state(llama4_path)
+    for buckets in group.run_all("state_dict_buckets", 1 << 16):
+        sent = {k: v for bucket in buckets for k, v in bucket.items()}
+        assert sorted(k for bucket in buckets for k in bucket) == sorted(checkpoint)
+        for name, tensor in checkpoint.items():
+            assert torch.equal(sent[name], tensor), name
+
+    ep = policy(group, config)
+    torch.testing.assert_close(ep.get_logprobs(batch), want_lp, rtol=0, atol=1e-5)
+    got = ep.train(batch, TokenMeanNLL())
+    for key in ("loss", "nll_sum", "tokens", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    after = ep.get_logprobs(batch)
+    assert (after - want_lp).abs().max() > 1e-4  # the step changed the model
+    torch.testing.assert_close(after, want_after, rtol=0, atol=1e-5)
