@@ -55,16 +55,21 @@ class ForwardProbe:
         self.model = build_gpt_model(self.hf.config, transformer_config(self.hf.config)).eval()
         result = self.model.load_state_dict(state, strict=False)
         self._unloaded = [k for k in result.missing_keys if not k.endswith("._extra_state")]
-        if converter in ("no_sinks", "no_window"):
-            # Negative controls (gpt-oss): every attention without its sinks / its window.
+        # Negative controls: every attention without one of its options (gpt-oss: sinks,
+        # window; Llama 4: chunks, temperature tuning, q/k L2 norm).
+        dropped = {
+            "no_sinks": "softmax_offset",
+            "no_window": "window",
+            "no_chunks": "chunk",
+            "no_temperature": "temperature",
+            "no_qk_norm": "qk_norm_eps",
+        }.get(converter)
+        if dropped is not None:
             from nrl_megatron.model import SDPAttention
 
             for module in self.model.modules():
                 if isinstance(module, SDPAttention):
-                    if converter == "no_sinks":
-                        module.softmax_offset = None
-                    else:
-                        module.window = None
+                    setattr(module, dropped, None)
 
     def unloaded(self) -> list[str]:
         """The Megatron parameters the converted state dict did not provide (none for a

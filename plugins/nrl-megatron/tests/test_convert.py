@@ -121,7 +121,6 @@ def test_unsupported_architecture_is_a_user_error():
     [
         ("qwen3_5", "Gated DeltaNet"),
         ("qwen3_5_moe", "Gated DeltaNet"),
-        ("llama4", "chunked attention"),
     ],
 )
 def test_new_families_are_refused_in_one_line_naming_the_layer(arch, layer, tmp_path):
@@ -136,3 +135,16 @@ def test_new_families_are_refused_in_one_line_naming_the_layer(arch, layer, tmp_
         ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
     message = str(caught.value)
     assert "\n" not in message and "policy.backend=dtensor" in message
+
+
+def test_llama4_vision_language_checkpoint_is_refused_in_one_line():
+    """Llama 4's text model (``llama4_text``) converts (test_llama4.py); the published
+    checkpoints' vision-language config (``llama4``) names a vision tower the converter does
+    not map."""
+    from transformers import Llama4Config
+
+    with pytest.raises(ConversionError, match="vision tower") as caught:
+        ModelShape.from_hf_config(Llama4Config())
+    message = str(caught.value)
+    assert "\n" not in message and "llama4_text" in message
+    assert "policy.backend=dtensor" in message

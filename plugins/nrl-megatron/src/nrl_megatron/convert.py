@@ -1,5 +1,5 @@
 """Hugging Face <-> Megatron-Core weight conversion for Llama- and Qwen2-family models, and
-Qwen3-MoE and gpt-oss mixtures of experts.
+Qwen3-MoE, gpt-oss and Llama 4 mixtures of experts.
 
 Pure torch (no megatron import), so the layout logic is testable anywhere.
 
@@ -39,6 +39,16 @@ de-interleaved ``[gate; up]`` transposed to ``[2 * width, hidden]`` (its bias th
 de-interleaving of ``gate_up_proj_bias[e]``), ``linear_fc2.weight`` is ``down_proj[e]``
 transposed, ``linear_fc2.bias`` is ``down_proj_bias[e]``.
 
+Llama 4's text model (``model_type`` ``llama4_text``, every layer a mixture of experts with a
+shared expert): the MLP is ``feed_forward.*``; the router is ``mlp.router.weight``
+(``feed_forward.router.weight``); the stacked experts are input-major like gpt-oss's but with
+gate and up *not* interleaved (``gate_up_proj`` ``[experts, hidden, 2 * width]``, the gate
+columns then the up columns, as transformers' ``Llama4TextExperts`` chunks them): expert
+``e``'s ``linear_fc1.weight`` is ``gate_up_proj[e]`` transposed (already ``[gate; up]``),
+``linear_fc2.weight`` is ``down_proj[e]`` (``[width, hidden]``) transposed; the shared expert
+``feed_forward.shared_expert.{gate,up,down}_proj`` is ``mlp.shared_experts.linear_fc1``
+(``[gate; up]``) and ``linear_fc2``. Its q/k L2 norm has no weight, so nothing to convert.
+
 Tied embeddings: Megatron keeps one tensor (``embedding.word_embeddings.weight``) and the
 output layer reuses it; exporting writes only ``model.embed_tokens.weight`` (HF re-ties it).
 """
@@ -53,25 +63,23 @@ import torch
 
 from nrl_core.errors import NrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe", "gpt_oss", "llama4_text")
 
 _GDN = (
     "Qwen3.5's Gated DeltaNet layers (layer_types 'linear_attention') are not converted: "
     "megatron-core's GatedDeltaNet (0.16 and 0.19) runs only on flash-linear-attention's CUDA "
     "kernels, so its forward cannot be checked against transformers' here"
 )
-_LLAMA4 = (
-    "Llama 4's chunked attention layers (attention_chunk_size), NoPE layers with attention "
-    "temperature tuning and its sigmoid router weighting the experts' input are not mapped "
-    "yet (megatron-core 0.16 and 0.19 have no chunked local attention)"
+_LLAMA4_VLM = (
+    "the Llama 4 vision-language checkpoint's vision tower and projector are not mapped (its "
+    "text model, model_type 'llama4_text', is)"
 )
 REFUSED_LAYERS = {
     "qwen3_5": _GDN,
     "qwen3_5_text": _GDN,
     "qwen3_5_moe": _GDN,
     "qwen3_5_moe_text": _GDN,
-    "llama4": _LLAMA4,
-    "llama4_text": _LLAMA4,
+    "llama4": _LLAMA4_VLM,
 }
 """Model families transformers ships that the converter refuses, each with the layer that it
 cannot map (docs/megatron.md, "Model families")."""
@@ -83,7 +91,7 @@ class ConversionError(NrlError):
 
 @attrs.frozen
 class ModelShape:
-    """What the converter needs to know about a Llama/Qwen2/Qwen3-MoE/gpt-oss model."""
+    """What the converter needs to know about a Llama/Qwen2/Qwen3-MoE/gpt-oss/Llama 4 model."""
 
     num_layers: int
     hidden_size: int
@@ -111,6 +119,9 @@ class ModelShape:
     ``add_bias_linear``)."""
     attention_sinks: bool = False
     """A learned per-head logit in each attention softmax's denominator (gpt-oss)."""
+    shared_expert_size: int = 0
+    """The intermediate width of a shared expert every token passes through beside its routed
+    ones (Llama 4); 0: none."""
 
     @property
     def heads_per_group(self) -> int:
@@ -144,6 +155,8 @@ class ModelShape:
             moe = _qwen3_moe_settings(config)
         if model_type == "gpt_oss":
             moe = _gpt_oss_settings(config)
+        if model_type == "llama4_text":
+            moe = _llama4_settings(config)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -203,6 +216,47 @@ def _gpt_oss_settings(config: Any) -> dict[str, Any]:
     }
 
 
+def _llama4_settings(config: Any) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelShape` for a ``Llama4TextConfig``; refuses in one line
+    what the Megatron layers here do not reproduce:
+
+    - top-k > 1: Megatron applies the routing weight on the experts' input
+      (``moe_apply_probs_on_input``, as transformers' ``Llama4TextMoe`` does) for top-1 only,
+      and renormalises sigmoid top-k scores, which transformers does not (Scout and Maverick
+      are top-1);
+    - dense layers between the MoE ones (``interleave_moe_layer_step`` > 1, ``moe_layers``):
+      every Megatron layer here has the same MLP;
+    - attention biases: Megatron's one ``add_bias_linear`` would give the experts biases too.
+    """
+    top_k = config.num_experts_per_tok
+    if top_k != 1:
+        raise ConversionError(
+            f"Llama 4 with num_experts_per_tok={top_k} is not supported by the megatron policy "
+            "(its routing weight scales the experts' input, which Megatron does for top-1 "
+            "only); use policy.backend=dtensor"
+        )
+    moe_layers = list(getattr(config, "moe_layers", None) or [])
+    if moe_layers != list(range(config.num_hidden_layers)):
+        raise ConversionError(
+            f"Llama 4 with dense layers between the MoE ones (moe_layers={moe_layers}, "
+            f"interleave_moe_layer_step={getattr(config, 'interleave_moe_layer_step', None)}) "
+            "is not supported by the megatron policy; use policy.backend=dtensor"
+        )
+    if getattr(config, "attention_bias", False):
+        raise ConversionError(
+            "Llama 4 with attention_bias=True is not supported by the megatron policy (Megatron "
+            "biases all linears or none); use policy.backend=dtensor"
+        )
+    return {
+        "num_experts": config.num_local_experts,
+        "num_experts_per_tok": top_k,
+        "moe_ffn_hidden_size": config.intermediate_size,
+        # One sigmoid score per token: nothing to renormalise.
+        "norm_topk_prob": False,
+        "shared_expert_size": config.intermediate_size,
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # QKV and gate/up fusion
 
@@ -253,6 +307,11 @@ def _layer_names(te: bool, shape: ModelShape | None = None) -> dict[str, str]:
     if gpt_oss:
         names["mlp.router.weight"] = "mlp.router.weight"
         names["mlp.router.bias"] = "mlp.router.bias"
+    elif shape is not None and shape.model_type == "llama4_text":
+        names["mlp.router.weight"] = "feed_forward.router.weight"
+        names["mlp.shared_experts.linear_fc2.weight"] = (
+            "feed_forward.shared_expert.down_proj.weight"
+        )
     elif moe:
         names["mlp.router.weight"] = "mlp.gate.weight"
     else:
@@ -283,15 +342,28 @@ _GPT_OSS_EXPERTS = {
 }
 
 
+_LLAMA4_EXPERTS = {
+    "linear_fc1.weight": "feed_forward.experts.gate_up_proj",
+    "linear_fc2.weight": "feed_forward.experts.down_proj",
+}
+
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+"""Inside a Megatron MoE layer: the shared expert's ``[gate; up]`` (Llama 4)."""
+
+
 def _hf_experts(shape: ModelShape) -> dict[str, str]:
     """Megatron expert tensor kind -> the HF stacked tensor (per layer) it is one row of."""
+    if shape.model_type == "llama4_text":
+        return _LLAMA4_EXPERTS
     return _GPT_OSS_EXPERTS if shape.model_type == "gpt_oss" else _HF_EXPERTS
 
 
 def _expert_to_megatron(kind: str, part: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """One expert's slice of an HF stacked tensor -> its Megatron tensor ``kind``. Qwen3-MoE's
     are already Megatron's (views, no copy); gpt-oss's are input-major and interleave gate and
-    up columns (module docstring)."""
+    up columns, Llama 4's are input-major only (module docstring)."""
+    if shape.model_type == "llama4_text":  # [hidden, 2w] gate then up, [w, hidden]
+        return part.t().contiguous()
     if shape.model_type != "gpt_oss":
         return part
     if kind == "linear_fc1.weight":  # [hidden, 2w] interleaved -> [gate; up] as [2w, hidden]
@@ -305,6 +377,8 @@ def _expert_to_megatron(kind: str, part: torch.Tensor, shape: ModelShape) -> tor
 
 def _expert_to_hf(kind: str, tensor: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """Inverse of :func:`_expert_to_megatron` (one expert, before stacking)."""
+    if shape.model_type == "llama4_text":
+        return tensor.t()
     if shape.model_type != "gpt_oss":
         return tensor
     if kind in ("linear_fc1.weight", "linear_fc1.bias"):
@@ -350,6 +424,11 @@ def megatron_to_hf_names(shape: ModelShape, te: bool = False) -> dict[str, list[
             for e in range(shape.num_experts):
                 for kind, hf_name in _hf_experts(shape).items():
                     names[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = [hf + hf_name]
+            if shape.shared_expert_size:
+                names[mg + SHARED_FC1] = [
+                    hf + "feed_forward.shared_expert.gate_proj.weight",
+                    hf + "feed_forward.shared_expert.up_proj.weight",
+                ]
             continue
         names[mg + "mlp.linear_fc1.weight"] = [
             hf + "mlp.gate_proj.weight",
@@ -396,6 +475,11 @@ def hf_to_megatron(
                         out[f"{mg}{EXPERT_PREFIX}{e}.{kind}"] = _expert_to_megatron(
                             kind, part, shape
                         )
+                if shape.shared_expert_size:
+                    shared = p + "feed_forward.shared_expert."
+                    out[mg + SHARED_FC1] = torch.cat(
+                        [hf[shared + "gate_proj.weight"], hf[shared + "up_proj.weight"]], dim=0
+                    )
                 continue
             out[mg + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
@@ -405,8 +489,8 @@ def hf_to_megatron(
             out["output_layer.weight"] = hf["lm_head.weight"]
     except KeyError as missing:
         raise ConversionError(
-            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2/Qwen3-MoE/gpt-oss "
-            "causal LM (loaded with transformers 5, which stacks each layer's experts)?"
+            f"the Hugging Face checkpoint lacks {missing}; is it a Llama/Qwen2/Qwen3-MoE/gpt-oss/"
+            "Llama 4 causal LM (loaded with transformers 5, which stacks each layer's experts)?"
         ) from None
     return out
 
@@ -457,6 +541,11 @@ def iter_megatron_to_hf(
             prefix = "model.layers." + name.split(".")[2] + ".self_attn."
             for proj, part in zip("qkv", split_qkv(tensor, shape), strict=True):
                 yield f"{prefix}{proj}_proj.{kind}", part
+        elif name.endswith(SHARED_FC1):
+            prefix = "model.layers." + name.split(".")[2] + ".feed_forward.shared_expert."
+            gate, up = torch.chunk(tensor, 2, dim=0)
+            yield prefix + "gate_proj.weight", gate.clone()
+            yield prefix + "up_proj.weight", up.clone()
         elif name.endswith("mlp.linear_fc1.weight"):
             prefix = "model.layers." + name.split(".")[2] + ".mlp."
             gate, up = torch.chunk(tensor, 2, dim=0)

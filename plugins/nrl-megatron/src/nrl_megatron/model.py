@@ -20,6 +20,13 @@ and the sliding window of the layers ``window_attn_skip_freq`` marks. YaRN RoPE
 (:func:`yarn_inv_freq`): transformers' frequencies in the rotary embedding, its cos/sin factor
 squared into ``softmax_scale``.
 
+Llama 4 (:func:`llama4_settings`, :class:`Llama4Attention`): megatron-core's interleaved RoPE
+(``rotary_interleaved``), its RoPE skipped on the NoPE layers (``no_rope_freq``, which
+megatron-core's ``Attention.forward`` reads), the sigmoid top-1 router weighting the experts'
+input (``moe_apply_probs_on_input``) and the shared expert; :class:`SDPAttention` for the
+chunked attention, the q/k L2 norm of the RoPE layers and the attention temperature tuning of
+the NoPE layers.
+
 On CPU the rotary embedding is also replaced by :class:`DeviceRotaryEmbedding`: Megatron-Core
 0.16's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` on
 the first forward; for the same reason an MoE layer's router is :class:`DeviceTopKRouter`.
@@ -33,6 +40,7 @@ import functools
 import math
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -54,6 +62,52 @@ from nrl_megatron.grouped_experts import GroupedMatmulExperts
 
 class MegatronModelError(NrlError):
     """The Hugging Face model uses a feature this Megatron builder does not reproduce."""
+
+
+@attrs.frozen
+class Llama4Attention:
+    """What Llama 4's attention adds to a plain causal one, per layer (transformers 5's
+    ``Llama4TextAttention``, ``create_chunked_causal_mask``), for :class:`SDPAttention`."""
+
+    chunked: tuple[bool, ...]
+    """Per layer: query ``i`` sees keys ``j <= i`` of its own chunk only (``i // chunk_size ==
+    j // chunk_size``); the ``chunked_attention`` of ``layer_types``."""
+    chunk_size: int
+    rope: tuple[bool, ...]
+    """Per layer: RoPE applied (``no_rope_layers``, 1: RoPE); the others are NoPE layers."""
+    qk_norm_eps: float | None
+    """On the RoPE layers: the weightless L2 norm ``x / sqrt(mean(x^2) + eps)`` of each query
+    and key head after RoPE (``use_qk_norm``); None: off."""
+    temperature: tuple[float, float] | None
+    """``(floor_scale, attn_scale)``: on the NoPE layers each query at position ``p`` (from 0
+    in its sample) is scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``
+    (``attn_temperature_tuning``); None: off."""
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> Llama4Attention:
+        """The settings of a ``Llama4TextConfig``."""
+        layers = hf_config.num_hidden_layers
+        types = list(hf_config.layer_types)
+        rope = [bool(r) for r in hf_config.no_rope_layers]
+        if len(types) != layers or len(rope) != layers:
+            raise MegatronModelError(
+                f"Llama 4 layer_types {types} / no_rope_layers {hf_config.no_rope_layers} do "
+                f"not name each of the {layers} layers"
+            )
+        if not set(types) <= {"chunked_attention", "full_attention"}:
+            raise MegatronModelError(
+                f"Llama 4 layer_types {types}: only 'chunked_attention'/'full_attention' run"
+            )
+        tuning = bool(getattr(hf_config, "attn_temperature_tuning", False))
+        return cls(
+            chunked=tuple(t == "chunked_attention" for t in types),
+            chunk_size=int(hf_config.attention_chunk_size or 0),
+            rope=tuple(rope),
+            qk_norm_eps=float(hf_config.rms_norm_eps) if hf_config.use_qk_norm else None,
+            temperature=(float(hf_config.floor_scale), float(hf_config.attn_scale))
+            if tuning
+            else None,
+        )
 
 
 class SDPAttention(MegatronModule):
@@ -79,8 +133,13 @@ class SDPAttention(MegatronModule):
       ``right`` must be 0). A Hugging Face ``sliding_window`` of ``w`` tokens is ``left = w -
       1`` (transformers' mask keeps ``kv > q - w``).
 
-    Either one runs the attention as explicit float32 matrix products (``[b, heads, s, s]``
-    scores) instead of the fused kernel.
+    And Llama 4's (``llama4``, a :class:`Llama4Attention`, given by the layer spec): on its
+    chunked layers the chunk mask, on its RoPE layers the q/k L2 norm, on its NoPE layers the
+    temperature tuning, each query's position counted from its sample's start (the packed path
+    attends per sample).
+
+    The sinks, a window, chunks or the temperature tuning run the attention as explicit
+    float32 matrix products (``[b, heads, s, s]`` scores) instead of the fused kernel.
     """
 
     def __init__(
@@ -93,6 +152,7 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        llama4: Llama4Attention | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -123,6 +183,17 @@ class SDPAttention(MegatronModule):
                     f"{right}): right must be 0)"
                 )
             self.window = left
+        self.chunk = None
+        self.qk_norm_eps = None
+        self.temperature = None
+        if llama4 is not None:
+            layer = layer_number - 1  # Megatron numbers layers from 1
+            if llama4.chunked[layer]:
+                self.chunk = llama4.chunk_size
+            if llama4.rope[layer]:
+                self.qk_norm_eps = llama4.qk_norm_eps
+            else:
+                self.temperature = llama4.temperature
         self.softmax_offset = None
         if config.softmax_type == "learnable":
             # Zeros until the checkpoint's sinks are loaded (perform_initialization is off).
@@ -154,6 +225,9 @@ class SDPAttention(MegatronModule):
         d]``, each sample attending causally within itself only."""
         if attention_bias is not None:
             raise MegatronModelError("SDPAttention does not support attention biases")
+        if self.qk_norm_eps is not None:
+            # Per token and head, so the same in the padded and the packed layout.
+            query, key = _l2_norm(query, self.qk_norm_eps), _l2_norm(key, self.qk_norm_eps)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         # [s, b, n, d] -> [b, n, s, d]
@@ -164,7 +238,8 @@ class SDPAttention(MegatronModule):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal SDPA on ``[b, n, s, d]`` query and ``[b, g, s, d]`` key/value."""
-        if self.softmax_offset is not None or self.window is not None:
+        explicit = (self.softmax_offset, self.window, self.chunk, self.temperature)
+        if any(option is not None for option in explicit):
             return self._explicit(q, k, v)
         return F.scaled_dot_product_attention(
             q,
@@ -177,8 +252,8 @@ class SDPAttention(MegatronModule):
         )
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """:meth:`_sdpa` with the sliding window and the sinks (class docstring), the scores
-        and softmax in float32."""
+        """:meth:`_sdpa` with the sliding window, the sinks, the chunks and the temperature
+        tuning (class docstring), the scores and softmax in float32."""
         s_q, s_k = q.shape[2], k.shape[2]
         if k.shape[1] != q.shape[1]:  # grouped-query attention: head i reads group i // rep
             rep = q.shape[1] // k.shape[1]
@@ -189,7 +264,15 @@ class SDPAttention(MegatronModule):
         allowed = kj <= qi
         if self.window is not None and self.window >= 0:  # -1: unbounded (megatron-core's)
             allowed &= kj >= qi - self.window
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+        if self.chunk is not None:
+            allowed &= kj // self.chunk == qi // self.chunk
+        q = q.float()
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            position = qi[:, 0].float()
+            scale = torch.log1p(torch.floor((position + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = q * scale[:, None]  # [s_q, 1] against [b, n, s_q, d]
+        scores = torch.matmul(q, k.float().transpose(-1, -2)) * self.softmax_scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         if self.softmax_offset is not None:
             sink = self.softmax_offset.float().reshape(1, -1, 1, 1)
@@ -225,6 +308,13 @@ class SDPAttention(MegatronModule):
             lambda q, k, v: self._sdpa(q, k, v).transpose(1, 2),
         )
         return out.reshape(out.shape[0], -1)
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's weightless q/k norm over the head dimension, in float32 (transformers'
+    ``Llama4TextL2Norm``; megatron-core's ``L2Norm`` computes the same before RoPE)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class DeviceRotaryEmbedding(RotaryEmbedding):
@@ -491,6 +581,27 @@ def gpt_oss_settings(hf_config: Any, shape: ModelShape) -> dict[str, Any]:
     }
 
 
+def llama4_settings(hf_config: Any, shape: ModelShape) -> dict[str, Any]:
+    """The ``TransformerConfig`` attention fields that make a Megatron layer a Llama 4 one
+    (empty for other families), checked against transformers 5's ``modeling_llama4``:
+
+    - RoPE on (query, key) pairs of adjacent dimensions (transformers multiplies them as
+      complex numbers): ``rotary_interleaved``;
+    - no RoPE on the NoPE layers: ``no_rope_freq`` (1: skipped), the complement of
+      transformers' ``no_rope_layers`` (1: applied).
+
+    Its MoE fields are :func:`moe_settings`'; the chunks, the L2 norm and the temperature
+    tuning are :class:`Llama4Attention`'s, given to :class:`SDPAttention` by the layer spec.
+    """
+    if shape.model_type != "llama4_text":
+        return {}
+    no_rope = [0 if rope else 1 for rope in Llama4Attention.from_hf_config(hf_config).rope]
+    return {
+        "rotary_interleaved": True,
+        "no_rope_freq": no_rope if any(no_rope) else None,
+    }
+
+
 UNFUSED: dict[str, bool] = {
     "persist_layer_norm": False,
     "masked_softmax_fusion": False,
@@ -541,6 +652,7 @@ def transformer_config(
         "activation_func": F.silu,
         "add_bias_linear": shape.linear_bias,
         **gpt_oss_settings(hf_config, shape),
+        **llama4_settings(hf_config, shape),
     }
     if _is_yarn(hf_config):
         family["softmax_scale"] = yarn_inv_freq(hf_config)[1] ** 2 / math.sqrt(shape.head_dim)
@@ -603,6 +715,13 @@ def moe_settings(
       in HF; no token is ever dropped), no expert bias, no token-drop padding;
     - auxiliary loss off (``moe_router_load_balancing_type="none"``, ``moe_aux_loss_coeff=0``;
       docs/moe.md gives why), no z-loss.
+
+    Llama 4 (``Llama4TextMoe``): the router's top-1 logit through a sigmoid, that score
+    multiplying the expert's *input* (``moe_router_score_function='sigmoid'``,
+    ``moe_apply_probs_on_input``; top-1 only, :class:`~nrl_megatron.convert.ModelShape`
+    refuses more), and a shared expert of its width added to every token's output
+    (``moe_shared_expert_intermediate_size``, ungated, not overlapped: the overlap's CUDA
+    stream cannot be built on CPU).
     """
     if not shape.is_moe:
         return {}
@@ -632,11 +751,26 @@ def moe_settings(
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
         "moe_shared_expert_intermediate_size": None,
+        **_llama4_moe(shape),
     }
 
 
-def local_layer_spec(shape: ModelShape) -> ModuleSpec:
-    """Megatron-Core's local layer spec with :class:`SDPAttention`; for MoE, the
+def _llama4_moe(shape: ModelShape) -> dict[str, Any]:
+    """:func:`moe_settings`' Llama 4 fields (empty for other families)."""
+    if shape.model_type != "llama4_text":
+        return {}
+    return {
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_apply_probs_on_input": True,
+        "moe_shared_expert_intermediate_size": shape.shared_expert_size,
+        "moe_shared_expert_overlap": False,
+    }
+
+
+def local_layer_spec(shape: ModelShape, hf_config: Any = None) -> ModuleSpec:
+    """Megatron-Core's local layer spec with :class:`SDPAttention` (for Llama 4 given its
+    :class:`Llama4Attention` from ``hf_config``); for MoE, the
     :class:`DeviceTopKRouter` and :class:`~nrl_megatron.grouped_experts.GroupedMatmulExperts`
     (on CPU and GPU alike: on CPU its float32 output and gradients equal ``SequentialMLP``'s
     bit for bit, and it is faster there too, see docs/megatron.md)."""
@@ -651,6 +785,12 @@ def local_layer_spec(shape: ModelShape) -> ModuleSpec:
     )
     attention: ModuleSpec = spec.submodules.self_attention
     attention.submodules.core_attention = SDPAttention
+    if shape.model_type == "llama4_text":
+        if hf_config is None:
+            raise MegatronModelError("a Llama 4 layer spec needs its Hugging Face config")
+        attention.submodules.core_attention = ModuleSpec(
+            module=SDPAttention, params={"llama4": Llama4Attention.from_hf_config(hf_config)}
+        )
     if shape.is_moe:
         moe = moe_submodules(spec.submodules.mlp)
         # On GPU too: without Transformer Engine Megatron's own gate raises NameError.
@@ -746,7 +886,7 @@ def build_gpt_model(
 
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = local_layer_spec(shape)
+        spec = local_layer_spec(shape, hf_config)
     rope = rope_settings(hf_config)
     model = GPTModel(
         config=config,
