@@ -6,6 +6,7 @@ and inspects them from outside, through ``/proc``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -605,11 +606,13 @@ set-up before it starts the GCS)."""
 
 
 def _phase_times(path: Path, temp_seen: float) -> dict[str, float]:
-    """Each phase's first mark (a retried start marks again), ``temp`` as the test saw it."""
+    """Each phase's first mark (a retried start marks again); ``temp`` when the test saw the
+    folder, or at the first mark if the driver was quicker than the test's look."""
     times = {"temp": temp_seen}
     for line in path.read_text().splitlines() if path.exists() else []:
         phase, at = line.split()
         times.setdefault(phase, float(at))
+    times["temp"] = min(times.values())
     return times
 
 
@@ -629,20 +632,27 @@ def _ctrl_c_during(script: Path, phases: Path, aim: str, delay: float) -> tuple:
     )
     seen: set[int] = set()
     try:
+        # Polled every 2 ms, and /proc scanned for the driver's processes only every 50 ms
+        # (a scan takes tens of ms on a loaded machine): the core worker's connecting took
+        # 36 ms here (nrl's set-up and Ray's ~30 ms each, the GCS 4 s, the registering 5 s);
+        # a slower loop sent its Ctrl-C after that phase.
         deadline = time.monotonic() + 120
-        temp_seen = None
+        temp_seen, scanned = None, 0.0
         while proc.poll() is None and time.monotonic() < deadline:
             if temp_seen is None and any(p.name.startswith("nrl-ray-") for p in tmp_root.iterdir()):
                 temp_seen = time.monotonic()
             if temp_seen is not None and aim in _phase_times(phases, temp_seen):
                 break
-            seen |= descendants(proc.pid)
-            time.sleep(0.01)
+            if time.monotonic() - scanned > 0.05:
+                seen |= descendants(proc.pid)
+                scanned = time.monotonic()
+            time.sleep(0.002)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         until = _phase_times(phases, temp_seen)[aim] + delay
-        while time.monotonic() < until:
+        while time.monotonic() < until - 0.06:
             seen |= descendants(proc.pid)
-            time.sleep(0.02)
+            time.sleep(0.01)
+        time.sleep(max(0.0, until - time.monotonic()))
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -656,7 +666,7 @@ def _ctrl_c_during(script: Path, phases: Path, aim: str, delay: float) -> tuple:
             for p in [d, *d.rglob("*")]
         )[:20]
         times = _phase_times(phases, temp_seen)
-        landed = max((t, p) for p, t in times.items() if t <= sent)[1]
+        landed = max((t, _START_PHASES.index(p), p) for p, t in times.items() if t <= sent)[2]
         return proc.returncode, left, err.strip().splitlines()[-2:], landed, times
     finally:
         if proc.poll() is None:
@@ -673,22 +683,30 @@ def test_ctrl_c_at_any_moment_of_the_ray_start_exits_130_and_leaves_nothing(tmp_
     Ray's, the GCS, the raylet and its agents, the raylet registering, the core worker
     connecting, nrl's handlers, the started head): exit 130 every time, nothing left.
 
-    Each Ctrl-C is aimed at a phase's middle, by the phases' lengths in a first start (the one
-    Ctrl-C'd after it started), and sent once that phase began: eight starts. It used to be
-    fourteen at fixed delays (every 0.3 s over 3 s from the temp folder, then three later),
-    each with its own Ray start (this test's cost); the start takes 3-8 s here and its phases
-    shift with the load, so fixed delays hit the long phases many times and a short one (the
-    GCS's) by chance. The phases the Ctrl-C's landed in are printed (a phase of a few ms, as
-    nrl's handlers', may be over before the signal arrives)."""
+    Each Ctrl-C is aimed at a phase's middle (the GCS's also at a quarter and three
+    quarters), by the phases' lengths in a first start (the one Ctrl-C'd after it started),
+    and sent once that phase began: ten starts. It used to be fourteen at fixed delays (every
+    0.3 s over 3 s from the temp folder, then three later), each with its own Ray start (this
+    test's cost); the start takes 3-10 s here and its phases shift with the load, so fixed
+    delays hit the long phases (the GCS's, the registering) many times and the short ones
+    (nrl's and Ray's set-up, the core worker's connecting: tens of ms) by chance. The phases
+    the Ctrl-C's landed in are printed (nrl's handlers' phase, ~1 ms, is usually over before
+    the signal arrives)."""
     script = tmp_path / "driver.py"
     script.write_text(_START_THEN_WAIT)
     first = _ctrl_c_during(script, tmp_path / "phases-first", "started", 0.5)
     results = [("started", *first[:4])]
     times = first[4]
     assert list(times) == list(_START_PHASES), times  # every phase marked, in order
-    for k, phase in enumerate(_START_PHASES[:-1]):  # the middle of each phase before
-        length = times[_START_PHASES[k + 1]] - times[phase]
-        got = _ctrl_c_during(script, tmp_path / f"phases-{k}", phase, length / 2)
+    lengths = {p: round(times[q] - times[p], 3) for p, q in itertools.pairwise(_START_PHASES)}
+    print("phases (s):", lengths)
+    # The middle of each phase before it started, and a quarter and three quarters into the
+    # GCS's (4 s of a 9 s start here): under load, a Ctrl-C there has left files in the temp
+    # folder after the clean-up (written by a process of that phase).
+    aims = [(p, length / 2) for p, length in lengths.items()]
+    aims += [("gcs", lengths["gcs"] / 4), ("gcs", lengths["gcs"] * 3 / 4)]
+    for k, (phase, delay) in enumerate(aims):
+        got = _ctrl_c_during(script, tmp_path / f"phases-{k}", phase, delay)
         results.append((phase, *got[:4]))
     print("aimed at -> landed in:", [(r[0], r[4]) for r in results])
     bad = [r for r in results if r[1] != 130 or r[2]]
