@@ -35,7 +35,17 @@ from nrl_core.losses.config import ClippedPGConfig
 from tests.algorithms.test_grpo_cli import TINY, metrics, run_nrl
 from tests.losses.helpers import global_stats, loss_and_grad
 
-SEPARATE = ["generation.colocated=false", "generation.num_engines=1", "grpo.max_num_steps=4"]
+ONE_RANK = "policy.num_workers=1"
+"""For the asynchronous runs: what they test is the producer, the engines and the weights'
+versions, none of which depends on the policy's rank count, and their separate engines keep
+the run on Ray all the same (one rank process fewer per run: ~6 CPU-s, docs/testing.md).
+A refit from 2 sharded ranks to a separate engine is test_grpo_cli.py's LoRA run's."""
+SEPARATE = [
+    "generation.colocated=false",
+    "generation.num_engines=1",
+    "grpo.max_num_steps=4",
+    ONE_RANK,
+]
 
 
 def _comparable(record: dict) -> dict:
@@ -111,6 +121,7 @@ def test_groups_stream_one_call_each_across_two_engines_with_in_flight_refits(tm
         "generation.colocated=false",
         "generation.num_engines=2",
         "grpo.max_num_steps=4",
+        ONE_RANK,
         "grpo.async.enabled=true",
         "grpo.async.max_trajectory_age_steps=1",
         "grpo.async.groups_per_call=1",
@@ -193,7 +204,7 @@ def test_a_killed_engine_is_replaced_and_the_run_loses_no_group(tmp_path):
         sys.executable, "-m", "nrl_core.cli", "run", "grpo", "-q",
         f"logger.log_dir={tmp_path}", "logger.run_name=run",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", *TINY,
-        "generation.colocated=false", "generation.num_engines=2",
+        "generation.colocated=false", "generation.num_engines=2", ONE_RANK,
         f"grpo.max_num_steps={steps}", "grpo.val_period=0", "grpo.async.enabled=true",
         "grpo.async.groups_per_call=1", "grpo.async.replace_dead_engines=true",
         "logger.sample_period=1", "logger.num_samples=16",  # every trained sample

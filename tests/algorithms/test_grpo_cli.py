@@ -463,6 +463,9 @@ def test_uv_run_no_sync_with_relative_paths_writes_checkpoints_with_weights(tmp_
         "uv", "run", "--project", str(repo), "--no-sync", "nrl", "run", "grpo", "-q",
         "logger.log_dir=logs", "logger.run_name=run", "checkpointing.checkpoint_dir=ckpt",
         *TINY, "grpo.sft_warmup_steps=0", "grpo.max_num_steps=1", "grpo.val_period=0",
+        # One rank, on Ray all the same: a Ray worker's folder and interpreter are the point,
+        # and one worker writes the whole checkpoint as two would (one process fewer).
+        "policy.num_workers=1", "cluster.backend=local",
     ]  # fmt: skip
     result = subprocess.run(
         command,

@@ -190,7 +190,9 @@ def test_the_real_bundles_install_through_the_chains_steps(tmp_path):
     # Call 1's install, as far as it runs without the image (torch, ...; its install.sh ran on
     # the H100): the image's small packages that the editable installs and nrl_core's import
     # need (from PyPI), then the bundle's wheels and nrl's packages as install.sh installs them.
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # --no-compile, as install.sh's pip: compiling every file of Ray's wheel (and the rest) to
+    # bytecode up front is most of this install's CPU time, and no step of the chain needs it.
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     subprocess.run([*pip, *IMAGE_PACKAGES], check=True, timeout=300)
     wheels = sorted(str(p) for p in (out / "carry1").glob("*.whl"))
     subprocess.run([*pip, "--no-index", "--no-deps", *wheels], check=True, timeout=300)

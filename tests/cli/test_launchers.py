@@ -39,6 +39,11 @@ TINY = [
     "checkpointing.enabled=false",
     "cluster.num_cpus=2",
     "seed=7",
+    # One policy rank, still on Ray (`auto` would host it in the `nrl` process, where no Ray
+    # worker starts and the uv-run hook could not show): one worker process is what the hook
+    # would have given a throw-away venv, and the runs' numbers do not depend on the rank count.
+    "policy.num_workers=1",
+    "cluster.backend=local",
 ]
 TIME_KEYS = ("timing/", "throughput/")  # and rates such as refit/gb_per_s
 

@@ -32,6 +32,9 @@ def test_two_grpo_steps_on_a_gym_task_and_arithmetic(tmp_path):
             str(CONFIG),
             f"logger.log_dir={tmp_path}",
             "cluster.num_cpus=2",
+            # One policy rank, not the example's two (a process fewer): what is tested is Gym's
+            # servers, its agent and the rewards, not the ranks; Gym keeps the run on Ray.
+            "policy.num_workers=1",
         ],
         cwd=REPO,
         capture_output=True,
