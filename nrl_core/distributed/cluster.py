@@ -446,17 +446,10 @@ class LocalCluster:
         self._stop_attempt(ray)
         self.failed = True
         keep, ours = self.keep_temp_on_failure, self._temp_pending
+        watcher = self._reaper.pid if self._reaper is not None else None
         self._shutdown(keep_temp=keep, say=True)
         if ours and not keep:
-            # A Ctrl-C from the terminal reaches Ray's processes too: an agent whose raylet
-            # died with it is nobody's child (not found to be stopped) and may still write
-            # its log into the folder just removed. Remove it again once it has had time.
-            from nrl_core.distributed.reaper import remove_temp_dir
-
-            for _ in range(15):
-                time.sleep(0.2)
-                if os.path.lexists(self.temp_dir):
-                    remove_temp_dir(str(self.temp_dir))
+            self._remove_temp_dir_once_quiet(watcher)
         name = signal.Signals(signum).name
         print(
             f"stopped by {name} while the local Ray head was starting; its processes are stopped",
@@ -465,6 +458,35 @@ class LocalCluster:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         sys.exit(128 + signum)
+
+    def _remove_temp_dir_once_quiet(
+        self, watcher: int | None, settle_s: float = 1.0, limit_s: float = 15.0
+    ) -> None:
+        """Remove the temp folder for good after a start was stopped midway: a Ctrl-C from the
+        terminal reaches Ray's processes too, and an agent whose raylet died with it is
+        nobody's child (:meth:`_stop_attempt` does not find it) and may still write its log
+        into the folder just removed, later the busier the machine is. Every process still
+        naming the folder is stopped, then the folder removed, until it has stayed removed with
+        no such process for ``settle_s`` (at most ``limit_s``)."""
+        from nrl_core.distributed.reaper import kill, processes_naming, remove_temp_dir
+
+        deadline = time.monotonic() + limit_s
+        quiet_since: float | None = None
+        while time.monotonic() < deadline:
+            stray: dict[int, int] = {}
+            with contextlib.suppress(OSError):  # no /proc: nothing to find
+                stray = processes_naming(str(self.temp_dir), exclude=watcher)
+            kill(stray)
+            if os.path.lexists(self.temp_dir):
+                remove_temp_dir(str(self.temp_dir))
+                quiet_since = None
+            elif stray:
+                quiet_since = None
+            else:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= settle_s:
+                    return
+            time.sleep(0.1)
 
     def _stop_attempt(self, ray: Any) -> None:
         """Stop what a failed ``ray.init`` left running (its GCS, raylet, agents), found by

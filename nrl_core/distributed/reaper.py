@@ -114,6 +114,44 @@ def session_processes(driver: int, temp_dir: str, exclude: int | None = None) ->
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return int(file.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def processes_naming(temp_dir: str, exclude: int | None = None) -> dict[int, int]:
+    """``{pid: start time}`` of every process on this machine whose command line names
+    ``temp_dir``, with their descendants: unlike :func:`session_processes`, orphans too (a Ray
+    agent whose raylet died of the same Ctrl-C is nobody's child, and can still write its log
+    into the folder). Never this process, its ancestors (a command line that passes the folder
+    down), nor ``exclude`` (the watcher)."""
+    spared = {pid for pid in (exclude,) if pid is not None}
+    pid: int | None = os.getpid()
+    while pid and pid not in spared:
+        spared.add(pid)
+        pid = _parent(pid)
+    roots = [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) not in spared and temp_dir in _cmdline(int(entry))
+    ]
+    found: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid in spared:
+            continue
+        start = _start_time(pid)
+        if start is None:
+            continue
+        found[pid] = start
+        todo.extend(_children(pid))
+    return found
+
+
 def alive(processes: dict[int, int]) -> dict[int, int]:
     """Those of ``processes`` still running (same pid and start time)."""
     return {pid: start for pid, start in processes.items() if _start_time(pid) == start}

@@ -712,3 +712,53 @@ def test_ctrl_c_at_any_moment_of_the_ray_start_exits_130_and_leaves_nothing(tmp_
     bad = [r for r in results if r[1] != 130 or r[2]]
     print(f"{len(results) - len(bad)} of {len(results)} clean")
     assert bad == [], "\n".join(map(repr, bad))  # whole: which files were left
+
+
+_ORPHAN_WRITER = """
+import os, sys, time
+folder = sys.argv[1]
+end = time.monotonic() + 30  # never outlives the test by much
+while time.monotonic() < end:
+    os.makedirs(os.path.join(folder, "session_x", "logs"), exist_ok=True)
+    with open(os.path.join(folder, "session_x", "logs", "dashboard_agent.out"), "a") as log:
+        log.write("still starting\\n")
+    time.sleep(0.05)
+"""
+
+
+def test_a_stopped_start_outlasts_an_orphan_that_keeps_writing_into_the_temp_folder(tmp_path):
+    """Under load, a Ctrl-C in the GCS phase left ``session_*/logs/*.out`` behind (the sweep
+    above, 2 of 14 starts at load ~5): a Ray agent whose raylet died of the same Ctrl-C is
+    nobody's child, so the stop does not find it, and it went on writing its log into the folder
+    after the clean-up's last removal. Here an orphan (not this process's child) names the
+    folder on its command line and rewrites a log in it every 50 ms for up to 30 s: the stopped
+    start must stop it and leave the folder removed for good."""
+    from nrl_core.config.schema import ClusterConfig, RunConfig
+    from nrl_core.distributed.cluster import LocalCluster
+    from nrl_core.interfaces import ComponentContext
+
+    temp = tmp_path / f"nrl-ray-{uuid.uuid4().hex[:8]}"
+    temp.mkdir()
+    config = RunConfig(cluster=ClusterConfig(num_cpus=2))
+    cluster = LocalCluster(None, ComponentContext(config=config), temp_dir=temp)
+    cluster._temp_pending = True  # the start made the folder, as start() does
+    # `&` in a shell that exits at once: the writer is reparented, nobody's child here.
+    subprocess.run(
+        ["bash", "-c", f"{sys.executable} -c '{_ORPHAN_WRITER}' {temp} >/dev/null 2>&1 &"],
+        check=True,
+    )
+    deadline = time.monotonic() + 30
+    while not (temp / "session_x" / "logs" / "dashboard_agent.out").exists():
+        assert time.monotonic() < deadline, "the writer never wrote"
+        time.sleep(0.05)
+    writers = processes_matching(str(temp))
+    assert writers and not set(writers) & descendants(os.getpid())
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cluster._stopped_while_starting(signal.SIGTERM)
+        assert stopped.value.code == 143
+        time.sleep(1.5)  # 30 of the writer's rounds, had it survived
+        assert not temp.exists(), sorted(str(p) for p in temp.rglob("*"))
+        assert not alive(writers)
+    finally:
+        stop_processes(writers)
