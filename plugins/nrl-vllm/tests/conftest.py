@@ -8,6 +8,7 @@ of them must leave nothing in ``/dev/shm``: see :func:`no_shared_memory_left`.
 
 import os
 import time
+import uuid
 
 import pytest
 
@@ -55,6 +56,30 @@ def no_shared_memory_left(request):
     while (left := orphaned_segments(before)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"left in /dev/shm by {request.node.name}: {left}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """nrl_core's ``ray_cluster`` (a Ray head of 2 logical CPUs and ``FAKE_GPUS`` GPUs) for one
+    module at a time, not the whole session: the CLI tests between the modules that use it
+    start Ray heads of their own, and a session-wide head would idle beside them (its daemons
+    and driver: 0.021 CPU-s a second, measured over 120 s: ~11 CPU-s over the CLI and tasks
+    modules in CI, against ~3 CPU-s to start a second head for test_vllm_cpu_families.py)."""
+    from nrl_core.config.schema import ClusterConfig, RunConfig
+    from nrl_core.distributed.cluster import LocalCluster
+    from nrl_core.interfaces import ComponentContext
+    from nrl_core.testing.pytest_plugin import FAKE_GPUS
+
+    config = RunConfig(cluster=ClusterConfig(num_cpus=2, gpus_per_node=FAKE_GPUS))
+    cluster = LocalCluster(
+        None,
+        ComponentContext(config=config),
+        log_dir=tmp_path_factory.mktemp("ray-run"),
+        temp_dir=f"/tmp/nrl-t-{uuid.uuid4().hex[:6]}",
+    )
+    resources = cluster.start()
+    yield cluster, resources
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,13 @@ SMALL_STEPS = (
 """16 samples a step instead of the recipe's 256 (CI time): for the runs other than the
 issue's own 3-step command, which test the engines' paths, not the recipe's numbers."""
 
+ONE_RANK = ("policy.num_workers=1",)
+"""One policy rank instead of the recipe's two (CI time: a rank is a process importing torch and
+the model, ~5 CPU-s of each run): for the runs other than the issue's own 3-step command. What
+they check is the engines' side (async, signals, MoE routing, LoRA adapters), which gets the
+same refit from one rank as from two; the 3-step run keeps the recipe's two ranks, so a refit
+gathered from two FSDP shards into the engine still runs."""
+
 
 def _command(tmp_path: Path, *overrides: str) -> list[str]:
     pytest.importorskip("nrl_dtensor", reason="the policy is nrl-dtensor's; nox installs it")
@@ -120,7 +127,7 @@ def test_async_grpo_on_two_engines(tmp_path):
     import re
 
     overrides = ["generation.vllm.colocated=false", "generation.vllm.num_engines=2"]
-    overrides += ["grpo.async.enabled=true", "grpo.max_num_steps=3", *SMALL_STEPS]
+    overrides += ["grpo.async.enabled=true", "grpo.max_num_steps=3", *SMALL_STEPS, *ONE_RANK]
     # A few SFT warm-up steps (the recipe's 30 cost minutes) move the policy away from the
     # weights the engines loaded: step 1's gen_logprob_error shows a refit that did not happen.
     overrides += ["grpo.sft_warmup_steps=4"]
@@ -155,7 +162,8 @@ def test_sigterm_mid_run_stops_the_engines(tmp_path):
     process, which every test here checks is gone (``_wait_gone``)."""
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
-    extra = (*SMALL_STEPS, "grpo.sft_warmup_steps=0", *ASYNC_TWO_ENGINES)  # GRPO steps at once
+    extra = (*SMALL_STEPS, *ONE_RANK, *ASYNC_TWO_ENGINES)
+    extra += ("grpo.sft_warmup_steps=0",)  # GRPO steps at once
     proc = subprocess.Popen(
         _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0", *extra, "-q"),
         stdout=log,
@@ -197,7 +205,7 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
     command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
-    command += ["grpo.sft_warmup_steps=0", *SMALL_STEPS, "-q"]
+    command += ["grpo.sft_warmup_steps=0", *SMALL_STEPS, *ONE_RANK, "-q"]
     env = _env(tag, multiprocess=True)  # an engine-core process to kill
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -279,7 +287,8 @@ def test_nrl_serve_with_the_cpu_engine_answers_and_stops(tmp_path):
 def _moe_run(tmp_path: Path, *overrides: str) -> list[dict]:
     """One GRPO step of the tiny MoE on one vLLM CPU engine; the metrics rows of the steps."""
     moe = ("policy.model_name=tiny-moe", "grpo.max_num_steps=1", "grpo.val_period=0")
-    return _run_grpo(tmp_path, *moe, "grpo.sft_warmup_steps=0", *SMALL_STEPS, *overrides)
+    moe += ("grpo.sft_warmup_steps=0", *SMALL_STEPS, *ONE_RANK)
+    return _run_grpo(tmp_path, *moe, *overrides)
 
 
 def test_router_replay_lowers_the_moe_logprob_mismatch(tmp_path):
@@ -315,7 +324,7 @@ def test_grpo_with_lora_refits_only_the_adapters(tmp_path):
     from nrl_core.testing.tiny import lora_adapter_bytes
 
     overrides = ("policy.dtensor.lora_rank=8", "generation.vllm.colocated=false")
-    steps = _run_grpo(tmp_path, "grpo.max_num_steps=3", *overrides, *SMALL_STEPS)
+    steps = _run_grpo(tmp_path, "grpo.max_num_steps=3", *overrides, *SMALL_STEPS, *ONE_RANK)
     assert [r["step"] for r in steps] == [1, 2, 3]
     adapter_bytes = lora_adapter_bytes(rank=8)
     for row in steps:

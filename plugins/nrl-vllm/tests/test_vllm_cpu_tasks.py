@@ -49,6 +49,10 @@ def tasks_run(tmp_path_factory) -> Path:
     command += ["generation.backend=vllm", "generation.actor_env=venv", TASKS]
     command += [f"logger.log_dir={tmp}", "logger.run_name=run", "cluster.num_cpus=2"]
     command += [f"checkpointing.checkpoint_dir={tmp / 'run' / 'ckpt'}"]
+    # One policy rank (CI time: a rank is a process importing torch and the model, ~5 CPU-s):
+    # the tasks' rollouts and the refit are the engine's, whatever the rank count
+    # (test_vllm_cpu_cli.py's 3-step run refits the engine from two ranks).
+    command += ["policy.num_workers=1"]
     # SFT warm-up steps move the policy away from the weights the engine loaded from the model
     # folder: a refit that did not happen shows in step 1's gen_logprob_error. 30 of them (the
     # recipe's count) also make the checkpoint's greedy answers depend on the problem (measured
