@@ -725,23 +725,29 @@ while time.monotonic() < end:
     time.sleep(0.05)
 """
 
+_STOPPED_START = """
+import signal, sys
+from nrl_core.config.schema import ClusterConfig, RunConfig
+from nrl_core.distributed.cluster import LocalCluster
+from nrl_core.interfaces import ComponentContext
+
+config = RunConfig(cluster=ClusterConfig(num_cpus=2))
+cluster = LocalCluster(None, ComponentContext(config=config), temp_dir=sys.argv[1])
+cluster._temp_pending = True  # the start made the folder, as start() does
+cluster._stopped_while_starting(signal.SIGTERM)  # exits 143
+"""
+
 
 def test_a_stopped_start_outlasts_an_orphan_that_keeps_writing_into_the_temp_folder(tmp_path):
     """Under load, a Ctrl-C in the GCS phase left ``session_*/logs/*.out`` behind (the sweep
     above, 2 of 14 starts at load ~5): a Ray agent whose raylet died of the same Ctrl-C is
     nobody's child, so the stop does not find it, and it went on writing its log into the folder
-    after the clean-up's last removal. Here an orphan (not this process's child) names the
-    folder on its command line and rewrites a log in it every 50 ms for up to 30 s: the stopped
-    start must stop it and leave the folder removed for good."""
-    from nrl_core.config.schema import ClusterConfig, RunConfig
-    from nrl_core.distributed.cluster import LocalCluster
-    from nrl_core.interfaces import ComponentContext
-
+    after the clean-up's last removal. Here an orphan (not the driver's child) names the folder
+    on its command line and rewrites a log in it every 50 ms for up to 30 s: the stopped start
+    (in a driver of its own: it stops the Ray of its process, as a start must) must stop it and
+    leave the folder removed for good."""
     temp = tmp_path / f"nrl-ray-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
-    config = RunConfig(cluster=ClusterConfig(num_cpus=2))
-    cluster = LocalCluster(None, ComponentContext(config=config), temp_dir=temp)
-    cluster._temp_pending = True  # the start made the folder, as start() does
     # `&` in a shell that exits at once: the writer is reparented, nobody's child here.
     subprocess.run(
         ["bash", "-c", f"{sys.executable} -c '{_ORPHAN_WRITER}' {temp} >/dev/null 2>&1 &"],
@@ -754,9 +760,14 @@ def test_a_stopped_start_outlasts_an_orphan_that_keeps_writing_into_the_temp_fol
     writers = processes_matching(str(temp))
     assert writers and not set(writers) & descendants(os.getpid())
     try:
-        with pytest.raises(SystemExit) as stopped:
-            cluster._stopped_while_starting(signal.SIGTERM)
-        assert stopped.value.code == 143
+        stopped = subprocess.run(
+            [sys.executable, "-c", _STOPPED_START, str(temp)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stopped.returncode == 143, stopped.stderr[-2000:]
+        assert "stopped by SIGTERM while the local Ray head was starting" in stopped.stderr
         time.sleep(1.5)  # 30 of the writer's rounds, had it survived
         assert not temp.exists(), sorted(str(p) for p in temp.rglob("*"))
         assert not alive(writers)
