@@ -100,11 +100,19 @@ def session_processes(driver: int, temp_dir: str, exclude: int | None = None) ->
     ``ray::...``, hence the walk down the tree rather than a match on every command line).
     ``exclude``: the watcher, whose command line names the folder too."""
     roots = [pid for pid in _children(driver) if pid != exclude and temp_dir in _cmdline(pid)]
+    return _with_descendants(roots)
+
+
+def _with_descendants(
+    roots: list[int], spared: set[int] | frozenset[int] = frozenset()
+) -> dict[int, int]:
+    """``{pid: start time}`` of ``roots`` and every live process below them, none of
+    ``spared``."""
     found: dict[int, int] = {}
     todo = list(roots)
     while todo:
         pid = todo.pop()
-        if pid in found:
+        if pid in found or pid in spared:
             continue
         start = _start_time(pid)
         if start is None:
@@ -138,18 +146,7 @@ def processes_naming(temp_dir: str, exclude: int | None = None) -> dict[int, int
         for entry in os.listdir("/proc")
         if entry.isdigit() and int(entry) not in spared and temp_dir in _cmdline(int(entry))
     ]
-    found: dict[int, int] = {}
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in found or pid in spared:
-            continue
-        start = _start_time(pid)
-        if start is None:
-            continue
-        found[pid] = start
-        todo.extend(_children(pid))
-    return found
+    return _with_descendants(roots, spared)
 
 
 def alive(processes: dict[int, int]) -> dict[int, int]:
