@@ -141,6 +141,12 @@ FAKE_GPUS = 4
 def ray_cluster(tmp_path_factory):
     """A local Ray head with 2 logical CPUs and :data:`FAKE_GPUS` logical GPUs, shared by every
     test of the session."""
+    yield from local_ray_head(tmp_path_factory)
+
+
+def local_ray_head(tmp_path_factory):
+    """The body of :func:`ray_cluster`, for a plugin's conftest that wants the same head at
+    another scope: yields ``(cluster, resources)``, shuts it down after."""
     from nrl_core.config.schema import ClusterConfig, RunConfig
     from nrl_core.distributed.cluster import LocalCluster
     from nrl_core.interfaces import ComponentContext

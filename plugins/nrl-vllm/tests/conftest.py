@@ -8,7 +8,6 @@ of them must leave nothing in ``/dev/shm``: see :func:`no_shared_memory_left`.
 
 import os
 import time
-import uuid
 
 import pytest
 
@@ -65,21 +64,9 @@ def ray_cluster(tmp_path_factory):
     start Ray heads of their own, and a session-wide head would idle beside them (its daemons
     and driver: 0.021 CPU-s a second, measured over 120 s: ~11 CPU-s over the CLI and tasks
     modules in CI, against ~3 CPU-s to start a second head for test_vllm_cpu_families.py)."""
-    from nrl_core.config.schema import ClusterConfig, RunConfig
-    from nrl_core.distributed.cluster import LocalCluster
-    from nrl_core.interfaces import ComponentContext
-    from nrl_core.testing.pytest_plugin import FAKE_GPUS
+    from nrl_core.testing.pytest_plugin import local_ray_head
 
-    config = RunConfig(cluster=ClusterConfig(num_cpus=2, gpus_per_node=FAKE_GPUS))
-    cluster = LocalCluster(
-        None,
-        ComponentContext(config=config),
-        log_dir=tmp_path_factory.mktemp("ray-run"),
-        temp_dir=f"/tmp/nrl-t-{uuid.uuid4().hex[:6]}",
-    )
-    resources = cluster.start()
-    yield cluster, resources
-    cluster.shutdown()
+    yield from local_ray_head(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
