@@ -24,6 +24,7 @@ from _megatron_helpers import requires_megatron
 from test_megatron import (
     WORKER,
     assert_one_step_matches_dtensor,
+    assert_refit_into_the_torch_engine_gives_the_trainers_logprobs,
     context,
     make_config,
     megatron_options,
@@ -196,23 +197,6 @@ def test_llama4_train_step_matches_dtensor(llama4_path, pool1, start_group):
 def test_llama4_refit_into_the_torch_engine_gives_the_trainers_logprobs(
     llama4_path, pool1, start_group
 ):
-    """After a training step the Megatron policy's refit stream (Hugging Face names, experts
-    stacked) goes into a separate torch engine holding the initial weights: every parameter
-    is written, and the engine's logprobs of its greedy continuations equal the trainer's."""
-    pytest.importorskip("nrl_dtensor", reason="nrl-dtensor not installed for the torch engine")
-    from _megatron_helpers import sequences_batch
-    from nrl_dtensor.config import TorchGenerationConfig
-    from nrl_dtensor.engine import TorchEngine
-
-    from nrl_core.interfaces import SamplingParams
-    from nrl_core.weight_sync.shm import send_shm
-
-    config = make_config(llama4_path)
-    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
-    megatron = policy(group, config)
-    megatron.train(make_batch(8, seed=1), TokenMeanNLL())
-
-    engine = TorchEngine(TorchGenerationConfig(colocated=False), context(config))
     # Prompts of one length: the torch engine left-pads shorter prompts, and transformers'
     # temperature tuning counts positions from the padding, not from position_ids
     # (transformers 5.24 ``Llama4TextAttention``: ``arange`` over the padded row), so a
@@ -220,19 +204,9 @@ def test_llama4_refit_into_the_torch_engine_gives_the_trainers_logprobs(
     # 5 pads at floor_scale 8, 4.8e-7 with the tuning off). Each prompt and its continuation
     # cross two chunk boundaries.
     prompts = [[5, 9, 12, 30, 31, 40, 41, 42, 43, 44], [7, 8] * 5, list(range(20, 30))]
-    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    before = engine.generate(prompts, greedy)
-    engine.begin_weight_update()
-    for bucket in group.run_all("state_dict_buckets", 1 << 16)[0]:
-        send_shm(bucket, engine.receive_bucket, lambda received: received)
-    engine.finish_weight_update()  # refuses a refit that left a parameter out
-    after = engine.generate(prompts, greedy)
-    assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
-
-    trainer = megatron.get_logprobs(sequences_batch(prompts, after.token_ids))
-    for row, (prompt, logprobs) in enumerate(zip(prompts, after.logprobs, strict=True)):
-        want = trainer[row, len(prompt) : len(prompt) + len(logprobs)]
-        torch.testing.assert_close(torch.tensor(logprobs), want, rtol=0, atol=1e-5)
+    assert_refit_into_the_torch_engine_gives_the_trainers_logprobs(
+        make_config(llama4_path), prompts, pool1, start_group
+    )
 
 
 @requires_megatron

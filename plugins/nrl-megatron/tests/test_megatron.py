@@ -103,6 +103,41 @@ def assert_one_step_matches_dtensor(config, pool1, start_group):
     return megatron, batch, want_lp, got, want
 
 
+def assert_refit_into_the_torch_engine_gives_the_trainers_logprobs(
+    config, prompts, pool1, start_group
+):
+    """After a training step the one-rank Megatron policy's refit stream (Hugging Face names,
+    experts stacked) goes into a separate torch engine holding the initial weights: every
+    parameter is written (``finish_weight_update`` refuses a refit that left one out), and the
+    engine's logprobs of its greedy continuations of ``prompts`` equal the trainer's (1e-5)."""
+    pytest.importorskip("nrl_dtensor", reason="nrl-dtensor not installed for the torch engine")
+    from _megatron_helpers import sequences_batch
+    from nrl_dtensor.config import TorchGenerationConfig
+    from nrl_dtensor.engine import TorchEngine
+
+    from nrl_core.interfaces import SamplingParams
+    from nrl_core.weight_sync.shm import send_shm
+
+    group = start_group(pool1, WORKER, (megatron_options(), context(config)))
+    megatron = policy(group, config)
+    megatron.train(make_batch(8, seed=1), TokenMeanNLL())
+
+    engine = TorchEngine(TorchGenerationConfig(colocated=False), context(config))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = engine.generate(prompts, greedy)
+    engine.begin_weight_update()
+    for bucket in group.run_all("state_dict_buckets", 1 << 16)[0]:
+        send_shm(bucket, engine.receive_bucket, lambda received: received)
+    engine.finish_weight_update()
+    after = engine.generate(prompts, greedy)
+    assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
+
+    trainer = megatron.get_logprobs(sequences_batch(prompts, after.token_ids))
+    for row, (prompt, logprobs) in enumerate(zip(prompts, after.logprobs, strict=True)):
+        want = trainer[row, len(prompt) : len(prompt) + len(logprobs)]
+        torch.testing.assert_close(torch.tensor(logprobs), want, rtol=0, atol=1e-5)
+
+
 def test_train_step_matches_dtensor(tiny_path, pool1, start_group):
     config = make_config(tiny_path, temperature=0.7)
     megatron, batch, want_lp, got, want = assert_one_step_matches_dtensor(
