@@ -22,8 +22,9 @@
   adapters). Runs on Python 3.12 (newest megatron-core needs it; put a python3.12 on PATH).
   docs/compatibility.md records its result with the date.
 - `slurm`: the tests marked `slurm` (tests/cli/test_slurm.py): munged, slurmctld and two slurmd
-  started on this machine, the shipped batch script submitted for real. Needs root and
-  Debian's `slurm-wlm` and `munge`; `.ci/run` calls it where `apt-get` can install them.
+  started on this machine, the shipped batch script submitted for real, in the project's
+  environment (no venv of its own). Needs root and Debian's `slurm-wlm` and `munge`; `.ci/run`
+  calls it where `apt-get` can install them.
 - `bench-trl` (not run by default): `benchmarks/vs_trl.py`, nrl against TRL's GRPOTrainer on
   the same CPU workload (seconds per step; `-- --workload realistic`: the 31.5M model, nrl in
   four configurations; `-- --learning`: learning curves over 3 seeds);
@@ -77,11 +78,17 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def slurm(session: nox.Session) -> None:
-    """A real Slurm on this machine: the tests marked `slurm` (root, slurm-wlm and munge)."""
-    _sync(session)
+    """A real Slurm on this machine: the tests marked `slurm` (root, slurm-wlm and munge).
+
+    In the project's environment (`uv run`), like the tiers: what it tests is Slurm and the
+    batch script, not an install, and a venv of its own cost a sync with bytecode compilation
+    (about 23 s of its 82 in .ci/run)."""
     session.run(
+        "uv",
+        "run",
+        "--locked",
         "pytest",
         "tests/cli/test_slurm.py",
         "-m",
