@@ -145,22 +145,46 @@ def download(wheel: dict, into: Path) -> Path:
 def slim_wheel(path: Path, drop: tuple[str, ...]) -> Path:
     """Rewrite the wheel at ``path`` without the members under ``drop`` (and their ``RECORD``
     lines, so the wheel stays valid for pip); kept members and their recorded hashes are
-    unchanged. Returns ``path``."""
+    unchanged. Returns ``path``.
+
+    Kept members are copied as they are compressed in the wheel, not decompressed and
+    compressed again: recompressing at level 9 cost 17 CPU-s for Ray's wheel and 45 for vLLM's
+    (2-core machine) and gave sizes within 0.3% of the copied bytes (Ray's 42.50 MB against
+    42.45, vLLM's 109.70 against 109.97). pip checks every kept file against ``RECORD`` when
+    it installs the wheel."""
+    import copy
+    import struct
     import zipfile
 
     partial = path.with_suffix(".slim")
-    with (
-        zipfile.ZipFile(path) as source,
-        zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as target,
-    ):
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(partial, "w") as target:
         for info in source.infolist():
             if info.filename.startswith(drop):
                 continue
-            data = source.read(info)
             if info.filename.endswith(".dist-info/RECORD"):
-                lines = data.decode().splitlines(keepends=True)
+                lines = source.read(info).decode().splitlines(keepends=True)
                 data = "".join(x for x in lines if not x.startswith(drop)).encode()
-            target.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+                target.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+                continue
+            # The member's local header (30 bytes, then its name and extra field) and its
+            # compressed bytes, read raw; a fresh local header with the sizes and CRC in it
+            # (no trailing data descriptor), then the same bytes.
+            source.fp.seek(info.header_offset)
+            header = source.fp.read(30)
+            if header[:4] != b"PK\x03\x04":
+                raise BundleError(f"{path.name}: {info.filename}: not a zip local header")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            source.fp.seek(name_len + extra_len, 1)
+            raw = source.fp.read(info.compress_size)
+            kept = copy.copy(info)
+            kept.flag_bits &= ~0x08
+            kept.extra = b""
+            kept.header_offset = target.fp.tell()
+            target.fp.write(kept.FileHeader())
+            target.fp.write(raw)
+            target.filelist.append(kept)
+            target.NameToInfo[kept.filename] = kept
+            target.start_dir = target.fp.tell()
     partial.rename(path)
     return path
 

@@ -495,6 +495,11 @@ def test_concurrent_runs_keep_their_own_checkpoints_and_a_live_folder_is_refused
     run folder is refused in one line naming the holder."""
     env = {**os.environ, "NRL_ACTOR_ENV": "system"}
     steps = ["grpo.max_num_steps=2", "grpo.val_period=0", "grpo.sft_warmup_steps=0"]
+    # One policy rank, still on Ray (as test_launchers.py): where checkpoints go and the run
+    # folder's lock do not depend on the rank count; each run still starts its own Ray head
+    # beside the other's, and a Ray start keeps run a live long enough for the third run to
+    # meet its lock (in the `nrl` process it could end first on a loaded machine).
+    steps += ["policy.num_workers=1", "cluster.backend=local"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     runs = [
         subprocess.Popen(_cli(tmp_path / name, *steps), env=env, cwd=tmp_path, **pipes)

@@ -212,6 +212,12 @@ GRPO_ONE_STEP = [
     "policy.train_micro_batch_size=2",
     "cluster.num_cpus=2",
     "checkpointing.enabled=false",
+    # One policy rank, still on Ray (`local`; `auto` would run the environments in the `nrl`
+    # process): what is tested is an environment actor's failure and hang, how they are
+    # reported and that the actor goes with the run, none of which depends on the policy's
+    # rank count (a process fewer per run).
+    "policy.num_workers=1",
+    "cluster.backend=local",
 ]
 
 
