@@ -196,25 +196,45 @@ def test_async_grpo_on_two_engines_then_sigterm_stops_them(tmp_path):
     assert _wait_gone(tag) == []
 
 
-def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
-    """SIGKILL of vLLM's engine-core process mid-run: the run stops (vLLM's synchronous client
+def test_lora_refits_only_the_adapters_then_a_killed_engine_core_stops_the_run(tmp_path):
+    """A GRPO run with a LoRA policy, then SIGKILL of its vLLM engine-core process.
+
+    Issue 52 item 1: `nrl run grpo` with a LoRA policy (rank 8) on vLLM's CPU engine
+    (separate: it keeps the base weights it loaded) refits adapters only
+    (generation.lora_refit's `auto`): each of steps 1-3 moves the adapter's bytes (its rank-8 A
+    and B of the seven projections of each layer, float32), not the model's, and vLLM's
+    logprobs, with the new adapter, equal the trainer's. (Colocated at sleep level 2, the
+    emulated sleep drops the base weights and each refit re-sends them before the adapter: that
+    ran too, `refit/bytes` 3,592,704 a step, `gen_logprob_error_max` 1.000001.)
+
+    Then SIGKILL of the engine-core process mid-run: the run stops (vLLM's synchronous client
     alone would wait forever for the dead process) with one line naming the engine core and
-    the signal, exit 1, no traceback; no engine process nor refit segment is left behind."""
+    the signal, exit 1, no traceback; no engine process nor refit segment is left behind.
+
+    One run for both (CI time, issue 53: they were two runs, each starting an engine and a
+    policy rank; 75.4 -> 50.1 CPU-s, measured 2026-11-29). It runs vLLM's multiprocess layout
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, an engine-core process to kill; vLLM's default on
+    GPUs), where the adapter reaches the engine's worker process through vLLM's ``add_lora``
+    from the folder nrl writes (nrl_vllm.worker), as in the engine's own process in the CPU
+    default. The kill used to land on a colocated engine; a separate one dies the same way
+    (the watch thread of nrl_vllm.worker wakes whichever call waits on it)."""
     import re
+
+    from nrl_core.testing.tiny import lora_adapter_bytes
 
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
     command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
-    command += ["grpo.sft_warmup_steps=0", *SMALL_STEPS, *ONE_RANK, "-q"]
+    command += ["policy.dtensor.lora_rank=8", "generation.vllm.colocated=false"]
+    command += [*SMALL_STEPS, *ONE_RANK, "-q"]
     env = _env(tag, multiprocess=True)  # an engine-core process to kill
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 1200
         while proc.poll() is None and time.monotonic() < deadline:
-            rows = metrics.read_text().splitlines() if metrics.is_file() else []
-            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
-                break  # GRPO steps (engine generating, refits) are under way
+            if len(_grpo_rows(metrics)) >= 3:
+                break  # three GRPO steps done; the next ones' rollouts and refits under way
             time.sleep(1)
         assert proc.poll() is None, log.read()[-3000:]
         cores = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
@@ -225,6 +245,12 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    steps = _grpo_rows(metrics)[:3]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    adapter_bytes = lora_adapter_bytes(rank=8)
+    for row in steps:
+        assert row["refit/bytes"] == adapter_bytes, row
+        assert row["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP), row
     log.seek(0)
     out = log.read()
     assert proc.returncode == 1, out[-3000:]
@@ -233,7 +259,7 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     assert len(errors) == 1, out[-3000:]
     assert f"engine-core process (EngineCore, pid {core}) was killed by signal 9" in errors[0]
     # Raised by the engine to whichever call waited on it: generate, or a policy rank's
-    # push_weights during a refit.
+    # push_weights/push_adapters during a refit.
     assert re.match(r"error: (generation-vllm|policy) rank 0 failed in \w+: vLLM's", errors[0])
     assert _wait_gone(tag) == []
 
@@ -313,22 +339,3 @@ def test_router_replay_lowers_the_moe_logprob_mismatch(tmp_path):
     figures = (off["train/gen_logprob_error_max"], on["train/gen_logprob_error_max"])
     assert off["train/moe/routing_agreement"] < 1.0, off
     assert on["train/gen_logprob_error_max"] < off["train/gen_logprob_error_max"], figures
-
-
-def test_grpo_with_lora_refits_only_the_adapters(tmp_path):
-    """Issue 52 item 1: a 3-step `nrl run grpo` with a LoRA policy (rank 8) on vLLM's CPU
-    engine (separate: it keeps the base weights it loaded) refits adapters only
-    (generation.lora_refit's `auto`): every step moves the adapter's bytes (its rank-8 A and B
-    of the seven projections of each layer, float32), not the model's, and vLLM's logprobs,
-    with the new adapter, equal the trainer's. (Colocated at sleep level 2, the emulated
-    sleep drops the base weights and each refit re-sends them before the adapter: that ran
-    too, `refit/bytes` 3,592,704 a step, `gen_logprob_error_max` 1.000001.)"""
-    from nrl_core.testing.tiny import lora_adapter_bytes
-
-    overrides = ("policy.dtensor.lora_rank=8", "generation.vllm.colocated=false")
-    steps = _run_grpo(tmp_path, "grpo.max_num_steps=3", *overrides, *SMALL_STEPS, *ONE_RANK)
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    adapter_bytes = lora_adapter_bytes(rank=8)
-    for row in steps:
-        assert row["refit/bytes"] == adapter_bytes, row
-        assert row["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP), row
