@@ -119,29 +119,6 @@ def test_grpo_three_steps_refit_every_step_and_clean_exit(tmp_path):
         assert row["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP), row
 
 
-def test_async_grpo_on_two_engines(tmp_path):
-    """Asynchronous GRPO on two data-parallel vLLM engines: exits 0, both engines start (two
-    engines in their actors' processes: vLLM logs them as MainProcess; EngineCore in vLLM's
-    multiprocess layout) and are refit every step, the trajectories are at most one step old,
-    step 1 (age 0) has the trainer's logprobs."""
-    import re
-
-    overrides = ["generation.vllm.colocated=false", "generation.vllm.num_engines=2"]
-    overrides += ["grpo.async.enabled=true", "grpo.max_num_steps=3", *SMALL_STEPS, *ONE_RANK]
-    # A few SFT warm-up steps (the recipe's 30 cost minutes) move the policy away from the
-    # weights the engines loaded: step 1's gen_logprob_error shows a refit that did not happen.
-    overrides += ["grpo.sft_warmup_steps=4"]
-    steps = _run_grpo(tmp_path, *overrides)
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["refit/bytes"] > 0 and r["async/trajectory_age_max"] <= 1 for r in steps)
-    assert steps[0]["async/trajectory_age_max"] == 0
-    assert steps[0]["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP)
-    engine_cores = re.findall(
-        r"\((?:EngineCore|MainProcess) pid=(\d+)\)", (tmp_path / "run" / "nrl.log").read_text()
-    )
-    assert len(set(engine_cores)) == 2
-
-
 ASYNC_TWO_ENGINES = (
     "generation.vllm.colocated=false",
     "generation.vllm.num_engines=2",
@@ -149,23 +126,42 @@ ASYNC_TWO_ENGINES = (
 )
 
 
-def test_sigterm_mid_run_stops_the_engines(tmp_path):
-    """SIGTERM while asynchronous GRPO trains on two engines (the rollout producer generating
-    while the trainer trains): exit 143 without a traceback, one line, and no EngineCore or
-    vLLM worker process, nor a refit segment, is left behind. (SIGTERM during asynchronous
-    GRPO exited 1 once: a signal that lands while the driver waits inside Ray, also pinned
-    without vLLM by tests/distributed/test_cluster_hygiene.py.) A synchronous run on one
-    engine used to be a second case: it stops through the same handler, and the killed-engine
-    test below runs that setup (CI time: each case is a minute of engine start-up). Both run
-    vLLM's multiprocess layout (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), whose engine-core and
-    worker processes are the ones that could outlive the run; the default engine is its actor
-    process, which every test here checks is gone (``_wait_gone``)."""
+def _grpo_rows(metrics: Path) -> list[dict]:
+    """The GRPO steps' rows (those with a ``train/gen_logprob_error``) of a run's metrics so
+    far; a line still being written (no newline yet) is left for the next read."""
+    text = metrics.read_text() if metrics.is_file() else ""
+    rows = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    return [r for r in rows if r.get("step", 0) >= 1 and "train/gen_logprob_error" in r]
+
+
+def test_async_grpo_on_two_engines_then_sigterm_stops_them(tmp_path):
+    """Asynchronous GRPO on two data-parallel vLLM engines, then SIGTERM mid-run.
+
+    The run: both engines start (two engine-core processes live at once) and are refit every
+    step, the trajectories are at most one step old, step 1 (age 0) has the trainer's
+    logprobs (after 4 SFT warm-up steps that moved the policy away from the weights the
+    engines loaded: a refit that did not happen shows there). SIGTERM after step 3, while the
+    rollout producer generates and the trainer trains: exit 143 without a traceback, one line,
+    and no EngineCore or vLLM worker process, nor a refit segment, is left behind. (SIGTERM
+    during asynchronous GRPO exited 1 once: a signal that lands while the driver waits inside
+    Ray, also pinned without vLLM by tests/distributed/test_cluster_hygiene.py.)
+
+    One run for both (CI time, issue 53: they were two tests, each starting two engines; 125.3
+    -> 82.9 CPU-s, measured 2026-11-29). It runs vLLM's multiprocess layout
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, vLLM's default on GPUs), whose engine-core and worker
+    processes are the ones that could outlive the run; the CPU default, the engine in its
+    actor's process, is what the other runs here use (refits, logprobs, LoRA, the MoE, the
+    tasks), and every test here checks its actor processes are gone (``_wait_gone``). A
+    synchronous run on one engine used to be a third case: it stops through the same handler,
+    and the killed-engine test below runs that setup."""
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
     extra = (*SMALL_STEPS, *ONE_RANK, *ASYNC_TWO_ENGINES)
-    extra += ("grpo.sft_warmup_steps=0",)  # GRPO steps at once
+    # A few SFT warm-up steps (the recipe's 30 cost minutes) move the policy away from the
+    # weights the engines loaded: step 1's gen_logprob_error shows a refit that did not happen.
+    extra += ("grpo.sft_warmup_steps=4",)
     proc = subprocess.Popen(
-        _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0", *extra, "-q"),
+        _command(tmp_path, "grpo.max_num_steps=200", *extra, "-q"),
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
@@ -175,13 +171,12 @@ def test_sigterm_mid_run_stops_the_engines(tmp_path):
     try:
         deadline = time.monotonic() + 1200
         while proc.poll() is None and time.monotonic() < deadline:
-            rows = metrics.read_text().splitlines() if metrics.is_file() else []
-            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
-                break  # GRPO steps (engine generating, refits) are under way
+            if len(_grpo_rows(metrics)) >= 3:
+                break  # three GRPO steps done; the fourth's rollouts and refits under way
             time.sleep(1)
         assert proc.poll() is None, log.read()[-3000:]
         cores = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
-        # The processes the signal must stop: each engine's core.
+        # Both engines run (each its engine core), and the signal must stop them.
         assert len(cores) == 2, _tagged_processes(tag)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
@@ -190,31 +185,56 @@ def test_sigterm_mid_run_stops_the_engines(tmp_path):
             proc.kill()
     log.seek(0)
     out = log.read()
+    steps = _grpo_rows(metrics)[:3]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["refit/bytes"] > 0 and r["async/trajectory_age_max"] <= 1 for r in steps)
+    assert steps[0]["async/trajectory_age_max"] == 0
+    assert steps[0]["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP)
     assert proc.returncode == 143, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert len([line for line in out.splitlines() if line.startswith("error:")]) <= 1, out
     assert _wait_gone(tag) == []
 
 
-def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
-    """SIGKILL of vLLM's engine-core process mid-run: the run stops (vLLM's synchronous client
+def test_lora_refits_only_the_adapters_then_a_killed_engine_core_stops_the_run(tmp_path):
+    """A GRPO run with a LoRA policy, then SIGKILL of its vLLM engine-core process.
+
+    Issue 52 item 1: `nrl run grpo` with a LoRA policy (rank 8) on vLLM's CPU engine
+    (separate: it keeps the base weights it loaded) refits adapters only
+    (generation.lora_refit's `auto`): each of steps 1-3 moves the adapter's bytes (its rank-8 A
+    and B of the seven projections of each layer, float32), not the model's, and vLLM's
+    logprobs, with the new adapter, equal the trainer's. (Colocated at sleep level 2, the
+    emulated sleep drops the base weights and each refit re-sends them before the adapter: that
+    ran too, `refit/bytes` 3,592,704 a step, `gen_logprob_error_max` 1.000001.)
+
+    Then SIGKILL of the engine-core process mid-run: the run stops (vLLM's synchronous client
     alone would wait forever for the dead process) with one line naming the engine core and
-    the signal, exit 1, no traceback; no engine process nor refit segment is left behind."""
+    the signal, exit 1, no traceback; no engine process nor refit segment is left behind.
+
+    One run for both (CI time, issue 53: they were two runs, each starting an engine and a
+    policy rank; 75.4 -> 50.1 CPU-s, measured 2026-11-29). It runs vLLM's multiprocess layout
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, an engine-core process to kill; vLLM's default on
+    GPUs), where the adapter reaches the engine's worker process through vLLM's ``add_lora``
+    from the folder nrl writes (nrl_vllm.worker), as in the engine's own process in the CPU
+    default. The kill used to land on a colocated engine; a separate one dies the same way
+    (the watch thread of nrl_vllm.worker wakes whichever call waits on it)."""
     import re
+
+    from nrl_core.testing.tiny import lora_adapter_bytes
 
     tag = uuid.uuid4().hex
     log = (tmp_path / "out.txt").open("w+")
     command = _command(tmp_path, "grpo.max_num_steps=200", "grpo.val_period=0")
-    command += ["grpo.sft_warmup_steps=0", *SMALL_STEPS, *ONE_RANK, "-q"]
+    command += ["policy.dtensor.lora_rank=8", "generation.vllm.colocated=false"]
+    command += [*SMALL_STEPS, *ONE_RANK, "-q"]
     env = _env(tag, multiprocess=True)  # an engine-core process to kill
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 1200
         while proc.poll() is None and time.monotonic() < deadline:
-            rows = metrics.read_text().splitlines() if metrics.is_file() else []
-            if any('"train/gen_logprob_error"' in row for row in rows[-2:]):
-                break  # GRPO steps (engine generating, refits) are under way
+            if len(_grpo_rows(metrics)) >= 3:
+                break  # three GRPO steps done; the next ones' rollouts and refits under way
             time.sleep(1)
         assert proc.poll() is None, log.read()[-3000:]
         cores = [p for p in _tagged_processes(tag) if "VLLM::EngineCore" in p]
@@ -225,6 +245,12 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    steps = _grpo_rows(metrics)[:3]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    adapter_bytes = lora_adapter_bytes(rank=8)
+    for row in steps:
+        assert row["refit/bytes"] == adapter_bytes, row
+        assert row["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP), row
     log.seek(0)
     out = log.read()
     assert proc.returncode == 1, out[-3000:]
@@ -233,7 +259,7 @@ def test_a_killed_engine_core_stops_the_run_with_one_named_line(tmp_path):
     assert len(errors) == 1, out[-3000:]
     assert f"engine-core process (EngineCore, pid {core}) was killed by signal 9" in errors[0]
     # Raised by the engine to whichever call waited on it: generate, or a policy rank's
-    # push_weights during a refit.
+    # push_weights/push_adapters during a refit.
     assert re.match(r"error: (generation-vllm|policy) rank 0 failed in \w+: vLLM's", errors[0])
     assert _wait_gone(tag) == []
 
@@ -313,22 +339,3 @@ def test_router_replay_lowers_the_moe_logprob_mismatch(tmp_path):
     figures = (off["train/gen_logprob_error_max"], on["train/gen_logprob_error_max"])
     assert off["train/moe/routing_agreement"] < 1.0, off
     assert on["train/gen_logprob_error_max"] < off["train/gen_logprob_error_max"], figures
-
-
-def test_grpo_with_lora_refits_only_the_adapters(tmp_path):
-    """Issue 52 item 1: a 3-step `nrl run grpo` with a LoRA policy (rank 8) on vLLM's CPU
-    engine (separate: it keeps the base weights it loaded) refits adapters only
-    (generation.lora_refit's `auto`): every step moves the adapter's bytes (its rank-8 A and B
-    of the seven projections of each layer, float32), not the model's, and vLLM's logprobs,
-    with the new adapter, equal the trainer's. (Colocated at sleep level 2, the emulated
-    sleep drops the base weights and each refit re-sends them before the adapter: that ran
-    too, `refit/bytes` 3,592,704 a step, `gen_logprob_error_max` 1.000001.)"""
-    from nrl_core.testing.tiny import lora_adapter_bytes
-
-    overrides = ("policy.dtensor.lora_rank=8", "generation.vllm.colocated=false")
-    steps = _run_grpo(tmp_path, "grpo.max_num_steps=3", *overrides, *SMALL_STEPS, *ONE_RANK)
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    adapter_bytes = lora_adapter_bytes(rank=8)
-    for row in steps:
-        assert row["refit/bytes"] == adapter_bytes, row
-        assert row["train/gen_logprob_error_max"] < math.exp(MAX_LOGPROB_GAP), row
