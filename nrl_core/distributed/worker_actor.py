@@ -91,6 +91,8 @@ class _WorkerActor:
         close = getattr(self.worker, "shutdown", None)
         if callable(close):
             close()
+        # Before a rebuild builds the next worker: not two models in memory at once.
+        self.worker = None
         import sys
 
         dist = sys.modules.get("torch.distributed")

@@ -394,6 +394,38 @@ class WorkerGroup:
         ref = actor.setup.remote(target, self._envs[rank], ray.put(args), ray.put(kwargs))
         self._gather([ref], f"construct {target}", ranks=[rank])
 
+    def close_workers(self) -> None:
+        """Close every rank's worker as :meth:`shutdown` does (``worker.shutdown()`` where
+        defined, then its ``torch.distributed`` group) but keep the actors, for
+        :meth:`rebuild`. Raises :class:`WorkerError` when a rank is dead or its close fails."""
+        self._gather([a.close.remote() for a in self.actors], "close")
+
+    def rebuild(
+        self,
+        target: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        *,
+        layout: ParallelLayout | None = None,
+        rendezvous: bool = True,
+    ) -> None:
+        """Build ``target(*args, **kwargs)`` in this group's actors instead of its workers:
+        the workers are closed (:meth:`close_workers`), then set up as :meth:`start` sets them
+        up, with a new rendezvous, in the same processes. For test suites that build many
+        short-lived groups: an actor's start-up (an interpreter importing torch and the plugin)
+        costs several CPU-seconds, more than most such tests compute. The actors keep their
+        interpreter, resources and environment variables, and whatever an old worker left in
+        its process (module state, threads it did not stop). Raises :class:`WorkerError` when
+        a rank is dead or a worker cannot be built."""
+        self.close_workers()
+        layout = layout or ParallelLayout()
+        self.dp_size = layout.dp_size(self.num_workers)  # fails early on an impossible layout
+        self.layout = layout
+        self.call_timeouts = {}
+        self._envs = []
+        self._target = (target, tuple(args), dict(kwargs or {}))
+        self._setup(target, args, kwargs or {}, rendezvous=rendezvous)
+
     # -- calls ------------------------------------------------------------------------------
 
     # Calls pass their arguments inline, not through ray.put: an explicit put costs about a

@@ -45,6 +45,37 @@ def test_allreduce_over_gloo_and_rank_env(ray_cluster, worker_env):
         group.shutdown()
 
 
+def test_rebuild_builds_the_next_workers_in_the_same_processes(ray_cluster, worker_env):
+    """WorkerGroup.rebuild closes the workers (their gloo group too: the next one joins a new
+    one) and builds the new target in the same actors, with the layout it is given."""
+    from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup
+
+    args = (None, ComponentContext(config=None, seed=3))
+    group = WorkerGroup.start(
+        "nrl_test_workers:AllReduceWorker",
+        2,
+        args=args,
+        name="policy",
+        env_vars=worker_env,
+        num_cpus_per_worker=0.5,
+        timeout_s=120,
+    )
+    try:
+        pids = [info.pid for info in group.infos]
+        assert group.run_all("all_reduce", 10) == [21.0, 21.0]
+        group.rebuild("nrl_test_workers:EchoWorker", ("new",), layout=ParallelLayout(tp=2))
+        assert [info.pid for info in group.infos] == pids
+        assert group.dp_size == 1  # the new layout: both ranks share one shard
+        assert group.run_sharded("echo", ["x"]) == [{"rank": 0, "item": "x", "scale": 1}]
+        # init_process_group again in each actor: the old default group was destroyed.
+        group.rebuild("nrl_test_workers:AllReduceWorker", args)
+        assert group.dp_size == 2
+        assert group.run_all("all_reduce", 1) == [3.0, 3.0]
+        assert [info.pid for info in group.infos] == pids
+    finally:
+        group.shutdown()
+
+
 def test_the_local_head_prestarts_no_idle_python_workers(ray_cluster):
     """nrl starts actors only, each with its own runtime environment: the raylet's idle
     default workers (one per CPU, titled ``ray::IDLE``) would never run anything

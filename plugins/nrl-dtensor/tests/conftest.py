@@ -22,33 +22,41 @@ def tiny_path(tmp_path_factory):
     return tiny_model_path(tmp_path_factory.mktemp("nrl-cache"))
 
 
+@pytest.fixture(scope="session")
+def warm_groups(ray_cluster):
+    """The session's 2-rank groups, kept between tests (``nrl_core.testing.groups``)."""
+    from nrl_core.testing.groups import WarmGroups
+
+    groups = WarmGroups()
+    yield groups
+    groups.close()
+
+
 @pytest.fixture
-def start_group(ray_cluster):
+def start_group(warm_groups):
     """``start_group(target, args)`` -> a 2-rank worker group of the core (real Ray actors,
-    torch.distributed over gloo), shut down after the test."""
-    from nrl_core.distributed.worker_group import WorkerGroup
+    torch.distributed over gloo), its workers closed after the test. Its actors are those of
+    an earlier test's group of the same name where one is kept (``WarmGroups``): starting
+    two actors costs more CPU than most of these tests compute."""
     from nrl_core.policy import policy_layout
 
     # The pytest process itself is the single-process reference: no torch.distributed here.
     assert "WORLD_SIZE" not in os.environ
-    groups = []
 
     def start(target: str, args: tuple, name: str = "policy"):
-        group = WorkerGroup.start(
+        return warm_groups.start(
             target,
             2,
             args=args,
             name=name,
             layout=policy_layout(args[0]),  # tensor-parallel peers share a shard, as in a run
-            num_cpus_per_worker=0.25,  # tests hold up to 3 groups at once on 2 CPUs
+            # Tests hold up to 3 groups at once, and up to 3 more are kept idle, on 2 CPUs.
+            num_cpus_per_worker=0.1,
             timeout_s=300,
             env_vars={
                 "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
             },
         )
-        groups.append(group)
-        return group
 
     yield start
-    for group in groups:
-        group.shutdown()
+    warm_groups.release()
