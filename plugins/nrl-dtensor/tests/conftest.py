@@ -22,9 +22,11 @@ def tiny_path(tmp_path_factory):
     return tiny_model_path(tmp_path_factory.mktemp("nrl-cache"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def warm_groups(ray_cluster):
-    """The session's 2-rank groups, kept between tests (``nrl_core.testing.groups``)."""
+    """The module's 2-rank groups, kept between its tests (``nrl_core.testing.groups``) and
+    shut down after them: the session's Ray head (``ray_cluster``) serves other modules'
+    tests too, which need its CPUs and memory."""
     from nrl_core.testing.groups import WarmGroups
 
     groups = WarmGroups()
