@@ -58,7 +58,8 @@ class WarmGroups:
                 group.shutdown(timeout_s=5)
                 continue
             try:
-                group.rebuild(target, args, kwargs, layout=layout)
+                rendezvous = options.get("rendezvous", True)
+                group.rebuild(target, args, kwargs, layout=layout, rendezvous=rendezvous)
             except BaseException:
                 group.shutdown(timeout_s=5)
                 raise

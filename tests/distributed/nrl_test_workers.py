@@ -48,6 +48,14 @@ class EchoWorker:
     def echo(self, item, scale=1):
         return {"rank": self.rank, "item": item, "scale": scale}
 
+    def built_with(self):
+        """The arguments this worker was built with."""
+        return self.args
+
+    def environ(self, name):
+        """The variable ``name`` of this actor's environment (None: unset)."""
+        return os.environ.get(name)
+
     def sum_length(self, items):
         return self.rank, sum(len(x) for x in items)
 
