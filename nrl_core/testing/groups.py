@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the pytest plugin imports this module: no Ray or torch at import
+if TYPE_CHECKING:  # nrl_core stays light at import: Ray only once a group starts
     from nrl_core.distributed.worker_group import ParallelLayout, WorkerGroup
 
 
