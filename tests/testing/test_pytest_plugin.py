@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from nrl_core import hookimpl
 from nrl_core.config.schema import GRPOConfig
 
@@ -39,7 +41,6 @@ def test_a_test_module_importing_ray_first_gets_nrl_s_ray_settings(tmp_path):
     (``ray.remote``), must get Ray configured as a run configures it: with Ray's ``uv run``
     hook on, ``uv run --no-sync pytest plugins/nrl-math-env`` started those workers through
     ``uv run`` in a copy of the folder, where no Ray was installed (issue 53)."""
-    import os
     import subprocess
     import sys
 
@@ -65,7 +66,7 @@ def test_a_test_module_importing_ray_first_gets_nrl_s_ray_settings(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _pytest_in(folder, *args: str):
+def _pytest_in(folder, *args: str, env=None):
     """pytest on ``folder`` in a subprocess (its own ini file: not this repository's)."""
     import subprocess
     import sys
@@ -73,6 +74,7 @@ def _pytest_in(folder, *args: str):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
         cwd=folder,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -153,3 +155,45 @@ def test_record_and_quick_limit(tmp_path):
     done = _pytest_in(tmp_path, "-m", "not slow")
     assert done.returncode == 4  # pytest's usage error
     assert "nrl_quick_limit_s = 'soon': give seconds > 0" in done.stderr
+
+
+THREADS = """
+import os
+
+import torch
+
+
+def test_threads():
+    assert os.environ["OMP_NUM_THREADS"] == "{expected}"
+    assert torch.get_num_threads() == int("{expected}")
+"""
+
+
+def test_xdist_workers_share_the_cores(tmp_path):
+    """Under ``-n 2`` each worker's torch gets cores // 2 threads (at least 1), also when a
+    conftest imported torch before nrl's plugin could set ``OMP_NUM_THREADS`` (torch's
+    OpenMP reads it once): two workers on 2 threads each spend the cores spinning
+    (:func:`nrl_core.testing.pytest_plugin.share_the_cores`)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    (tmp_path / "conftest.py").write_text("import torch  # loaded before pytest_configure\n")
+    (tmp_path / "test_threads.py").write_text(THREADS.format(expected=expected))
+    done = _pytest_in(tmp_path, "-n", "2", "-q", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_thread_count_the_user_set_wins(monkeypatch):
+    """And more workers than cores get 1 thread each (no torch here: this process keeps its)."""
+    import sys
+
+    from nrl_core.testing.pytest_plugin import share_the_cores
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    share_the_cores()
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "64")  # more workers than cores: 1
+    share_the_cores()
+    assert os.environ["OMP_NUM_THREADS"] == "1"
