@@ -280,11 +280,9 @@ def test_a_refit_through_the_core_lands_in_a_call_in_flight(tiny_path, start_gro
     weights (their logprobs lie nearer the new model's forward than the old one's: the KV cache
     of the earlier tokens keeps the old weights' keys, so neither matches exactly); and the
     engine ends on the trainer's weights, bit for bit, sampling what the trainer samples."""
-    import operator
-    import threading
-    import time
-
     from transformers import AutoModelForCausalLM
+
+    from nrl_core.testing.engines import generate_in_flight
 
     # A large learning rate: one step moves the weights far enough to tell them apart.
     config = make_config(tiny_path, lr=0.05)
@@ -303,25 +301,9 @@ def test_a_refit_through_the_core_lands_in_a_call_in_flight(tiny_path, start_gro
         greedy = SamplingParams(max_new_tokens=150, temperature=0.0)
         engines.refit(policy, version=0)
         policy.train(make_batch(8, seed=1), TokenMeanNLL())
-        result: dict = {}
-
-        def generate() -> None:
-            try:
-                result["output"] = engines.generate(prompts, greedy)
-            except BaseException as exc:  # raised below, in the test's thread
-                result["error"] = exc
-
-        call = threading.Thread(target=generate)
-        call.start()
-        generating = operator.attrgetter("_generating")  # runs in the actor, beside the call
-        deadline = time.monotonic() + 120
-        while engines.group.run_all(generating) != [1]:
-            assert time.monotonic() < deadline, "the generate call never started"
-            time.sleep(0.05)
-        engines.refit(policy, version=1)
-        call.join(300)
-        assert not call.is_alive() and "error" not in result, result.get("error")
-        mixed = result["output"]
+        with generate_in_flight(engines, prompts, greedy, busy="_generating") as call:
+            engines.refit(policy, version=1)
+        mixed = call.output
 
         old_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
         new_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)

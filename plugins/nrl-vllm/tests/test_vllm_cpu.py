@@ -189,9 +189,9 @@ def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(setup):
     and those after it the new weights' (their logprobs are the trainer's with those weights,
     to ``LOGPROB_TOL``: the refit had vLLM recompute the requests' KV cache), and the engine
     ends on the new weights."""
-    import operator
-    import threading
     import time
+
+    from nrl_core.testing.engines import generate_in_flight
 
     engines, trainer = setup
     old, new = _weights(trainer, 5), _weights(trainer, 6)
@@ -201,29 +201,13 @@ def test_a_refit_lands_in_a_call_in_flight_on_the_async_engine(setup):
     # token (measured: 1 token in the 1.5 s below on a fresh engine), and the engine is the
     # module's, fresh or not by the tests' order.
     engines.generate(prompts, _params(max_new_tokens=4))
-    result: dict = {}
-
-    def generate() -> None:
-        try:
-            result["output"] = engines.generate(prompts, params)
-        except BaseException as exc:  # raised below, in the test's thread
-            result["error"] = exc
-
-    call = threading.Thread(target=generate)
-    call.start()
-    in_flight = operator.attrgetter("calls_in_flight")  # runs in the actor, beside the call
-    deadline = time.monotonic() + 120
-    while engines.group.run_all(in_flight) != [1]:
-        assert time.monotonic() < deadline, "the generate call never started"
-        time.sleep(0.02)
-    # Let the requests make tokens first (a refit that lands before their first step
-    # leaves them one version), not all of them (measured on a warm engine, quiet machine:
-    # 400 tokens in about 1.5 s; the longest requests run to 400).
-    time.sleep(0.5)
-    engines.refit(_DriverPolicy(new), version=1)
-    call.join(600)
-    assert not call.is_alive() and "error" not in result, result.get("error")
-    mixed = result["output"]
+    with generate_in_flight(engines, prompts, params, busy="calls_in_flight") as call:
+        # Let the requests make tokens first (a refit that lands before their first step
+        # leaves them one version), not all of them (measured on a warm engine, quiet machine:
+        # 400 tokens in about 1.5 s; the longest requests run to 400).
+        time.sleep(0.5)
+        engines.refit(_DriverPolicy(new), version=1)
+    mixed = call.output
 
     assert mixed.weight_versions is not None
     both, stale = 0, 0.0
