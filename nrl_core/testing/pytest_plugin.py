@@ -25,7 +25,7 @@ tests outside the slow tier that took longer than ``nrl_quick_limit_s`` seconds.
 ``--nrl-record=FILE`` writes the node ids of the tests a run ran (``.ci/tiers.py`` checks
 with them that the tiers drop none).
 
-Under pytest-xdist, each worker's torch gets its share of the cores (:func:`share_the_cores`).
+Under pytest-xdist, each worker's torch gets its share of the cores (:func:`worker_threads`).
 
 This module is imported by pytest at start-up in every environment that has nrl-core, so it
 imports nothing heavy at module level.
@@ -60,6 +60,7 @@ took longer (seconds, > 0) is listed at the end of the run as one to mark ``slow
 _LIMIT_S = [QUICK_LIMIT_S]  # this run's nrl_quick_limit_s
 _TOO_SLOW: list[tuple[str, float]] = []  # (node id, seconds) of quick tests over the limit
 _RAN: list[str] = []  # node ids of the tests run, for --nrl-record
+_THREADS: list[int | None] = [None]  # this xdist worker's torch threads (worker_threads)
 
 
 def pytest_addoption(parser):
@@ -93,29 +94,34 @@ def pytest_configure(config):
         _LIMIT_S[0] = -1.0
     if not _LIMIT_S[0] > 0:
         raise pytest.UsageError(f"nrl_quick_limit_s = {value!r}: give seconds > 0, e.g. 20")
-    share_the_cores()
+    _THREADS[0] = worker_threads()
 
 
-def share_the_cores() -> None:
-    """In a pytest-xdist worker, give torch (OpenMP) this worker's share of the cores, for the
-    worker and the processes it starts (``nrl run``, spawned ranks, Ray actors of its head):
-    ``OMP_NUM_THREADS`` = cores // workers, at least 1. A value already set wins.
-
-    Why: torch's OpenMP threads spin after each parallel region, waiting for the next. With
-    two workers each running torch on 2 threads on 2 cores, the spinning takes the core the
-    other worker computes on; the tiny models of the tests gain nothing from a second thread.
-    Two processes training a tiny MLP at once (8 x Linear(64, 64), 3000 steps) on 2 cores:
-    7.4 s each with 2 threads, 0.9 s with 1; the quick tier (``uv run pytest -n 2``, 1629
-    tests) 131 -> 104 s, 197 -> 157 CPU-s (docs/testing.md)."""
+def worker_threads() -> int | None:
+    """The torch threads of this pytest-xdist worker: cores // workers, at least 1; ``None``
+    outside xdist's workers or when the user set ``OMP_NUM_THREADS`` (theirs wins)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set by xdist in its workers only
     if not workers or "OMP_NUM_THREADS" in os.environ:
-        return
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(1, int(workers)))
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    # OpenMP read the variable when torch was loaded: a conftest may have imported it already.
+    return max(1, (cores or 1) // max(1, int(workers)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before each test, give this xdist worker's torch its share of the cores
+    (:func:`worker_threads`), once torch is loaded (at collection, or by an earlier test).
+
+    Why: torch's OpenMP threads spin after each parallel region, waiting for the next. With
+    two workers each computing on 2 threads on 2 cores, the spinning takes the core the other
+    worker computes on, and the tests' tiny models gain nothing from a second thread. Two
+    processes training a tiny MLP at once (8 x Linear(64, 64), 3000 steps) on 2 cores: 7.4 s
+    each with 2 threads, 0.9 s with 1 (docs/testing.md). Only this process: the runs a test
+    starts (``nrl run``, actors, spawned ranks) get their threads from nrl's own plan, which
+    follows the machine's load."""
     torch = sys.modules.get("torch")
-    if torch is not None:
+    threads = _THREADS[0]
+    if torch is not None and threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 

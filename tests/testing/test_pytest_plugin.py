@@ -164,36 +164,33 @@ import torch
 
 
 def test_threads():
-    assert os.environ["OMP_NUM_THREADS"] == "{expected}"
-    assert torch.get_num_threads() == int("{expected}")
+    assert torch.get_num_threads() == {expected}
+    # The runs a test starts keep nrl's own thread plan: nothing is set for them.
+    assert "OMP_NUM_THREADS" not in os.environ
 """
 
 
 def test_xdist_workers_share_the_cores(tmp_path):
-    """Under ``-n 2`` each worker's torch gets cores // 2 threads (at least 1), also when a
-    conftest imported torch before nrl's plugin could set ``OMP_NUM_THREADS`` (torch's
-    OpenMP reads it once): two workers on 2 threads each spend the cores spinning
-    (:func:`nrl_core.testing.pytest_plugin.share_the_cores`)."""
+    """Under ``-n 2`` each worker's torch gets cores // 2 threads (at least 1), torch loaded
+    by a conftest before any test: two workers on 2 threads each spend the cores spinning
+    (:func:`nrl_core.testing.pytest_plugin.pytest_runtest_setup`)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     expected = max(1, len(os.sched_getaffinity(0)) // 2)
-    (tmp_path / "conftest.py").write_text("import torch  # loaded before pytest_configure\n")
+    (tmp_path / "conftest.py").write_text("import torch  # loaded before the first test\n")
     (tmp_path / "test_threads.py").write_text(THREADS.format(expected=expected))
     done = _pytest_in(tmp_path, "-n", "2", "-q", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_thread_count_the_user_set_wins(monkeypatch):
-    """And more workers than cores get 1 thread each (no torch here: this process keeps its)."""
-    import sys
+    """And more workers than cores get 1 thread each."""
+    from nrl_core.testing.pytest_plugin import worker_threads
 
-    from nrl_core.testing.pytest_plugin import share_the_cores
-
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    share_the_cores()
-    assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert worker_threads() is None
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "64")  # more workers than cores: 1
-    share_the_cores()
-    assert os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "64")
+    assert worker_threads() == 1
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")  # not an xdist worker
+    assert worker_threads() is None
