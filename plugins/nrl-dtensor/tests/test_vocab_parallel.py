@@ -76,6 +76,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
             },
             f"{out}/rank{rank}.pt",
         )
+        # Both ranks done before either closes its gloo connections: in one CI run (74b7a8b)
+        # rank 0 aborted at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
