@@ -186,12 +186,15 @@ def _wait(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: give 0 or more")
     import ray
 
+    from nrl_core.distributed import keep_workers_in_the_drivers_environment
+
     deadline = time.monotonic() + args.timeout_s
     connected, last_error = False, None
     nodes, gpus_total, per_node = 0, 0, []
     while True:
         if not connected:
             try:
+                keep_workers_in_the_drivers_environment()
                 ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
                 connected = True
             except Exception as exc:  # the head is not answering yet: try again until the end

@@ -61,16 +61,20 @@ def test_ray_backend_joins_and_leaves_a_running_head(tmp_path):
         script = tmp_path / "driver.py"
         script.write_text(
             textwrap.dedent(f"""
-            import json, ray
+            import json, os, sys, ray  # Ray first, as a user's script may
             from nrl_core.config.schema import ClusterConfig, RunConfig
             from nrl_core.distributed.cluster import RayCluster
             from nrl_core.interfaces import ComponentContext
             config = RunConfig(cluster=ClusterConfig(backend="ray", address="127.0.0.1:{port}"))
             cluster = RayCluster(None, ComponentContext(config=config))
             resources = cluster.start()
-            answer = ray.get(ray.remote(lambda: 41 + 1).remote())
+            task = ray.remote(lambda: (41 + 1, sys.executable, os.getcwd()))
+            answer, python, cwd = ray.get(task.remote(), timeout=120)
             cluster.shutdown()
             print("RESULT", json.dumps([resources.total_cpus, resources.num_nodes, answer]))
+            # The driver's interpreter and folder, not `uv run` in a copy of the folder (Ray's
+            # hook, when pytest runs under `uv run`).
+            print("WORKER", json.dumps([python == sys.executable, cwd == os.getcwd()]))
         """)
         )
         out = subprocess.run(
@@ -83,6 +87,8 @@ def test_ray_backend_joins_and_leaves_a_running_head(tmp_path):
         result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
         assert result, out.stderr[-3000:]
         assert json.loads(result[0].split(" ", 1)[1]) == [1.0, 1, 42]
+        worker = [ln for ln in out.stdout.splitlines() if ln.startswith("WORKER")]
+        assert json.loads(worker[0].split(" ", 1)[1]) == [True, True], out.stderr[-3000:]
         # The driver left: the head it joined still runs.
         assert alive(head) == sorted(alive(head)) and set(alive(head)) == set(head)
     finally:
