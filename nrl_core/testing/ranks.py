@@ -20,7 +20,7 @@ import inspect
 import os
 import socket
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 CALL_TIMEOUT_S = 180
 
@@ -30,6 +30,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_world(rank: int, world_size: int, store: str | os.PathLike) -> Iterator[None]:
+    """This process as rank ``rank`` (0 to ``world_size`` - 1) of a gloo ``torch.distributed``
+    world that meets through the file ``store`` (a new path per world: a test's ``tmp_path``),
+    for the body of the ``with``: the shape of a ``torch.multiprocessing.spawn`` target. One
+    torch thread per rank (the ranks share the cores). When the body ends without an error the
+    ranks meet once more before the group is destroyed: a rank that closes its connections
+    while another still finishes the last collective aborts that one ("terminate called
+    without an active exception", SIGABRT: once in a CI run). The barrier is gloo's own even
+    where the body replaced ``dist.barrier``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    barrier = dist.barrier
+    try:
+        yield
+        barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _serve(rank: int, world_size: int, port: int, conn, preload: Sequence[str] = ()) -> None:

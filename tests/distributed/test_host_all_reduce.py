@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nrl_core.distributed.host_all_reduce import HostAllReduce
+from nrl_core.testing.ranks import gloo_world
 
 # Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
 pytestmark = pytest.mark.slow
@@ -32,11 +33,9 @@ def _no_gloo_barrier(*args, **kwargs):
 
 
 def _ranks(rank: int, world: int, store: str, shm_dirs: list[str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    # A gloo barrier is a TCP round trip (1-2 ms on a busy machine): no call may use one.
-    dist.barrier = _no_gloo_barrier
-    try:
+    with gloo_world(rank, world, store):
+        # A gloo barrier is a TCP round trip (1-2 ms on a busy machine): no call may use one.
+        dist.barrier = _no_gloo_barrier
         reduce = HostAllReduce(shm_dir=Path(shm_dirs[rank]))
         results = []
         for call, (numel, dtype) in enumerate(_sizes_and_dtypes()):
@@ -64,8 +63,6 @@ def _ranks(rank: int, world: int, store: str, shm_dirs: list[str], out: str) -> 
             {"shared": reduce.shared, "results": results, "coalesced": coalesced},
             f"{out}/rank{rank}.pt",
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(tmp_path: Path, world: int, shm_dirs: list[Path]) -> list[dict]:

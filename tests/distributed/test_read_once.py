@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nrl_core.distributed.read_once import broadcast_named_tensors, load_stream_into
+from nrl_core.testing.ranks import gloo_world
 
 # Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
 pytestmark = pytest.mark.slow
@@ -28,9 +28,7 @@ def _source() -> dict[str, torch.Tensor]:
 
 
 def _ranks(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_world(rank, world, store):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -55,8 +53,6 @@ def _ranks(rank: int, world: int, store: str, out: str) -> None:
             },
             f"{out}/rank{rank}.pt",
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_receive_rank0s_tensors_and_keep_their_shards(tmp_path: Path):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nrl_core.testing.ranks import gloo_world
 
 # Spawned gloo ranks (a multi-process run): the slow tier (docs/testing.md).
 pytestmark = pytest.mark.slow
@@ -45,9 +46,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_world(rank, world, store):
         mesh = init_device_mesh("cpu", (world,))
         weight, hidden, ids, at = _inputs()
         head = torch.nn.Linear(H, V, bias=False)
@@ -76,11 +75,6 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
             },
             f"{out}/rank{rank}.pt",
         )
-        # Both ranks done before either closes its gloo connections: in one CI run (74b7a8b)
-        # rank 0 aborted at exit ("terminate called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_vocab_sharded_logprobs_and_gradients_equal_the_full_log_softmax(tmp_path):
