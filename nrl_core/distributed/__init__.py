@@ -26,13 +26,14 @@ def keep_workers_in_the_drivers_environment() -> None:
     The default above reaches Ray only when it is set before Ray's first import; a driver
     script that starts with ``import ray`` then uses nrl (a user's, or a test's), run under
     ``uv run`` (Ray looks for it among all the process's ancestors), got the hook all the
-    same: its workers ran ``uv run`` in a copy of the working directory, which took minutes
-    to sync a venv there or, under ``uv run --no-sync``, never found Ray and hung. Ray reads
-    its constant at each ``ray.init``, so it is set here, before each; a
-    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` that the user set true keeps the hook on."""
+    same: its workers ran ``uv run`` in a copy of the working directory, which synced a venv
+    there and built every workspace package or, under ``uv run --no-sync``, never found Ray
+    and hung. Ray reads its constant at each ``ray.init``, so it is set here, before each; a
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` that the user set true (as Ray reads it: ``1`` or
+    ``true``) keeps the hook on."""
     import sys
 
     constants = sys.modules.get("ray._private.ray_constants")
-    setting = os.environ.get("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0").strip().lower()
-    if constants is not None and setting not in ("1", "true"):
+    setting = os.environ.get("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if constants is not None and setting.lower() not in ("1", "true"):
         constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
