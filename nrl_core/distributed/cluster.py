@@ -60,12 +60,22 @@ MAX_START_TIMEOUT_S = 600.0
 RAYLET_ENV: Mapping[str, str] = {
     "RAY_enable_worker_prestart": "0",
     "RAY_prestart_worker_first_driver": "0",
+    "RAY_worker_niceness": "0",
 }
-"""Set while a local head starts (its raylet reads them; a value already set wins). The raylet
-would start one idle Python worker per CPU, at start-up and for the first driver, for tasks of
-the default runtime environment; nrl starts actors only, each with a runtime environment of
-its own, so those workers never run anything: 0.8 CPU-s of every run on 2 CPUs (measured with
-a cgroup's CPU accounting of `nrl run grpo`, 2 ranks)."""
+"""Set while a local head starts (its raylet reads them; a value already set wins).
+
+* No prestarted workers: the raylet would start one idle Python worker per CPU, at start-up
+  and for the first driver, for tasks of the default runtime environment; nrl starts actors
+  only, each with a runtime environment of its own, so those workers never run anything: 0.8
+  CPU-s of every run on 2 CPUs (measured with a cgroup's CPU accounting of `nrl run grpo`, 2
+  ranks).
+* Workers at the driver's priority: Ray starts them at niceness 15, so that its own daemons
+  stay responsive on a node the workers saturate. In a local run the actors are the run's
+  work (the in-process backend computes at the driver's priority), and at 15 they get about
+  3% of a core against any process of normal priority beside them: the MoE router-replay
+  run of plugins/nrl-vllm (two 1-step GRPO runs on vLLM's CPU engine) took 400 s beside one
+  process training a small MLP on torch's two threads (as long as that process ran), 87 s
+  at niceness 0, 58 s alone (2 cores, 2026-11-30)."""
 QUIET_WORKER_ENV: Mapping[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """Set for the workers of a local cluster whose output goes to the run log: Hugging Face's
 progress bars ("Loading weights") would only fill it with carriage returns. A value already
