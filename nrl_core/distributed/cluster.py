@@ -71,8 +71,9 @@ RAYLET_ENV: Mapping[str, str] = {
   ranks).
 * Workers at the driver's priority: Ray starts them at niceness 15, so that its own daemons
   stay responsive on a node the workers saturate. In a local run the actors are the run's
-  work (the in-process backend computes at the driver's priority), and at 15 they get about
-  3% of a core against any process of normal priority beside them: the MoE router-replay
+  work (the in-process backend computes at the driver's priority), and at 15 (the kernel's
+  weight 36 against 1024 at 0) they get little CPU beside any busy process of normal priority
+  (`top`: the policy actor at 6%, the other process at 194%): the MoE router-replay
   run of plugins/nrl-vllm (two 1-step GRPO runs on vLLM's CPU engine) took 400 s beside one
   process training a small MLP on torch's two threads (as long as that process ran), 87 s
   at niceness 0, 58 s alone (2 cores, 2026-11-30)."""

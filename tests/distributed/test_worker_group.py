@@ -77,8 +77,8 @@ def test_rebuild_builds_the_next_workers_in_the_same_processes(ray_cluster, work
 
 
 def test_the_local_heads_workers_run_at_the_drivers_priority(ray_cluster):
-    """Ray starts workers at niceness 15: beside any process of normal priority a local run's
-    actors got about 3% of a core (``RAYLET_ENV``)."""
+    """Ray starts workers at niceness 15: beside any busy process of normal priority a local
+    run's actors got a few percent of a core (``RAYLET_ENV``)."""
     import os
 
     import ray
