@@ -61,7 +61,12 @@ class WarmGroups:
                 rendezvous = options.get("rendezvous", True)
                 group.rebuild(target, args, kwargs, layout=layout, rendezvous=rendezvous)
             except BaseException:
+                # A rank that died after the check above (a ray.kill lands asynchronously: one
+                # CI run's rebuild met it in close) makes the group unusable, not the build.
+                died = group.dead_rank_error("reuse", timeout_s=5) is not None
                 group.shutdown(timeout_s=5)
+                if died:
+                    continue
                 raise
             self._given.append((key, group))
             return group

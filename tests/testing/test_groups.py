@@ -69,3 +69,31 @@ def test_a_released_group_is_rebuilt_in_its_actors_unless_it_cannot_be(ray_clust
         assert not set(_pids(warm.start(ECHO, 2, name="policy", **OPTIONS))) & set(_pids(last))
     finally:
         warm.close()
+
+
+def test_a_rank_killed_after_the_reuse_check_gets_a_fresh_group(ray_cluster, monkeypatch):
+    """``ray.kill`` lands asynchronously: in one CI run the kept group's ranks all answered the
+    check, then one died in the rebuild's close, and ``start`` raised instead of starting a new
+    group. The check is made to miss the kill here, as it did there."""
+    import ray
+
+    from nrl_core.distributed.worker_group import WorkerGroup
+
+    warm = WarmGroups()
+    try:
+        first = warm.start(ECHO, 2, name="policy", **OPTIONS)
+        pids = _pids(first)
+        warm.release()
+        ray.kill(first.actors[1], no_restart=True)
+        real, calls = WorkerGroup.dead_rank_error, []
+
+        def too_early_then_real(self, what, timeout_s=10):
+            calls.append(what)
+            return None if len(calls) == 1 else real(self, what, timeout_s)
+
+        monkeypatch.setattr(WorkerGroup, "dead_rank_error", too_early_then_real)
+        fresh = warm.start(ECHO, 2, name="policy", **OPTIONS)
+        assert len(calls) == 2 and not set(_pids(fresh)) & set(pids)
+        assert fresh.run_all("built_with") == [(), ()]
+    finally:
+        warm.close()
