@@ -396,7 +396,6 @@ def cluster_doctor(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from nrl_core.distributed import keep_workers_in_the_drivers_environment
     from nrl_core.distributed.ray_cluster import _enable_token_auth_if_available
     from nrl_core.errors import ConfigError
 
@@ -409,7 +408,6 @@ def cluster_doctor(
     disk_path = disk_path or os.getcwd()
     _enable_token_auth_if_available()
     try:
-        keep_workers_in_the_drivers_environment()
         ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     except Exception as exc:
         raise ConfigError(

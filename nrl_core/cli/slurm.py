@@ -186,7 +186,7 @@ def _wait(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: give 0 or more")
     import ray
 
-    from nrl_core.distributed import keep_workers_in_the_drivers_environment
+    import nrl_core.distributed  # noqa: F401  (Ray's uv-run hook off before ray.init)
 
     deadline = time.monotonic() + args.timeout_s
     connected, last_error = False, None
@@ -194,7 +194,6 @@ def _wait(args: argparse.Namespace) -> int:
     while True:
         if not connected:
             try:
-                keep_workers_in_the_drivers_environment()
                 ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
                 connected = True
             except Exception as exc:  # the head is not answering yet: try again until the end

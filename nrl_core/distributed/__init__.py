@@ -28,7 +28,8 @@ def keep_workers_in_the_drivers_environment() -> None:
     ``uv run`` (Ray looks for it among all the process's ancestors), got the hook all the
     same: its workers ran ``uv run`` in a copy of the working directory, which synced a venv
     there and built every workspace package or, under ``uv run --no-sync``, never found Ray
-    and hung. Ray reads its constant at each ``ray.init``, so it is set here, before each; a
+    and hung. Ray reads its constant at each ``ray.init``, so setting it once, when this
+    package is imported (below), reaches every later ``ray.init``; a
     ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` that the user set true (as Ray reads it: ``1`` or
     ``true``) keeps the hook on."""
     import sys
@@ -37,3 +38,6 @@ def keep_workers_in_the_drivers_environment() -> None:
     setting = os.environ.get("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if constants is not None and setting.lower() not in ("1", "true"):
         constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+
+
+keep_workers_in_the_drivers_environment()

@@ -27,7 +27,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from nrl_core.distributed import keep_workers_in_the_drivers_environment
 from nrl_core.distributed.errors import ClusterError
 from nrl_core.distributed.ray_cluster import RayCluster, cluster_section
 from nrl_core.distributed.ray_output import RayOutputToRunLog
@@ -418,7 +417,6 @@ class LocalCluster:
                 # The raylet may take until the deadline, at least BASE_START_TIMEOUT_S.
                 wait_until = max(deadline, time.monotonic() + BASE_START_TIMEOUT_S)
                 with _patient_raylet_wait(self.temp_dir, wait_until), _set_missing(RAYLET_ENV):
-                    keep_workers_in_the_drivers_environment()
                     ray.init(**kwargs)
                 return
             except Exception as exc:

@@ -7,7 +7,6 @@ import contextlib
 import os
 from typing import Any
 
-from nrl_core.distributed import keep_workers_in_the_drivers_environment
 from nrl_core.distributed.errors import ClusterError
 from nrl_core.distributed.ray_output import RayOutputToRunLog
 from nrl_core.distributed.resources import ray_resources
@@ -76,7 +75,6 @@ class RayCluster:
         if not self.console_output:
             self._output = RayOutputToRunLog()
         try:
-            keep_workers_in_the_drivers_environment()
             ray.init(
                 address=address,
                 log_to_driver=self._output is None or self._output.forwarding,

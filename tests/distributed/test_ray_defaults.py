@@ -13,10 +13,9 @@ import json
 import ray  # before anything of nrl's, as a user's script may
 from ray._private.worker import _maybe_modify_runtime_env  # what ray.init does to runtime_env
 
-from nrl_core.distributed import keep_workers_in_the_drivers_environment
-
 before = _maybe_modify_runtime_env(None, False)
-keep_workers_in_the_drivers_environment()
+import nrl_core.distributed  # noqa: E402, F401  (what every cluster and CLI path imports)
+
 print("RESULT", json.dumps([before, _maybe_modify_runtime_env(None, False)]))
 """
 
@@ -24,7 +23,7 @@ print("RESULT", json.dumps([before, _maybe_modify_runtime_env(None, False)]))
 def _under_uv_run(tmp_path, env_extra=None) -> list[dict]:
     """Run the driver as a child of a process whose command line is ``uv run`` (what Ray's
     hook looks for among the ancestors; ``exec -a`` names it, no uv runs), in ``tmp_path``;
-    the driver's runtime_env before and after the call."""
+    the driver's runtime_env before and after it imports nrl's distributed package."""
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
     (tmp_path / "run").write_text(f"{sys.executable} driver.py\n")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **(env_extra or {})}
@@ -45,8 +44,8 @@ def test_a_driver_that_imported_ray_first_starts_no_worker_through_uv_run(tmp_pa
     """A script that imports Ray before nrl, run under ``uv run``: Ray had read its hook's
     setting already (on), so workers would run ``uv run`` in a copy of the working directory
     (minutes to sync a venv there; never Ray under ``uv run --no-sync``: a driver of
-    tests/distributed/test_cluster.py hung until its 180 s timeout). nrl turns it off before
-    ``ray.init``: the runtime_env stays as given (none)."""
+    tests/distributed/test_cluster.py hung until its 180 s timeout). nrl turns it off when its
+    distributed package is imported: the runtime_env stays as given (none)."""
     before, after = _under_uv_run(tmp_path)
     assert before.get("py_executable", "").startswith("uv run"), before  # the hook was on
     assert before.get("working_dir") == str(tmp_path)
