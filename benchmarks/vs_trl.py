@@ -43,9 +43,10 @@ phases (generation, logprobs, train, refit, other: nrl's ``timing/*``; TRL's tim
 ratio to TRL, and how steady the side was: ``max/min``, the largest over its rounds of
 (slowest step / fastest step) among the measured steps (issue 50 asks under 1.25 for
 ``num_workers=1``), beside ``tokens max/min``, the same for the tokens of a step (sampled at
-temperature 1, completions end at EOS at random points: the work itself varies). ``--configs`` runs a subset (names from ``NRL_CONFIGS``, and ``trl`` for
-the TRL side), e.g. ``--configs num_workers=1`` for the one-rank steadiness alone. The last line
-is ``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>`` (nrl / TRL step time;
+temperature 1, completions end at EOS at random points: the work itself varies).
+``--configs`` runs a subset (names from ``NRL_CONFIGS``, and ``trl`` for the TRL side), e.g.
+``--configs num_workers=1`` for the one-rank steadiness alone. The last line is
+``defaults_over_trl=<r> vllm_over_trl=<r> async_over_trl=<r>`` (nrl / TRL step time;
 ``skipped`` for a skipped configuration, ``n/a`` for one not run or without the TRL side).
 """
 

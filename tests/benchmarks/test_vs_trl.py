@@ -125,8 +125,7 @@ def test_realistic_table_and_last_line(vs_trl, capsys):
     assert rows["TRL OMP_NUM_THREADS=2"].endswith("| 3000 | 0.075 | (4.00) |")
     assert rows["nrl defaults"] == (
         "| nrl defaults | 6.00 | 6.00, 6.00 | 1.00 | 1.00 | 3.00 | 0.60 | 1.80 | 0.30 | 0.30 "
-        "| 4000 "
-        "| 0.667 | 0.60 |"
+        "| 4000 | 0.667 | 0.60 |"
     )
     assert rows["nrl num_workers=1"].startswith(
         "| nrl num_workers=1 | 8.00 | 7.00, 9.00 | 1.00 | 1.00 |"
