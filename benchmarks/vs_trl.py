@@ -616,13 +616,16 @@ def _row(per_run: list[list[tuple[float, dict[str, float], float]]]) -> dict:
     over runs of its most tokens in a step over its fewest (sampled lengths vary the work itself:
     a step time that varies less than its tokens is not the framework's jitter)."""
     steps = [s for run in per_run for s in run]
+
+    def worst_spread(field: int) -> float:
+        """The largest over runs of the run's largest ``field`` over its smallest."""
+        return max(max(s[field] for s in run) / min(s[field] for s in run) for run in per_run)
+
     row = {
         "step_s": statistics.median(s for s, _, _ in steps),
         "rounds": [statistics.median(s for s, _, _ in run) for run in per_run],
-        "steadiness": max(max(s for s, _, _ in run) / min(s for s, _, _ in run) for run in per_run),
-        "work_spread": max(
-            max(t for _, _, t in run) / min(t for _, _, t in run) for run in per_run
-        ),
+        "steadiness": worst_spread(0),
+        "work_spread": worst_spread(2),
     }
     for name in PHASE_NAMES:
         row[name] = statistics.median(p.get(f"{name}_s", 0.0) for _, p, _ in steps)
