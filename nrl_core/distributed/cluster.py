@@ -164,20 +164,6 @@ def raylet_failure(temp_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def _node_registered(services: Any, gcs_address: str, node_id: str) -> bool:
-    """Whether the GCS lists the node ``node_id`` as alive (without Ray's blocking wait)."""
-    from ray._private.state import GlobalState
-
-    state = GlobalState()
-    state._initialize_global_state(services._get_gcs_client_options(gcs_address))
-    try:
-        return any(n["NodeID"] == node_id and n["Alive"] for n in state.node_table())
-    except Exception:  # the GCS not answering yet: as "not yet"; Ray's call decides
-        return False
-    finally:
-        state.disconnect()
-
-
 class _RayletDied(Exception):
     """The raylet died during start-up (raised through Ray's wait loop, which only catches
     RuntimeError)."""
@@ -190,27 +176,23 @@ def _patient_raylet_wait(temp_dir: Path, deadline: float):
 
     Ray polls ``ray._private.services.get_node`` until the node is registered; the wrapper
     polls on its own until the deadline and raises :class:`_RayletDied` as soon as the
-    raylet's log shows it died. Restored on exit.
-
-    Ray's ``get_node`` itself blocks in C++ for up to ``raylet_start_wait_time_s`` (30 s)
-    while the node is missing, so a raylet that died was noticed up to 30 s late (a failed
-    start-up took 33 s where the raylet died at 15 s). The wrapper therefore calls it only
-    once the GCS's node table, which answers at once, lists the node."""
+    raylet's log shows it died. Restored on exit."""
     from ray._private import services
 
     original = services.get_node
 
-    def get_node(gcs_address: str, node_id: str) -> Any:
+    def get_node(*args: Any, **kwargs: Any) -> Any:
         while True:
             _raise_pending_signal()  # a safe point: the driver has not connected yet
-            if _node_registered(services, gcs_address, node_id):
-                return original(gcs_address, node_id)
-            failure = raylet_failure(temp_dir)
-            if failure is not None:
-                raise _RayletDied(failure)
-            if time.monotonic() >= deadline:  # Ray's loop then raises its time-out
-                raise RuntimeError(f"the node {node_id} did not register with the GCS")
-            time.sleep(0.5)
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                failure = raylet_failure(temp_dir)
+                if failure is not None:
+                    raise _RayletDied(failure) from None
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
 
     services.get_node = get_node
     try:

@@ -578,8 +578,8 @@ def traced(owner, name, phase, after=None):
     setattr(owner, name, call)
 
 traced(node.Node, "start_head_processes", "gcs")  # the GCS server, its client, the API server
-# The raylet and its agents, then the raylet registering (its agents start meanwhile).
-traced(node.Node, "start_ray_processes", "raylet", after="wait")
+traced(node.Node, "start_ray_processes", "raylet")  # the raylet and its agents
+traced(services, "get_node", "wait")  # the raylet registering (its agents start meanwhile)
 traced(worker, "connect", "connect")  # the driver's core worker (issue 47's SIGSEGV)
 traced(ray, "init", "init", after="handlers")  # then nrl installs its own handlers
 
