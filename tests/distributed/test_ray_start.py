@@ -77,8 +77,9 @@ def _run_driver(tmp_path: Path, *, attempts=None, keep=False, slow_agent=None, h
         if slow_agent == "once":
             env["NRL_TEST_SLOW_AGENT_ONCE"] = str(tmp_path / "held-once")
         # Ray's own wait for the node (C++, 30 s) ends in 2 s, so nrl's wrapper reads the
-        # raylet's log every 2 s instead of once after 30: the same path (Ray's wait times
-        # out, the wrapper finds the raylet's fatal line), ~13 s sooner per failed start-up.
+        # raylet's log after each 2 s wait (and its 0.5 s pause) instead of once after 30: the
+        # same path (Ray's wait times out, the wrapper finds the raylet's fatal line), ~13 s
+        # sooner per failed start-up.
         env["RAY_raylet_start_wait_time_s"] = "2"
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER.format(attempts=attempts, keep=keep))
